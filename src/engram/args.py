@@ -1,0 +1,65 @@
+"""Engine and server arguments. CLI flags are generated from the dataclass fields:
+`max_running_requests` becomes `--max-running-requests`, and every bool gets `--x/--no-x`."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EngineArgs:
+    model_path: str | None = field(default=None, metadata={"help": "checkpoint folder (default: the embedded demo model)"})
+    dtype: str = field(default="auto", metadata={"help": "auto|float32|bfloat16|float16 (auto: float32 on CPU, bfloat16 on CUDA)"})
+    device: str = field(default="auto", metadata={"help": "auto|cpu|cuda"})
+    max_running_requests: int = field(default=16, metadata={"help": "sequences decoded at once; each holds one recurrent-state slot"})
+    max_num_batched_tokens: int = field(default=2048, metadata={"help": "tokens per engine step (prefill chunk budget)"})
+    context_length: int | None = field(default=None, metadata={"help": "longest sequence (default: the model's max_position_embeddings, capped by the KV cache)"})
+    max_total_tokens: int | None = field(default=None, metadata={"help": "KV cache size in tokens (default: from the memory budget)"})
+    mem_fraction_static: float = field(default=0.85, metadata={"help": "fraction of device memory for weights, state and KV"})
+    cpu_memory_gb: float = field(default=4.0, metadata={"help": "memory budget on CPU, where there is no device memory to query"})
+    kv_block_size: int = field(default=16, metadata={"help": "tokens per KV page"})
+    mamba_ssm_dtype: str = field(default="float32", metadata={"help": "dtype of the SSM state: float32|bfloat16|float16|auto (auto: the model dtype)"})
+    kv_cache_dtype: str = field(default="auto", metadata={"help": "auto (the model dtype)|float32|bfloat16|float16"})
+    seed: int = field(default=0, metadata={"help": "seed of the sampler for requests without their own"})
+    enable_fast_ops: bool = field(default=True, metadata={"help": "use fused CUDA kernels where available (torch references otherwise)"})
+    enable_cuda_graph: bool = field(default=True, metadata={"help": "capture decode steps in CUDA graphs"})
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _base_type(tp: typing.Any) -> type:
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    return args[0] if args else tp
+
+
+def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        kind = _base_type(hints[f.name])
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        help_text = f.metadata.get("help", "")
+        if kind is bool:
+            parser.add_argument(_flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+        else:
+            choices = f.metadata.get("choices")
+            parser.add_argument(_flag(f.name), dest=f.name, type=kind, default=default, choices=choices, help=help_text)
+
+
+def from_namespace(cls: type, ns: argparse.Namespace):
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in vars(ns).items() if k in names})
+
+
+@dataclass
+class ServerArgs:
+    host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
+    port: int = field(default=30000, metadata={"help": "port to listen on"})
+    served_model_name: str | None = field(default=None, metadata={"help": "model name in the API (default: the model folder's name, or the embedded model's)"})
+    api_key: str | None = field(default=None, metadata={"help": "require `Authorization: Bearer <key>` on every route"})
+    admin_api_key: str | None = field(default=None, metadata={"help": "key for admin routes (cache flush, snapshots); without it they take --api-key"})
+    log_level: str = field(default="info", metadata={"help": "logging level", "choices": ["critical", "error", "warning", "info", "debug"]})

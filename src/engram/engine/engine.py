@@ -1,0 +1,252 @@
+"""LLMEngine: the synchronous engine loop (add requests, step, collect outputs). Knows nothing of HTTP."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engram.args import EngineArgs
+from engram.engine import memory_planner
+from engram.engine.detokenizer import detokenize_step, find_stop_string
+from engram.engine.pools import KVPool, StatePool, capture_state, restore_state
+from engram.engine.request import FinishReason, RequestOutput, SamplingParams
+from engram.engine.runner import ModelRunner
+from engram.engine.sampler import sample_row, token_logprob
+from engram.engine.scheduler import ScheduledChunk, Scheduler
+from engram.engine.sequence import Sequence, SequenceStatus
+from engram.models.loader import load_model
+from engram.models.spec import load_model_spec
+from engram.ops.dispatch import select_kernels, use_kernels
+from engram.state.sequence_state import SequenceState, check_state
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    state_slots_used: int
+    state_slots_total: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    prefill_tokens_computed_total: int
+    cached_tokens_total: int
+    num_preemptions: int
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"--dtype must be auto|float32|bfloat16|float16, got {name!r}")
+    return _DTYPES[name]
+
+
+def load_tokenizer(model_path: Path):
+    """The checkpoint's tokenizer, or None for a folder without one (token-id-only use)."""
+    if not any((model_path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs):
+        if args.model_path is None:
+            raise ValueError("EngineArgs.model_path is required")
+        self.args = args
+        self.model_path = Path(args.model_path)
+        self.spec = load_model_spec(self.model_path)
+        self.device = resolve_device(args.device)
+        self.dtype = resolve_dtype(args.dtype, self.device)
+        self.state_dtypes = memory_planner.state_dtypes(self.spec, self.dtype, args.mamba_ssm_dtype, args.kv_cache_dtype)
+        use_kernels(select_kernels(self.device.type, args.enable_fast_ops))
+        self.tokenizer = load_tokenizer(self.model_path)
+        self.model = load_model(self.spec, self.model_path, self.dtype, self.device)
+
+        self.plan = self._plan_memory()
+        self.max_context_length = self.plan.context_length
+        self.state_pool = StatePool(self.spec, args.max_running_requests, self.state_dtypes, self.device)
+        self.kv_pool = KVPool(self.spec, self.plan.num_kv_blocks, args.kv_block_size, self.state_dtypes.kv, self.device)
+        self.scheduler = Scheduler(self.state_pool, self.kv_pool, args.max_running_requests, args.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.state_pool, self.kv_pool, self.device)
+        self.eos_token_ids = set(self.spec.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self._requests: dict[str, Sequence] = {}
+        self._aborted: list[Sequence] = []
+        self._default_generator = torch.Generator().manual_seed(args.seed)
+        self._counters = {"prompt": 0, "generation": 0, "prefill_computed": 0, "cached": 0}
+
+    def _plan_memory(self) -> memory_planner.MemoryPlan:
+        plan = memory_planner.plan_for_args(
+            self.spec,
+            self.args,
+            model_dtype=self.dtype,
+            total_memory_bytes=memory_planner.device_memory_bytes(self.device.type, self.args.cpu_memory_gb),
+            weights_bytes=sum(p.numel() * p.element_size() for p in self.model.parameters()),
+        )
+        return memory_planner.require_fit(plan)
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        initial_state: SequenceState | None = None,
+        capture_state: bool = False,
+    ) -> None:
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.spec.vocab_size]
+        if bad:
+            raise ValueError(f"token ids outside the vocabulary (0..{self.spec.vocab_size - 1}): {bad[:5]}")
+        limit = self.max_context_length
+        if len(prompt_token_ids) >= limit:
+            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; the context length is {limit}")
+        if params.max_tokens is not None and len(prompt_token_ids) + params.max_tokens > limit:
+            raise ValueError(
+                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context length {limit}"
+            )
+        if initial_state is not None:
+            self._check_initial_state(initial_state, prompt_token_ids)
+        generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        seq = Sequence(request_id, list(prompt_token_ids), len(prompt_token_ids), params, generator, initial_state, capture_state)
+        self._requests[request_id] = seq
+        self.scheduler.add(seq)
+        self._counters["prompt"] += len(prompt_token_ids)
+        self._counters["cached"] += seq.num_cached_tokens
+
+    def _check_initial_state(self, state: SequenceState, prompt: list[int]) -> None:
+        n = state.state_len
+        if n >= len(prompt):
+            raise ValueError(f"the state covers {n} tokens but the prompt has only {len(prompt)}: nothing new to compute")
+        if list(state.tokens[:n]) != list(prompt[:n]):
+            raise ValueError("the state's tokens are not a prefix of the prompt")
+        check_state(self.spec, self.state_dtypes, state)
+
+    def abort_request(self, request_id: str) -> None:
+        seq = self._requests.get(request_id)
+        if seq is None or seq.is_finished:
+            return
+        self.scheduler.remove(seq)
+        self._finish(seq, FinishReason.ABORT)
+        self._aborted.append(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    # ---- the loop ---------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        outputs = [self._output(seq) for seq in self._aborted]
+        self._aborted = []
+        chunks, admitted = self.scheduler.schedule()
+        for seq in admitted:
+            if seq.initial_state is not None:
+                restore_state(self.state_pool, self.kv_pool, seq.slot, seq.blocks, seq.initial_state)
+        if not chunks:
+            return outputs
+        logits = self.runner.run(chunks)
+        row = 0
+        for chunk in chunks:
+            seq = chunk.seq
+            self._counters["prefill_computed"] += max(0, min(chunk.start + chunk.length, seq.num_prompt_tokens) - chunk.start)
+            seq.num_computed += chunk.length
+            if not chunk.completes:
+                continue
+            self._append_token(seq, logits[row])
+            row += 1
+            outputs.append(self._output(seq))
+        return outputs
+
+    def _append_token(self, seq: Sequence, logits: torch.Tensor) -> None:
+        p = seq.params
+        prompt = seq.token_ids[: seq.num_prompt_tokens]
+        token = sample_row(logits, p, prompt, seq.output_token_ids, seq.generator or self._default_generator)
+        if p.logprobs is not None:
+            seq.pending_logprobs.append(token_logprob(logits, token, p.logprobs))
+        seq.token_ids.append(token)
+        self._counters["generation"] += 1
+        chars_before = len(seq.text)
+        detokenize_step(self.tokenizer, seq)
+        if not p.ignore_eos and token in self.eos_token_ids:
+            self._finish(seq, FinishReason.STOP, token)
+        elif token in p.stop_token_ids:
+            self._finish(seq, FinishReason.STOP, token)
+        elif (stop := find_stop_string(seq, len(seq.text) - chars_before)) is not None:
+            self._finish(seq, FinishReason.STOP, stop)
+        elif (p.max_tokens is not None and len(seq.output_token_ids) >= p.max_tokens) or len(seq.token_ids) >= self.max_context_length:
+            self._finish(seq, FinishReason.LENGTH)
+
+    def _finish(self, seq: Sequence, reason: FinishReason, stop_reason: str | int | None = None) -> None:
+        if seq.capture_state and reason != FinishReason.ABORT and seq.slot is not None:
+            seq.captured_state = capture_state(self.state_pool, self.kv_pool, seq.slot, seq.blocks, seq.token_ids, seq.num_computed)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        self.scheduler.remove(seq)
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        new_ids = seq.output_token_ids[seq.emitted_tokens :]
+        out = RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
+            token_ids=list(seq.output_token_ids),
+            text=seq.text,
+            new_token_ids=new_ids,
+            new_text=seq.text[seq.emitted_chars :],
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            logprobs=seq.pending_logprobs if seq.params.logprobs is not None else None,
+            num_cached_tokens=seq.num_cached_tokens,
+            state=seq.captured_state,
+        )
+        seq.emitted_tokens += len(new_ids)
+        seq.emitted_chars = len(seq.text)
+        seq.pending_logprobs = []
+        if seq.is_finished:
+            self._requests.pop(seq.request_id, None)
+        return out
+
+    # ---- introspection ------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        c = self._counters
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            state_slots_used=self.state_pool.num_used,
+            state_slots_total=self.state_pool.num_slots,
+            kv_blocks_used=self.kv_pool.num_used,
+            kv_blocks_total=self.kv_pool.num_blocks,
+            prompt_tokens_total=c["prompt"],
+            generation_tokens_total=c["generation"],
+            prefill_tokens_computed_total=c["prefill_computed"],
+            cached_tokens_total=c["cached"],
+            num_preemptions=self.scheduler.num_preemptions,
+        )
+
+    def flush_cache(self) -> bool:
+        """No state is cached beyond running requests yet; flushing succeeds when idle."""
+        return not self.scheduler.has_work()

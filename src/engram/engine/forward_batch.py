@@ -1,0 +1,28 @@
+"""What one model forward sees: a flat batch of tokens from several sequences plus their caches."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engram.engine.pools import KVPool, StatePool
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] all new tokens of the step, sequence after sequence
+    positions: torch.Tensor  # [T] position of each token in its sequence
+    seq_lens: list[int]  # new tokens per sequence
+    context_lens: list[int]  # tokens each sequence had consumed before this step
+    state_slots: torch.Tensor  # [S] StatePool slot of each sequence
+    slot_mapping: torch.Tensor  # [T] KV cache slot each new token is written to
+    block_tables: torch.Tensor  # [S, max_blocks] KV pages of each sequence (-1 padded)
+    logits_indices: torch.Tensor  # rows of the flat batch whose next-token logits are needed
+    state_pool: StatePool
+    kv_pool: KVPool
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence feeds exactly one token on top of an existing state."""
+        return all(n == 1 for n in self.seq_lens) and all(c > 0 for c in self.context_lens)

@@ -1,0 +1,125 @@
+"""Per-sequence model memory: recurrent state by slot (`StatePool`) and paged attention KV (`KVPool`)."""
+
+from __future__ import annotations
+
+import torch
+
+from engram.models.spec import ModelSpec
+from engram.ops.attention import token_slots
+from engram.state.sequence_state import SequenceState, StateDtypes
+
+
+class StatePool:
+    """Conv and SSM state of every Mamba2 layer for `num_slots` sequences.
+
+    A slot is zeroed when handed out, which is exactly "no previous tokens" for both the
+    convolution (zero padding) and the scan (zero initial state)."""
+
+    def __init__(self, spec: ModelSpec, num_slots: int, dtypes: StateDtypes, device: torch.device):
+        self.num_slots = num_slots
+        self.conv: dict[int, torch.Tensor] = {}
+        self.ssm: dict[int, torch.Tensor] = {}
+        if spec.mamba is not None:
+            for i in spec.mamba_layers:
+                self.conv[i] = torch.zeros(num_slots, *spec.mamba.conv_state_shape, dtype=dtypes.conv, device=device)
+                self.ssm[i] = torch.zeros(num_slots, *spec.mamba.ssm_state_shape, dtype=dtypes.ssm, device=device)
+        self._free = list(range(num_slots - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_slots - len(self._free)
+
+    def allocate(self) -> int:
+        slot = self._free.pop()
+        for t in (*self.conv.values(), *self.ssm.values()):
+            t[slot].zero_()
+        return slot
+
+    def free(self, slot: int) -> None:
+        self._free.append(slot)
+
+    def read(self, slot: int) -> dict[str, torch.Tensor]:
+        out = {}
+        for i in self.conv:
+            out[f"layers.{i}.conv"] = self.conv[i][slot].to("cpu", copy=True)
+            out[f"layers.{i}.ssm"] = self.ssm[i][slot].to("cpu", copy=True)
+        return out
+
+    def write(self, slot: int, tensors: dict[str, torch.Tensor]) -> None:
+        for i in self.conv:
+            self.conv[i][slot].copy_(tensors[f"layers.{i}.conv"])
+            self.ssm[i][slot].copy_(tensors[f"layers.{i}.ssm"])
+
+
+class KVPool:
+    """Attention KV of every attention layer in pages of `block_size` tokens."""
+
+    def __init__(self, spec: ModelSpec, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.k: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor] = {}
+        if spec.attention is not None:
+            shape = (num_blocks * block_size, spec.attention.num_kv_heads, spec.attention.head_dim)
+            for i in spec.attention_layers:
+                self.k[i] = torch.zeros(shape, dtype=dtype, device=device)
+                self.v[i] = torch.zeros(shape, dtype=dtype, device=device)
+        self._free = list(range(num_blocks - 1, -1, -1))
+
+    @property
+    def needs_pages(self) -> bool:
+        return bool(self.k)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size) if self.needs_pages else 0
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise MemoryError(f"KV pool exhausted: {n} pages asked, {len(self._free)} free")
+        return [self._free.pop() for _ in range(n)]
+
+    def free(self, blocks: list[int]) -> None:
+        self._free.extend(reversed(blocks))
+
+    def _slots(self, blocks: list[int], length: int) -> torch.Tensor:
+        table = torch.tensor(blocks, dtype=torch.long, device=next(iter(self.k.values())).device)
+        return token_slots(table, length, self.block_size)
+
+    def read(self, blocks: list[int], length: int) -> dict[str, torch.Tensor]:
+        if not self.k:
+            return {}
+        slots = self._slots(blocks, length)
+        out = {}
+        for i in self.k:
+            out[f"layers.{i}.k"] = self.k[i][slots].to("cpu")
+            out[f"layers.{i}.v"] = self.v[i][slots].to("cpu")
+        return out
+
+    def write(self, blocks: list[int], length: int, tensors: dict[str, torch.Tensor]) -> None:
+        if not self.k:
+            return
+        slots = self._slots(blocks, length)
+        for i in self.k:
+            self.k[i][slots] = tensors[f"layers.{i}.k"].to(self.k[i].device)
+            self.v[i][slots] = tensors[f"layers.{i}.v"].to(self.v[i].device)
+
+
+def capture_state(state_pool: StatePool, kv_pool: KVPool, slot: int, blocks: list[int], tokens: list[int], state_len: int) -> SequenceState:
+    return SequenceState(list(tokens), state_len, {**state_pool.read(slot), **kv_pool.read(blocks, state_len)})
+
+
+def restore_state(state_pool: StatePool, kv_pool: KVPool, slot: int, blocks: list[int], state: SequenceState) -> None:
+    state_pool.write(slot, state.tensors)
+    kv_pool.write(blocks, state.state_len, state.tensors)

@@ -1,0 +1,81 @@
+"""Request-level types shared by the engine, the offline API and the server (vLLM-shaped)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from engram.state.sequence_state import SequenceState
+
+
+@dataclass
+class SamplingParams:
+    """vLLM's names and defaults. `temperature == 0` means greedy."""
+
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top logprobs to return per token (0: only the sampled one)
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs must be in 0..20, got {self.logprobs}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"  # EOS, stop token or stop string
+    LENGTH = "length"  # max_tokens or the context length
+    ABORT = "abort"
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token_id, logprob), best first
+
+
+@dataclass
+class RequestOutput:
+    """A snapshot of a request's progress; the engine emits one per step that changed it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # every generated token so far
+    text: str  # detokenized output so far (stop string removed once finished by it)
+    new_token_ids: list[int]  # generated since the previous output of this request
+    new_text: str
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
+    logprobs: list[TokenLogprob] | None = None  # for new_token_ids, when requested
+    num_cached_tokens: int = 0  # prompt tokens restored from state rather than computed
+    state: SequenceState | None = None  # captured at finish when the request asked for it

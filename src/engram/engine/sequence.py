@@ -1,0 +1,58 @@
+"""A request inside the engine: its tokens, how many of them the state has consumed, its memory."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from engram.engine.request import FinishReason, SamplingParams, TokenLogprob
+from engram.state.sequence_state import SequenceState
+
+
+class SequenceStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    initial_state: SequenceState | None = None  # restored on (re)admission
+    capture_state: bool = False
+    captured_state: SequenceState | None = None  # taken at finish when capture_state is set
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed: int = 0  # tokens[:num_computed] are in the recurrent state and the KV cache
+    slot: int | None = None
+    blocks: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    # Output bookkeeping for the next RequestOutput.
+    text: str = ""
+    emitted_tokens: int = 0
+    emitted_chars: int = 0
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prefix_offset: int = 0  # incremental detokenization window over the output tokens
+    read_offset: int = 0
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self.initial_state.state_len if self.initial_state is not None else 0
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED

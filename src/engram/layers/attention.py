@@ -1,0 +1,38 @@
+"""Multi-head attention with GQA over the paged KV cache."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engram.engine.forward_batch import ForwardBatch
+from engram.models.spec import AttentionSpec
+from engram.ops.dispatch import kernels
+from engram.ops.rotary import apply_rotary, rotary_cos_sin
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: AttentionSpec, hidden_size: int, layer_index: int):
+        super().__init__()
+        self.spec = spec
+        self.layer_index = layer_index
+        q_dim, kv_dim = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        self.q_proj = nn.Linear(hidden_size, q_dim, bias=spec.bias)
+        self.k_proj = nn.Linear(hidden_size, kv_dim, bias=spec.bias)
+        self.v_proj = nn.Linear(hidden_size, kv_dim, bias=spec.bias)
+        self.o_proj = nn.Linear(q_dim, hidden_size, bias=spec.bias)
+
+    def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        s, k = self.spec, kernels()
+        q = self.q_proj(hidden).view(-1, s.num_heads, s.head_dim)
+        key = self.k_proj(hidden).view(-1, s.num_kv_heads, s.head_dim)
+        value = self.v_proj(hidden).view(-1, s.num_kv_heads, s.head_dim)
+        if s.rotary_dim:
+            cos, sin = rotary_cos_sin(batch.positions, s.rotary_dim, s.rope_theta, q.dtype)
+            q, key = apply_rotary(q, cos, sin), apply_rotary(key, cos, sin)
+        k_cache, v_cache = batch.kv_pool.k[self.layer_index], batch.kv_pool.v[self.layer_index]
+        k.store_kv(k_cache, v_cache, key, value, batch.slot_mapping)
+        out = k.paged_attention(
+            q, k_cache, v_cache, batch.seq_lens, batch.context_lens, batch.block_tables, batch.kv_pool.block_size, s.scaling
+        )
+        return self.o_proj(out.reshape(-1, s.num_heads * s.head_dim))

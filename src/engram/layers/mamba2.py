@@ -1,0 +1,56 @@
+"""Mamba2 mixer over a flat batch, reading and writing each sequence's state in the StatePool."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engram.engine.forward_batch import ForwardBatch
+from engram.models.spec import MambaSpec
+from engram.ops.dispatch import kernels
+
+
+class Mamba2Mixer(nn.Module):
+    def __init__(self, spec: MambaSpec, hidden_size: int, layer_index: int):
+        super().__init__()
+        self.spec = spec
+        self.layer_index = layer_index
+        d_in = spec.intermediate_size
+        self.in_proj = nn.Linear(hidden_size, d_in + spec.conv_dim + spec.num_heads, bias=spec.proj_bias)
+        self.conv1d = nn.Conv1d(spec.conv_dim, spec.conv_dim, spec.conv_kernel, groups=spec.conv_dim, bias=spec.conv_bias)
+        self.dt_bias = nn.Parameter(torch.zeros(spec.num_heads))
+        self.A_log = nn.Parameter(torch.zeros(spec.num_heads))
+        self.D = nn.Parameter(torch.ones(spec.num_heads))
+        self.norm = nn.Module()
+        self.norm.weight = nn.Parameter(torch.ones(d_in))
+        self.out_proj = nn.Linear(d_in, hidden_size, bias=spec.proj_bias)
+
+    def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        s, k = self.spec, kernels()
+        heads, head_dim, groups, n = s.num_heads, s.head_dim, s.n_groups, s.state_size
+        gate, xbc, dt = self.in_proj(hidden).split([s.intermediate_size, s.conv_dim, heads], dim=-1)
+        conv_pool = batch.state_pool.conv[self.layer_index]
+        ssm_pool = batch.state_pool.ssm[self.layer_index]
+        slots = batch.state_slots
+        weight = self.conv1d.weight[:, 0, :]
+        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*s.time_step_limit)
+        A = -torch.exp(self.A_log.float())
+
+        if batch.is_decode:
+            xbc, conv_new = k.causal_conv1d_update(xbc, weight, self.conv1d.bias, conv_pool[slots])
+        else:
+            xbc, conv_new = k.causal_conv1d_varlen(xbc, weight, self.conv1d.bias, batch.seq_lens, conv_pool[slots])
+        conv_pool[slots] = conv_new.to(conv_pool.dtype)
+
+        x, B, C = xbc.split([s.intermediate_size, groups * n, groups * n], dim=-1)
+        x = x.reshape(-1, heads, head_dim)
+        B, C = B.reshape(-1, groups, n), C.reshape(-1, groups, n)
+        if batch.is_decode:
+            y, ssm_new = k.ssd_state_update(ssm_pool[slots], x, dt, A, B, C, self.D)
+        else:
+            y, ssm_new = k.ssd_varlen(x, dt, A, B, C, self.D, s.chunk_size, batch.seq_lens, ssm_pool[slots])
+        ssm_pool[slots] = ssm_new.to(ssm_pool.dtype)
+
+        y = k.gated_rms_norm(y.reshape(-1, s.intermediate_size), gate, self.norm.weight, s.norm_eps, s.intermediate_size // groups)
+        return self.out_proj(y.to(hidden.dtype))

@@ -1,0 +1,95 @@
+"""Feed-forward blocks: plain and gated MLPs, and mixtures of experts."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engram.ops.dispatch import kernels
+from engram.ops.moe import route_sigmoid_grouped, route_softmax_topk
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)) with separate gate/up projections (Bamba)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class FusedGatedMLP(nn.Module):
+    """Gate and up in one projection, split in halves (Granite's shared MLP)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.input_linear = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.output_linear = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.input_linear(x).chunk(2, dim=-1)
+        return self.output_linear(F.silu(gate) * up)
+
+
+class PlainMLP(nn.Module):
+    """down(act(up(x))) (Nemotron-H, relu^2)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, act: Callable[[torch.Tensor], torch.Tensor], bias: bool = False):
+        super().__init__()
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.act = act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.up_proj(x)))
+
+
+class SoftmaxTopKMoE(nn.Module):
+    """Granite MoE: softmax over the top-k router logits, gated SiLU experts."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int):
+        super().__init__()
+        self.top_k = top_k
+        self.router = nn.Module()
+        self.router.layer = nn.Linear(hidden_size, num_experts, bias=False)
+        self.input_linear = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.output_linear = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route_softmax_topk(self.router.layer(x), self.top_k)
+        return kernels().moe_experts(x, self.input_linear, self.output_linear, weights.to(x.dtype), ids, F.silu, True)
+
+
+class SigmoidGroupedMoE(nn.Module):
+    """Nemotron-H MoE: sigmoid router with correction bias and group choice, relu^2 experts,
+    plus always-on shared experts."""
+
+    def __init__(self, cfg: dict, hidden_size: int, act: Callable[[torch.Tensor], torch.Tensor]):
+        super().__init__()
+        num_experts, inter = cfg["n_routed_experts"], cfg["moe_intermediate_size"]
+        self.top_k = cfg["num_experts_per_tok"]
+        self.n_group, self.topk_group = cfg.get("n_group", 1), cfg.get("topk_group", 1)
+        self.norm_topk_prob = cfg.get("norm_topk_prob", True)
+        self.routed_scaling = float(cfg.get("routed_scaling_factor", 1.0))
+        self.act = act
+        self.gate = nn.Module()
+        self.gate.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.gate.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
+        self.up_proj = nn.Parameter(torch.empty(num_experts, inter, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, inter))
+        self.shared_experts = PlainMLP(hidden_size, cfg["moe_shared_expert_intermediate_size"], act, cfg.get("mlp_bias", False))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(x.float(), self.gate.weight.float())
+        weights, ids = route_sigmoid_grouped(
+            logits, self.gate.e_score_correction_bias, self.top_k, self.n_group, self.topk_group, self.norm_topk_prob, self.routed_scaling
+        )
+        routed = kernels().moe_experts(x, self.up_proj, self.down_proj, weights, ids, self.act, False)
+        return routed + self.shared_experts(x)

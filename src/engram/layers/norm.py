@@ -1,0 +1,17 @@
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engram.ops.dispatch import kernels
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float, weight_in_fp32: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+        self.weight_in_fp32 = weight_in_fp32
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels().rms_norm(x, self.weight, self.eps, self.weight_in_fp32)

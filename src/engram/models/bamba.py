@@ -1,0 +1,48 @@
+"""BambaForCausalLM: Mamba2 or attention (partial rotary), then a gated SiLU MLP."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engram.engine.forward_batch import ForwardBatch
+from engram.layers.attention import Attention
+from engram.layers.mamba2 import Mamba2Mixer
+from engram.layers.mlp import GatedMLP
+from engram.layers.norm import RMSNorm
+from engram.models.base import CausalLM
+from engram.models.spec import LayerKind, ModelSpec
+
+
+class BambaBlock(nn.Module):
+    def __init__(self, spec: ModelSpec, index: int):
+        super().__init__()
+        cfg = spec.config
+        eps = float(cfg.get("rms_norm_eps", 1e-5))
+        self.input_norm = RMSNorm(spec.hidden_size, eps)
+        self.post_norm = RMSNorm(spec.hidden_size, eps)
+        if spec.layer_kinds[index] == LayerKind.MAMBA:
+            self.mixer = Mamba2Mixer(spec.mamba, spec.hidden_size, index)
+        else:
+            self.mixer = Attention(spec.attention, spec.hidden_size, index)
+        self.ffn = GatedMLP(spec.hidden_size, cfg["intermediate_size"], cfg.get("mlp_bias", False))
+
+    def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        hidden = hidden + self.mixer(self.input_norm(hidden), batch)
+        return hidden + self.ffn(self.post_norm(hidden))
+
+
+class BambaForCausalLM(CausalLM):
+    rename_rules = [
+        (r"model\.embed_tokens\.(.*)", r"embed_tokens.\1"),
+        (r"model\.layers\.(\d+)\.input_layernorm\.(.*)", r"layers.\1.input_norm.\2"),
+        (r"model\.layers\.(\d+)\.pre_ff_layernorm\.(.*)", r"layers.\1.post_norm.\2"),
+        (r"model\.layers\.(\d+)\.(?:mamba|self_attn)\.(.*)", r"layers.\1.mixer.\2"),
+        (r"model\.layers\.(\d+)\.feed_forward\.(.*)", r"layers.\1.ffn.\2"),
+        (r"model\.final_layernorm\.(.*)", r"norm.\1"),
+    ]
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__(spec)
+        self.layers = nn.ModuleList(BambaBlock(spec, i) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, float(spec.config.get("rms_norm_eps", 1e-5)))

@@ -1,0 +1,59 @@
+"""What every architecture shares: embed -> blocks -> final norm -> LM head, and weight renaming.
+
+Internal parameter names are uniform (`embed_tokens`, `layers.<i>.input_norm`, `layers.<i>.mixer`,
+`norm`, `lm_head`); each architecture lists regex rules from its checkpoint names to them.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from engram.engine.forward_batch import ForwardBatch
+from engram.models.spec import ModelSpec
+
+# (checkpoint-name pattern, internal name template). A template ending in "[i]" names a stacked
+# [experts, ...] parameter; the tensor is its row given by the pattern's group `expert`.
+RenameRules = list[tuple[str, str]]
+
+
+class CausalLM(nn.Module):
+    rename_rules: RenameRules = []
+    ignored_weights: tuple[str, ...] = ()  # regexes of checkpoint tensors the engine does not use
+    embedding_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.spec = spec
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.layers = nn.ModuleList()
+        self.norm: nn.Module
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Next-token logits (float32) for the rows `batch.logits_indices`."""
+        hidden = self.embed_tokens(batch.input_ids)
+        if self.embedding_multiplier != 1.0:
+            hidden = hidden * self.embedding_multiplier
+        for layer in self.layers:
+            hidden = layer(hidden, batch)
+        hidden = self.norm(hidden[batch.logits_indices])
+        logits = self.lm_head(hidden.to(self.lm_head.weight.dtype)).float()
+        return logits / self.logits_scaling if self.logits_scaling != 1.0 else logits
+
+    def map_weight_name(self, name: str) -> tuple[str, int | None] | None:
+        """Checkpoint tensor name -> (parameter name, expert index or None); None to skip it."""
+        if any(re.search(p, name) for p in self.ignored_weights):
+            return None
+        for pattern, template in self.rename_rules:
+            m = re.fullmatch(pattern, name)
+            if m:
+                if template.endswith("[i]"):
+                    return m.expand(template[:-3]), int(m.group("expert"))
+                return m.expand(template), None
+        return name, None

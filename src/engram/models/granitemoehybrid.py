@@ -1,0 +1,60 @@
+"""GraniteMoeHybridForCausalLM (Granite 4.0-H): Mamba2 or attention, then MoE + shared MLP,
+with Granite's embedding / residual / logits multipliers."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engram.engine.forward_batch import ForwardBatch
+from engram.layers.attention import Attention
+from engram.layers.mamba2 import Mamba2Mixer
+from engram.layers.mlp import FusedGatedMLP, SoftmaxTopKMoE
+from engram.layers.norm import RMSNorm
+from engram.models.base import CausalLM
+from engram.models.spec import LayerKind, ModelSpec
+
+
+class GraniteHybridBlock(nn.Module):
+    def __init__(self, spec: ModelSpec, index: int):
+        super().__init__()
+        cfg = spec.config
+        eps = float(cfg.get("rms_norm_eps", 1e-6))
+        self.input_norm = RMSNorm(spec.hidden_size, eps)
+        self.post_norm = RMSNorm(spec.hidden_size, eps)
+        if spec.layer_kinds[index] == LayerKind.MAMBA:
+            self.mixer = Mamba2Mixer(spec.mamba, spec.hidden_size, index)
+        else:
+            self.mixer = Attention(spec.attention, spec.hidden_size, index)
+        experts = int(cfg.get("num_local_experts", 0) or 0)
+        self.moe = SoftmaxTopKMoE(spec.hidden_size, cfg["intermediate_size"], experts, cfg["num_experts_per_tok"]) if experts else None
+        self.shared_mlp = FusedGatedMLP(spec.hidden_size, cfg["shared_intermediate_size"])
+        self.residual_multiplier = float(cfg.get("residual_multiplier", 1.0))
+
+    def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        hidden = hidden + self.mixer(self.input_norm(hidden), batch) * self.residual_multiplier
+        h = self.post_norm(hidden)
+        ffn = self.shared_mlp(h) if self.moe is None else self.moe(h) + self.shared_mlp(h)
+        return hidden + ffn * self.residual_multiplier
+
+
+class GraniteMoeHybridForCausalLM(CausalLM):
+    rename_rules = [
+        (r"model\.embed_tokens\.(.*)", r"embed_tokens.\1"),
+        (r"model\.layers\.(\d+)\.input_layernorm\.(.*)", r"layers.\1.input_norm.\2"),
+        (r"model\.layers\.(\d+)\.post_attention_layernorm\.(.*)", r"layers.\1.post_norm.\2"),
+        (r"model\.layers\.(\d+)\.(?:mamba|self_attn)\.(.*)", r"layers.\1.mixer.\2"),
+        (r"model\.layers\.(\d+)\.block_sparse_moe\.(?:input_linear\.weight|experts\.gate_up_proj)", r"layers.\1.moe.input_linear"),
+        (r"model\.layers\.(\d+)\.block_sparse_moe\.(?:output_linear\.weight|experts\.down_proj)", r"layers.\1.moe.output_linear"),
+        (r"model\.layers\.(\d+)\.block_sparse_moe\.router\.(?:layer\.)?weight", r"layers.\1.moe.router.layer.weight"),
+        (r"model\.layers\.(\d+)\.shared_mlp\.(.*)", r"layers.\1.shared_mlp.\2"),
+        (r"model\.norm\.(.*)", r"norm.\1"),
+    ]
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__(spec)
+        cfg = spec.config
+        self.embedding_multiplier = float(cfg.get("embedding_multiplier", 1.0))
+        self.logits_scaling = float(cfg.get("logits_scaling", 1.0))
+        self.layers = nn.ModuleList(GraniteHybridBlock(spec, i) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, float(cfg.get("rms_norm_eps", 1e-6)))

@@ -1,0 +1,61 @@
+"""Build a model from a checkpoint folder: single or sharded safetensors, tied embeddings, dtype."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engram.models.base import CausalLM
+from engram.models.registry import model_class
+from engram.models.spec import ModelSpec
+
+
+class WeightLoadError(ValueError):
+    pass
+
+
+def safetensors_files(model_path: Path) -> list[Path]:
+    files = sorted(model_path.glob("*.safetensors"))
+    if not files:
+        raise WeightLoadError(f"no *.safetensors files in {model_path}")
+    return files
+
+
+def load_model(spec: ModelSpec, model_path: str | Path, dtype: torch.dtype, device: torch.device) -> CausalLM:
+    with torch.device("meta"):
+        model = model_class(spec)(spec)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    params.update(model.named_buffers(remove_duplicate=False))
+    loaded: set[str] = set()
+    rows_loaded: dict[str, set[int]] = {}
+    for file in safetensors_files(Path(model_path)):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                mapped = model.map_weight_name(name)
+                if mapped is None:
+                    continue
+                target, row = mapped
+                if target not in params:
+                    raise WeightLoadError(f"{file.name}: tensor {name!r} has no place in {spec.architecture} (mapped to {target!r})")
+                param = params[target]
+                dest = param.data if row is None else param.data[row]
+                tensor = f.get_tensor(name)
+                if tuple(tensor.shape) != tuple(dest.shape):
+                    raise WeightLoadError(f"{name}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(dest.shape)}")
+                dest.copy_(tensor)
+                if row is None:
+                    loaded.add(target)
+                else:
+                    rows_loaded.setdefault(target, set()).add(row)
+    for target, rows in rows_loaded.items():
+        if len(rows) == params[target].shape[0]:
+            loaded.add(target)
+    if spec.tie_word_embeddings:
+        loaded.add("lm_head.weight")
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise WeightLoadError(f"checkpoint lacks weights: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+    return model.eval()

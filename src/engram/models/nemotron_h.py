@@ -1,0 +1,59 @@
+"""NemotronHForCausalLM (Nemotron-H, Nemotron 3): each block is one of Mamba2, attention (no
+positional rotation), relu^2 MLP or sigmoid-routed MoE, pre-norm with a residual."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engram.engine.forward_batch import ForwardBatch
+from engram.layers.attention import Attention
+from engram.layers.mamba2 import Mamba2Mixer
+from engram.layers.mlp import PlainMLP, SigmoidGroupedMoE
+from engram.layers.norm import RMSNorm
+from engram.models.base import CausalLM
+from engram.models.spec import LayerKind, ModelSpec
+from engram.ops.moe import relu2
+
+_ACTIVATIONS = {"relu2": relu2, "silu": nn.functional.silu, "gelu": nn.functional.gelu}
+
+
+class NemotronHBlock(nn.Module):
+    def __init__(self, spec: ModelSpec, index: int):
+        super().__init__()
+        cfg = spec.config
+        kind = spec.layer_kinds[index]
+        self.kind = kind
+        self.input_norm = RMSNorm(spec.hidden_size, float(cfg.get("layer_norm_epsilon", 1e-5)), weight_in_fp32=True)
+        act = _ACTIVATIONS[cfg.get("mlp_hidden_act", "relu2")]
+        if kind == LayerKind.MAMBA:
+            self.mixer = Mamba2Mixer(spec.mamba, spec.hidden_size, index)
+        elif kind == LayerKind.ATTENTION:
+            self.mixer = Attention(spec.attention, spec.hidden_size, index)
+        elif kind == LayerKind.MLP:
+            self.mixer = PlainMLP(spec.hidden_size, cfg["intermediate_size"], act, cfg.get("mlp_bias", False))
+        else:
+            self.mixer = SigmoidGroupedMoE(cfg, spec.hidden_size, act)
+
+    def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        h = self.input_norm(hidden)
+        if self.kind in (LayerKind.MAMBA, LayerKind.ATTENTION):
+            return hidden + self.mixer(h, batch)
+        return hidden + self.mixer(h)
+
+
+class NemotronHForCausalLM(CausalLM):
+    rename_rules = [
+        (r"(?:backbone|model)\.embeddings\.(.*)", r"embed_tokens.\1"),
+        (r"(?:backbone|model)\.layers\.(\d+)\.norm\.(.*)", r"layers.\1.input_norm.\2"),
+        (r"(?:backbone|model)\.layers\.(\d+)\.mixer\.experts\.(?P<expert>\d+)\.(up_proj|down_proj)\.weight", r"layers.\1.mixer.\3[i]"),
+        (r"(?:backbone|model)\.layers\.(\d+)\.mixer\.experts\.(up_proj|down_proj)", r"layers.\1.mixer.\2"),
+        (r"(?:backbone|model)\.layers\.(\d+)\.mixer\.(.*)", r"layers.\1.mixer.\2"),
+        (r"(?:backbone|model)\.norm_f\.(.*)", r"norm.\1"),
+    ]
+    ignored_weights = (r"^mtp\.",)
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__(spec)
+        self.layers = nn.ModuleList(NemotronHBlock(spec, i) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, float(spec.config.get("layer_norm_epsilon", 1e-5)), weight_in_fp32=True)

@@ -1,0 +1,343 @@
+"""`ModelSpec`: the one source of truth for layer kinds and per-sequence state / KV shapes.
+
+Parsed once from a checkpoint's `config.json` (Hugging Face field names). The model builder, the
+state and KV pools, the memory planner and the snapshot format all derive their shapes from it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A config.json that cannot be served safely (missing or inconsistent fields)."""
+
+
+class LayerKind(str, Enum):
+    MAMBA = "mamba"
+    ATTENTION = "attention"
+    MLP = "mlp"
+    MOE = "moe"
+
+
+# Every spelling of a layer type seen in HF configs, old and new.
+_LAYER_KIND_ALIASES = {
+    "mamba": LayerKind.MAMBA,
+    "m": LayerKind.MAMBA,
+    "linear_attention": LayerKind.MAMBA,
+    "attention": LayerKind.ATTENTION,
+    "*": LayerKind.ATTENTION,
+    "full_attention": LayerKind.ATTENTION,
+    "mlp": LayerKind.MLP,
+    "-": LayerKind.MLP,
+    "moe": LayerKind.MOE,
+    "e": LayerKind.MOE,
+}
+
+
+@dataclass(frozen=True)
+class MambaSpec:
+    """Shapes of one Mamba2 mixer (all Mamba2 layers of a model share them)."""
+
+    num_heads: int
+    head_dim: int
+    state_size: int
+    n_groups: int
+    conv_kernel: int
+    chunk_size: int
+    conv_bias: bool
+    proj_bias: bool
+    norm_eps: float
+    time_step_limit: tuple[float, float] = (0.0, math.inf)
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.intermediate_size + 2 * self.n_groups * self.state_size
+
+    @property
+    def conv_state_shape(self) -> tuple[int, int]:
+        return (self.conv_kernel - 1, self.conv_dim)
+
+    @property
+    def ssm_state_shape(self) -> tuple[int, int, int]:
+        return (self.num_heads, self.head_dim, self.state_size)
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scaling: float
+    rotary_dim: int = 0  # 0: no positional rotation (NoPE)
+    rope_theta: float = 10000.0
+    bias: bool = False
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    architecture: str
+    model_type: str
+    hidden_size: int
+    vocab_size: int
+    layer_kinds: tuple[LayerKind, ...]
+    mamba: MambaSpec | None
+    attention: AttentionSpec | None
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    eos_token_ids: tuple[int, ...]
+    torch_dtype: str | None
+    config: dict[str, Any] = field(repr=False, compare=False)
+    config_sha256: str = ""
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_kinds)
+
+    def layers_of(self, kind: LayerKind) -> list[int]:
+        return [i for i, k in enumerate(self.layer_kinds) if k == kind]
+
+    @property
+    def mamba_layers(self) -> list[int]:
+        return self.layers_of(LayerKind.MAMBA)
+
+    @property
+    def attention_layers(self) -> list[int]:
+        return self.layers_of(LayerKind.ATTENTION)
+
+    @property
+    def is_hybrid(self) -> bool:
+        return bool(self.mamba_layers) and bool(self.attention_layers)
+
+    def layout(self) -> list[str]:
+        return [k.value for k in self.layer_kinds]
+
+
+def _require(cfg: dict, name: str, arch: str, aliases: tuple[str, ...] = ()) -> Any:
+    for key in (name, *aliases):
+        if key in cfg and cfg[key] is not None:
+            return cfg[key]
+    raise ConfigError(f"{arch}: config.json lacks required field '{name}'")
+
+
+def _positive_int(cfg: dict, name: str, arch: str, aliases: tuple[str, ...] = ()) -> int:
+    value = _require(cfg, name, arch, aliases)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"{arch}: recurrent/attention dimension '{name}' must be a positive integer, got {value!r}")
+    return value
+
+
+def _json_float(value: Any) -> float:
+    # transformers writes non-finite floats as {"__float__": "Infinity"}.
+    return float(value["__float__"]) if isinstance(value, dict) else float(value)
+
+
+def _time_step_limit(cfg: dict) -> tuple[float, float]:
+    limit = cfg.get("time_step_limit") or cfg.get("mamba_dt_limit") or (0.0, math.inf)
+    return (_json_float(limit[0]), _json_float(limit[1]))
+
+
+def _layer_kinds(raw: list[str] | str, arch: str) -> tuple[LayerKind, ...]:
+    kinds = []
+    for item in raw:
+        kind = _LAYER_KIND_ALIASES.get(str(item).lower())
+        if kind is None:
+            raise ConfigError(f"{arch}: unknown layer type {item!r}")
+        kinds.append(kind)
+    return tuple(kinds)
+
+
+def _mamba2_head_dim(cfg: dict, arch: str, heads_field: str, head_dim_field: str, expand_field: str) -> int:
+    head_dim = cfg.get(head_dim_field)
+    if head_dim == "auto":
+        expand = _positive_int(cfg, expand_field, arch)
+        return expand * _positive_int(cfg, "hidden_size", arch) // _positive_int(cfg, heads_field, arch)
+    return _positive_int(cfg, head_dim_field, arch)
+
+
+def _check_mamba_width(spec: MambaSpec, cfg: dict, arch: str, expand_field: str) -> None:
+    expand = cfg.get(expand_field)
+    if expand is not None and int(expand * cfg["hidden_size"]) != spec.intermediate_size:
+        raise ConfigError(
+            f"{arch}: {expand_field} * hidden_size ({int(expand * cfg['hidden_size'])}) != "
+            f"heads * head_dim ({spec.intermediate_size})"
+        )
+    if spec.num_heads % spec.n_groups:
+        raise ConfigError(f"{arch}: mamba heads ({spec.num_heads}) not divisible by n_groups ({spec.n_groups})")
+
+
+def _rope(cfg: dict, head_dim: int, partial: float) -> tuple[int, float]:
+    params = cfg.get("rope_parameters") or {}
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    partial = params.get("partial_rotary_factor", partial)
+    return int(head_dim * partial), float(theta)
+
+
+def _attention(cfg: dict, arch: str, scaling: float | None, rotary_dim: int, rope_theta: float, head_dim: int) -> AttentionSpec:
+    heads = _positive_int(cfg, "num_attention_heads", arch)
+    return AttentionSpec(
+        num_heads=heads,
+        num_kv_heads=_positive_int(cfg, "num_key_value_heads", arch) if cfg.get("num_key_value_heads") else heads,
+        head_dim=head_dim,
+        scaling=head_dim**-0.5 if scaling is None else scaling,
+        rotary_dim=rotary_dim,
+        rope_theta=rope_theta,
+        bias=bool(cfg.get("attention_bias", False)),
+    )
+
+
+def _parse_mamba2(cfg: dict, arch: str):
+    n = _positive_int(cfg, "num_hidden_layers", arch)
+    mamba = MambaSpec(
+        num_heads=_positive_int(cfg, "num_heads", arch),
+        head_dim=_positive_int(cfg, "head_dim", arch),
+        state_size=_positive_int(cfg, "state_size", arch),
+        n_groups=_positive_int(cfg, "n_groups", arch),
+        conv_kernel=_positive_int(cfg, "conv_kernel", arch),
+        chunk_size=int(cfg.get("chunk_size", 256)),
+        conv_bias=bool(cfg.get("use_conv_bias", True)),
+        proj_bias=bool(cfg.get("use_bias", False)),
+        norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)),
+        time_step_limit=_time_step_limit(cfg),
+    )
+    _check_mamba_width(mamba, cfg, arch, "expand")
+    return (LayerKind.MAMBA,) * n, mamba, None
+
+
+def _parse_granite_or_bamba(cfg: dict, arch: str):
+    mt = cfg["model_type"]
+    if mt == "bamba":
+        n = _positive_int(cfg, "num_hidden_layers", arch)
+        attn_idx = set(cfg.get("attn_layer_indices") or [])
+        kinds = tuple(LayerKind.ATTENTION if i in attn_idx else LayerKind.MAMBA for i in range(n))
+    else:
+        raw = cfg.get("layer_types") or cfg.get("layers_block_type")
+        if raw is None:
+            raise ConfigError(f"{arch}: config.json lacks required field 'layer_types'")
+        kinds = _layer_kinds(raw, arch)
+    mamba = None
+    if LayerKind.MAMBA in kinds:
+        mamba = MambaSpec(
+            num_heads=_positive_int(cfg, "mamba_n_heads", arch),
+            head_dim=_mamba2_head_dim(cfg, arch, "mamba_n_heads", "mamba_d_head", "mamba_expand"),
+            state_size=_positive_int(cfg, "mamba_d_state", arch),
+            n_groups=_positive_int(cfg, "mamba_n_groups", arch),
+            conv_kernel=_positive_int(cfg, "mamba_d_conv", arch),
+            chunk_size=int(cfg.get("mamba_chunk_size", 256)),
+            conv_bias=bool(cfg.get("mamba_conv_bias", True)),
+            proj_bias=bool(cfg.get("mamba_proj_bias", False)),
+            norm_eps=float(cfg.get("rms_norm_eps", 1e-6 if mt != "bamba" else 1e-5)),
+            time_step_limit=_time_step_limit(cfg),
+        )
+        _check_mamba_width(mamba, cfg, arch, "mamba_expand")
+    attention = None
+    if LayerKind.ATTENTION in kinds:
+        heads = _positive_int(cfg, "num_attention_heads", arch)
+        head_dim = cfg.get("head_dim") or _positive_int(cfg, "hidden_size", arch) // heads
+        if mt == "bamba":
+            rotary_dim, theta = _rope(cfg, head_dim, 0.5)
+            scaling = None
+        else:
+            uses_rope = cfg.get("position_embedding_type") == "rope"
+            rotary_dim, theta = _rope(cfg, head_dim, 1.0) if uses_rope else (0, 10000.0)
+            scaling = float(cfg.get("attention_multiplier", 1.0))
+        attention = _attention(cfg, arch, scaling, rotary_dim, theta, head_dim)
+    return kinds, mamba, attention
+
+
+def _parse_nemotron_h(cfg: dict, arch: str):
+    raw = cfg.get("layers_block_type") or cfg.get("layer_types") or cfg.get("hybrid_override_pattern")
+    if raw is None:
+        raise ConfigError(f"{arch}: config.json lacks required field 'hybrid_override_pattern'")
+    kinds = _layer_kinds(list(raw) if isinstance(raw, str) else raw, arch)
+    mamba = None
+    if LayerKind.MAMBA in kinds:
+        mamba = MambaSpec(
+            num_heads=_positive_int(cfg, "mamba_num_heads", arch),
+            head_dim=_positive_int(cfg, "mamba_head_dim", arch),
+            state_size=_positive_int(cfg, "ssm_state_size", arch),
+            n_groups=_positive_int(cfg, "n_groups", arch, ("mamba_n_groups",)),
+            conv_kernel=_positive_int(cfg, "conv_kernel", arch, ("mamba_d_conv",)),
+            chunk_size=int(cfg.get("chunk_size", cfg.get("mamba_chunk_size", 128))),
+            conv_bias=bool(cfg.get("use_conv_bias", cfg.get("mamba_conv_bias", True))),
+            proj_bias=bool(cfg.get("mamba_proj_bias", False)),
+            norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)),
+            time_step_limit=_time_step_limit(cfg),
+        )
+    attention = None
+    if LayerKind.ATTENTION in kinds:
+        heads = _positive_int(cfg, "num_attention_heads", arch)
+        head_dim = cfg.get("head_dim") or _positive_int(cfg, "hidden_size", arch) // heads
+        attention = _attention(cfg, arch, None, 0, 10000.0, head_dim)
+    return kinds, mamba, attention
+
+
+_PARSERS = {
+    "mamba2": _parse_mamba2,
+    "granitemoehybrid": _parse_granite_or_bamba,
+    "bamba": _parse_granite_or_bamba,
+    "nemotron_h": _parse_nemotron_h,
+}
+
+SUPPORTED_MODEL_TYPES = tuple(_PARSERS)
+
+
+def _eos_ids(cfg: dict, generation_config: dict | None) -> tuple[int, ...]:
+    ids: list[int] = []
+    for source in (cfg, generation_config or {}):
+        value = source.get("eos_token_id")
+        for v in value if isinstance(value, list) else [value]:
+            if isinstance(v, int) and v not in ids:
+                ids.append(v)
+    return tuple(ids)
+
+
+def parse_model_spec(cfg: dict, generation_config: dict | None = None, config_sha256: str = "") -> ModelSpec:
+    model_type = cfg.get("model_type")
+    arch = (cfg.get("architectures") or [model_type])[0]
+    if model_type not in _PARSERS:
+        raise ConfigError(f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    kinds, mamba, attention = _PARSERS[model_type](cfg, arch)
+    if not kinds:
+        raise ConfigError(f"{arch}: the model has no layers")
+    return ModelSpec(
+        architecture=arch,
+        model_type=model_type,
+        hidden_size=_positive_int(cfg, "hidden_size", arch),
+        vocab_size=_positive_int(cfg, "vocab_size", arch),
+        layer_kinds=kinds,
+        mamba=mamba,
+        attention=attention,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type == "mamba2")),
+        max_position_embeddings=int(cfg.get("max_position_embeddings") or 1 << 20),
+        eos_token_ids=_eos_ids(cfg, generation_config),
+        torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+        config=cfg,
+        config_sha256=config_sha256,
+    )
+
+
+def load_model_spec(model_path: str | Path) -> ModelSpec:
+    """Read `config.json` (and `generation_config.json` when present) from a checkpoint folder."""
+    path = Path(model_path)
+    config_file = path / "config.json" if path.is_dir() else path
+    if not config_file.is_file():
+        raise ConfigError(f"no config.json at {path}")
+    raw = config_file.read_bytes()
+    try:
+        cfg = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{config_file}: invalid JSON ({e})") from e
+    gen_file = config_file.parent / "generation_config.json"
+    gen = json.loads(gen_file.read_text()) if gen_file.is_file() else None
+    return parse_model_spec(cfg, gen, hashlib.sha256(raw).hexdigest())

@@ -1,0 +1,25 @@
+"""RMS norms, torch reference (statistics in float32, as the HF implementations do)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_fp32: bool = False) -> torch.Tensor:
+    """`weight_in_fp32`: Nemotron-H multiplies by the weight before casting back (others after)."""
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if weight_in_fp32:
+        return (weight.float() * h).to(dtype)
+    return weight * h.to(dtype)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int) -> torch.Tensor:
+    """Mamba2's output norm: RMS-normalize x * silu(gate) within groups of `group_size` channels."""
+    dtype = x.dtype
+    h = x.float() * F.silu(gate.float())
+    g = h.view(*h.shape[:-1], -1, group_size)
+    g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * g.view_as(h).to(dtype)

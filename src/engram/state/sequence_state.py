@@ -1,0 +1,78 @@
+"""The captured model state of one sequence: what a snapshot stores and a restore loads.
+
+Tensor names follow the snapshot format (DESIGN.md): `layers.<i>.conv`, `layers.<i>.ssm` for
+recurrent layers and `layers.<i>.k`, `layers.<i>.v` (`[state_len, kv_heads, head_dim]`) for
+attention layers. `expected_tensors` is the one place that derives those names and shapes from a
+`ModelSpec`; the engine's pools and the snapshot verifier both check against it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engram.models.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class StateDtypes:
+    conv: torch.dtype
+    ssm: torch.dtype
+    kv: torch.dtype
+
+
+@dataclass
+class SequenceState:
+    """State after consuming `tokens[:state_len]`; `tokens` may run past it (the last sampled token)."""
+
+    tokens: list[int]
+    state_len: int
+    tensors: dict[str, torch.Tensor]
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.state_len <= len(self.tokens):
+            raise ValueError(f"state_len {self.state_len} outside 0..{len(self.tokens)}")
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def without_attention_kv(self) -> "SequenceState":
+        """A copy that lacks every attention layer's KV (used to show such a state is wrong)."""
+        kept = {k: v for k, v in self.tensors.items() if not k.endswith((".k", ".v"))}
+        return SequenceState(list(self.tokens), self.state_len, kept)
+
+
+def expected_tensors(spec: ModelSpec, dtypes: StateDtypes, state_len: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Name -> (shape, dtype) of every tensor a complete state of `spec` holds."""
+    out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    if spec.mamba is not None:
+        for i in spec.mamba_layers:
+            out[f"layers.{i}.conv"] = (spec.mamba.conv_state_shape, dtypes.conv)
+            out[f"layers.{i}.ssm"] = (spec.mamba.ssm_state_shape, dtypes.ssm)
+    if spec.attention is not None:
+        kv_shape = (state_len, spec.attention.num_kv_heads, spec.attention.head_dim)
+        for i in spec.attention_layers:
+            out[f"layers.{i}.k"] = (kv_shape, dtypes.kv)
+            out[f"layers.{i}.v"] = (kv_shape, dtypes.kv)
+    return out
+
+
+def check_state(spec: ModelSpec, dtypes: StateDtypes, state: SequenceState) -> None:
+    """Raise ValueError naming the first missing, extra, misshapen, mistyped or non-finite tensor."""
+    expected = expected_tensors(spec, dtypes, state.state_len)
+    missing = sorted(set(expected) - set(state.tensors))
+    extra = sorted(set(state.tensors) - set(expected))
+    if missing:
+        raise ValueError(f"state lacks tensors: {', '.join(missing)}")
+    if extra:
+        raise ValueError(f"state has unexpected tensors: {', '.join(extra)}")
+    for name, (shape, dtype) in expected.items():
+        t = state.tensors[name]
+        if tuple(t.shape) != shape:
+            raise ValueError(f"tensor {name} has shape {tuple(t.shape)}, expected {shape}")
+        if t.dtype != dtype:
+            raise ValueError(f"tensor {name} has dtype {t.dtype}, expected {dtype}")
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise ValueError(f"tensor {name} holds non-finite values")
