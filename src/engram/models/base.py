@@ -30,10 +30,14 @@ class CausalLM(nn.Module):
         self.spec = spec
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
-        if spec.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        self.tie_weights()
         self.layers = nn.ModuleList()
         self.norm: nn.Module
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the LM head (again after `to_empty`, which unties them)."""
+        if self.spec.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Next-token logits (float32) for the rows `batch.logits_indices`."""

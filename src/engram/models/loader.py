@@ -27,6 +27,7 @@ def load_model(spec: ModelSpec, model_path: str | Path, dtype: torch.dtype, devi
     with torch.device("meta"):
         model = model_class(spec)(spec)
     model = model.to(dtype=dtype).to_empty(device=device)
+    model.tie_weights()
     params = dict(model.named_parameters(remove_duplicate=False))
     params.update(model.named_buffers(remove_duplicate=False))
     loaded: set[str] = set()

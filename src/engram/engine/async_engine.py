@@ -1,0 +1,185 @@
+"""`AsyncEngine`: an `LLMEngine` driven by one background thread, consumed from asyncio.
+
+The engine is not thread-safe, so only the loop thread touches it. Every other call (add, abort,
+flush) is queued as a command that the thread runs between steps; results come back through
+futures, and outputs through a per-request `asyncio.Queue` fed with `call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from engram.engine.request import RequestOutput, SamplingParams
+
+if TYPE_CHECKING:
+    from engram.engine.engine import EngineStats, LLMEngine
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class EngineDeadError(RuntimeError):
+    """The loop thread has stopped: shut down, or the engine failed twice in a row."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput | BaseException]
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the consumer's loop is closed: nobody is listening
+            pass
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._cond = threading.Condition()
+        self._commands: list[tuple[Callable[[], Any], Future]] = []
+        self._streams: dict[str, _Stream] = {}  # live requests; loop thread only
+        self._stats = engine.stats()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._error: BaseException | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="engram-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join()
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    # -- API (event loop side) -------------------------------------------------------------
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, **kwargs: Any
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs until it finishes. Bad input raises ValueError on the
+        first iteration; a consumer that stops early aborts the request."""
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        finished = False
+        try:
+            await self._call(lambda: self._add(request_id, prompt_token_ids, params, stream, kwargs))
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self._submit(lambda: self._abort(request_id, stream))
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a running request; its consumer receives a final output with reason ABORT."""
+        await self._call(lambda: self._abort(request_id, None))
+
+    async def flush_cache(self) -> bool:
+        return await self._call(self.engine.flush_cache)
+
+    def stats(self) -> EngineStats:
+        """The engine's stats as of the end of the last loop iteration."""
+        return self._stats
+
+    async def _call(self, fn: Callable[[], T]) -> T:
+        return await asyncio.wrap_future(self._submit(fn))
+
+    def _submit(self, fn: Callable[[], T]) -> Future[T]:
+        future: Future[T] = Future()
+        with self._cond:
+            if self._error is not None or self._stopping:
+                future.set_exception(EngineDeadError(f"engine is not running: {self._error or 'shut down'}"))
+                return future
+            self._commands.append((fn, future))
+            self._cond.notify()
+        return future
+
+    # -- loop thread -----------------------------------------------------------------------
+
+    def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, stream: _Stream, kwargs: dict) -> None:
+        self.engine.add_request(request_id, prompt_token_ids, params, **kwargs)
+        self._streams[request_id] = stream
+
+    def _abort(self, request_id: str, stream: _Stream | None) -> None:
+        """Abort `request_id` if it is still running (and, given `stream`, still that consumer's)."""
+        live = self._streams.get(request_id)
+        if live is not None and (stream is None or live is stream):
+            self.engine.abort_request(request_id)
+
+    def _run(self) -> None:
+        failed_last_step = False
+        while True:
+            with self._cond:
+                while not (self._commands or self._stopping or self.engine.has_unfinished_requests()):
+                    self._cond.wait()
+                if self._stopping:
+                    break
+                commands, self._commands = self._commands, []
+            for fn, future in commands:
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn())
+                    except Exception as e:  # reported to the caller
+                        future.set_exception(e)
+            outputs: list[RequestOutput] = []
+            if self.engine.has_unfinished_requests():
+                try:
+                    outputs = self.engine.step()
+                    failed_last_step = False
+                except Exception as e:
+                    logger.exception("engine step failed")
+                    if failed_last_step:  # aborting the failed batch did not recover the engine
+                        self._error = e
+                        break
+                    failed_last_step = True
+                    self._fail_running(e)
+            self._stats = self.engine.stats()  # before dispatch: no consumer sees stats older than its output
+            self._dispatch(outputs)
+        self._close(self._error or EngineDeadError("engine shut down"))
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.pop(out.request_id, None) if out.finished else self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put(out)
+
+    def _fail_running(self, error: Exception) -> None:
+        """Report a failed step to every request in it and abort them, leaving the engine empty."""
+        for request_id in list(self._streams):
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:
+                logger.exception("abort of %s after a failed step failed", request_id)
+            self._streams.pop(request_id).put(RuntimeError(f"engine step failed: {error!r}"))
+
+    def _close(self, error: BaseException) -> None:
+        with self._cond:
+            self._stopping = True
+            commands, self._commands = self._commands, []
+        for _, future in commands:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(EngineDeadError(str(error)))
+        for stream in self._streams.values():
+            stream.put(EngineDeadError(str(error)))
+        self._streams.clear()

@@ -1,0 +1,54 @@
+"""Start the HTTP server: `engram serve`, `python -m engram serve` or `python -m engram.launch_server`."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+from typing import TYPE_CHECKING
+
+from engram.args import EngineArgs, ServerArgs, add_dataclass_args, from_namespace
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    add_dataclass_args(parser, EngineArgs)
+    add_dataclass_args(parser, ServerArgs)
+
+
+def build_app(engine_args: EngineArgs, server_args: ServerArgs) -> FastAPI:
+    """Load the engine (the embedded model when no --model-path is given) and wrap it in the app."""
+    from engram.engine.async_engine import AsyncEngine
+    from engram.engine.engine import LLMEngine
+    from engram.server.app import create_app
+
+    if engine_args.model_path is None:
+        from engram.models.embedded import EMBEDDED_MODEL_NAME, ensure_embedded_model
+
+        engine_args = dataclasses.replace(engine_args, model_path=str(ensure_embedded_model()))
+        server_args = dataclasses.replace(server_args, served_model_name=server_args.served_model_name or EMBEDDED_MODEL_NAME)
+    return create_app(AsyncEngine(LLMEngine(engine_args)), server_args)
+
+
+def serve(engine_args: EngineArgs, server_args: ServerArgs) -> None:
+    import uvicorn
+
+    logging.basicConfig(level=server_args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = build_app(engine_args, server_args)
+    uvicorn.run(app, host=server_args.host, port=server_args.port, log_level=server_args.log_level)
+
+
+def run(ns: argparse.Namespace) -> None:
+    serve(from_namespace(EngineArgs, ns), from_namespace(ServerArgs, ns))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m engram.launch_server", description=__doc__)
+    add_server_args(parser)
+    run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

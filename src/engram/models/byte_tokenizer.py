@@ -1,0 +1,71 @@
+"""A byte-level tokenizer (ids 0-255 are the bytes) with chat special tokens.
+
+Used by the embedded model and by the tests' random checkpoints. Any UTF-8 text round-trips
+exactly. The chat template emits nothing after `<|end|>`, so an assistant message renders as
+`<|assistant|>` + content + `<|end|>`: exactly what the model produced after the generation
+prompt when it stopped at EOS. A conversation can therefore be continued token for token.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
+PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|end|>"
+ROLES = ("system", "user", "assistant", "tool")
+SPECIAL_TOKENS = (PAD, BOS, EOS, *(f"<|{role}|>" for role in ROLES))
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] not in ['system', 'user', 'assistant', 'tool'] %}"
+    "{{ raise_exception('unknown chat role: ' ~ m['role']) }}"
+    "{% endif %}"
+    "<|{{ m['role'] }}|>"
+    "{% if m['content'] is string %}{{ m['content'] }}"
+    "{% elif m['content'] %}{% for part in m['content'] %}{{ part['text'] }}{% endfor %}"
+    "{% endif %}"
+    "<|end|>"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def build_byte_tokenizer() -> PreTrainedTokenizerFast:
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: byte for byte, ch in enumerate(_byte_symbols())}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token=PAD,
+        bos_token=BOS,
+        eos_token=EOS,
+        additional_special_tokens=list(SPECIAL_TOKENS[3:]),
+        clean_up_tokenization_spaces=False,
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=1 << 20,
+    )
+
+
+def save_byte_tokenizer(path: str | Path) -> None:
+    build_byte_tokenizer().save_pretrained(str(path))
+
+
+def _byte_symbols() -> list[str]:
+    """GPT-2's byte-to-unicode map (what the ByteLevel pre-tokenizer emits), indexed by byte."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
+    symbols, remapped = [], 0
+    for byte in range(256):
+        if byte in printable:
+            symbols.append(chr(byte))
+        else:
+            symbols.append(chr(256 + remapped))
+            remapped += 1
+    return symbols

@@ -1,0 +1,52 @@
+"""Bearer-key auth as ASGI middleware, so it runs before routing and body parsing on every route.
+
+`--api-key` guards every route (the admin key is accepted too). `--admin-api-key` guards the admin
+routes; without it they take the API key.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from engram.server.errors import APIError, error_response
+
+
+@dataclass(frozen=True)
+class AuthConfig:
+    api_key: str | None
+    admin_api_key: str | None
+    admin_paths: frozenset[str]
+
+    def allowed_keys(self, path: str) -> list[str]:
+        if path in self.admin_paths and self.admin_api_key:
+            return [self.admin_api_key]
+        return [k for k in (self.api_key, self.admin_api_key if self.api_key else None) if k]
+
+
+def _bearer(scope: Scope) -> str | None:
+    for name, value in scope.get("headers", ()):
+        if name == b"authorization":
+            scheme, _, token = value.decode("latin-1").partition(" ")
+            return token.strip() if scheme.lower() == "bearer" else None
+    return None
+
+
+class AuthMiddleware:
+    def __init__(self, app: ASGIApp, config: AuthConfig) -> None:
+        self.app = app
+        self.config = config
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            keys = self.config.allowed_keys(scope["path"])
+            token = _bearer(scope)
+            if keys and not (token and any(secrets.compare_digest(token.encode(), k.encode()) for k in keys)):
+                message = "missing API key" if token is None else "invalid API key"
+                response = error_response(APIError(401, f"{message}: send `Authorization: Bearer <key>`", code="invalid_api_key"))
+                response.headers["WWW-Authenticate"] = "Bearer"
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

@@ -1,0 +1,37 @@
+"""A uvicorn server on a background thread, for tests, notebooks and benchmarks.
+
+    with BackgroundServer(app) as server:
+        httpx.get(server.url + "/health")
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import uvicorn
+from fastapi import FastAPI
+
+
+class BackgroundServer:
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning") -> None:
+        self.app = app
+        self._socket = socket.create_server((host, port))  # port 0: a free one, held from now on
+        self.url = f"http://{host}:{self._socket.getsockname()[1]}"
+        self._server = uvicorn.Server(uvicorn.Config(app, log_level=log_level))
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]}, daemon=True)
+
+    def __enter__(self) -> BackgroundServer:
+        self._thread.start()
+        deadline = time.monotonic() + 60
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.should_exit = True
+        self._thread.join()
+        self._socket.close()

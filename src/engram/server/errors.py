@@ -1,0 +1,79 @@
+"""Every error the server answers, in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`."""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from engram.engine.async_engine import EngineDeadError
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    409: "conflict_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+def error_for(exc: Exception) -> APIError:
+    """The API error an exception stands for: its own status, 503 for a dead engine, else 500."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, str(exc))
+    return APIError(500, f"internal error: {exc!r}")
+
+
+def error_body(err: APIError) -> dict:
+    kind = _ERROR_TYPES.get(err.status, "invalid_request_error" if err.status < 500 else "server_error")
+    return {"error": {"message": err.message, "type": kind, "param": err.param, "code": err.code}}
+
+
+def error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(error_body(err), status_code=err.status)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    messages, first_param = [], None
+    for err in exc.errors():
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        if err.get("type") == "json_invalid":
+            return f"malformed JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}", None
+        where = ".".join(loc)
+        first_param = first_param or where or None
+        messages.append(f"{where}: {err['msg']}" if where else err["msg"])
+    return "; ".join(messages) or "invalid request", first_param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return error_response(APIError(400, message, param=param))
+
+    @app.exception_handler(HTTPException)
+    async def _http(_: Request, exc: HTTPException) -> JSONResponse:
+        message = exc.detail if isinstance(exc.detail, str) else HTTPStatus(exc.status_code).phrase
+        return error_response(APIError(exc.status_code, message))
+
+    async def _any(_: Request, exc: Exception) -> JSONResponse:
+        return error_response(error_for(exc))
+
+    # APIError and EngineDeadError get their own entries so that Starlette answers them without
+    # re-raising; what reaches the catch-all `Exception` entry is answered, then re-raised (logged).
+    for kind in (APIError, EngineDeadError, Exception):
+        app.add_exception_handler(kind, _any)

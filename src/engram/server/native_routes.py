@@ -1,0 +1,124 @@
+"""SGLang-native routes: `/generate`, health, model info, metrics, and the admin `/flush_cache`."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from engram.engine.request import FinishReason, RequestOutput, SamplingParams, TokenLogprob
+from engram.server.errors import APIError
+from engram.server.protocol import GenerateRequest, GenerateResponse, MetaInfo
+from engram.server.serving import collect, get_serving
+from engram.server.streaming import cancel_on_disconnect, sse, sse_response
+
+router = APIRouter()
+admin_router = APIRouter()  # guarded by --admin-api-key
+
+HEALTH_GENERATE_TIMEOUT_S = 20.0
+
+
+@router.post("/generate", response_model=None)
+@cancel_on_disconnect
+async def generate(request: GenerateRequest, raw_request: Request):
+    s = get_serving(raw_request)
+    prompt_ids = s.encode_prompt(request.text if request.text is not None else request.input_ids)
+    params = s.sampling_params(request.sampling_fields())
+    rid = request.rid or uuid.uuid4().hex
+    start = time.perf_counter()
+    outputs = await s.generate(rid, prompt_ids, params)
+    if request.stream:
+        return sse_response(_generate_events(rid, request.return_logprob, start, outputs))
+    out, logprobs = await collect(outputs)
+    return _response(rid, out, logprobs if request.return_logprob else None, start)
+
+
+async def _generate_events(rid: str, return_logprob: bool, start: float, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+    """SGLang streams cumulative responses: each event holds the text and ids so far."""
+    logprobs: list[TokenLogprob] = []
+    async for out in outputs:
+        logprobs += out.logprobs or []
+        yield sse(_response(rid, out, logprobs if return_logprob else None, start))
+
+
+def _response(rid: str, out: RequestOutput, logprobs: list[TokenLogprob] | None, start: float) -> GenerateResponse:
+    meta = MetaInfo(
+        id=rid,
+        finish_reason=_finish_reason(out),
+        prompt_tokens=len(out.prompt_token_ids),
+        completion_tokens=len(out.token_ids),
+        cached_tokens=out.num_cached_tokens,
+        e2e_latency=time.perf_counter() - start,
+    )
+    if logprobs is not None:
+        meta.output_token_logprobs = [(lp.logprob, lp.token_id, None) for lp in logprobs]
+        meta.output_top_logprobs = [[(v, t, None) for t, v in lp.top] for lp in logprobs]
+    return GenerateResponse(text=out.text, output_ids=out.token_ids, meta_info=meta)
+
+
+def _finish_reason(out: RequestOutput) -> dict[str, Any] | None:
+    if out.finish_reason is None:
+        return None
+    if out.finish_reason == FinishReason.LENGTH:
+        return {"type": "length", "length": len(out.token_ids)}
+    if out.finish_reason == FinishReason.ABORT:
+        return {"type": "abort", "message": "the request was aborted"}
+    return {"type": "stop", "matched": out.stop_reason}
+
+
+@router.get("/health")
+async def health(raw_request: Request) -> Response:
+    if not get_serving(raw_request).engine.is_alive:
+        raise APIError(503, "the engine is not running")
+    return Response(status_code=200)
+
+
+@router.get("/health_generate")
+async def health_generate(raw_request: Request) -> Response:
+    """Generate one token end to end (bypassing the request metrics)."""
+    engine = get_serving(raw_request).engine
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+
+    async def one_token() -> None:
+        async for _ in engine.generate(f"health-{uuid.uuid4().hex}", [0], params):
+            pass
+
+    try:
+        await asyncio.wait_for(one_token(), HEALTH_GENERATE_TIMEOUT_S)
+    except TimeoutError:
+        raise APIError(503, f"the engine generated no token within {HEALTH_GENERATE_TIMEOUT_S:g} s") from None
+    return Response(status_code=200)
+
+
+@router.get("/get_model_info")
+async def get_model_info(raw_request: Request) -> dict[str, Any]:
+    s = get_serving(raw_request)
+    core = s.engine.engine
+    return {
+        "model_path": str(core.model_path),
+        "tokenizer_path": str(core.model_path) if s.tokenizer is not None else None,
+        "served_model_name": s.model_name,
+        "is_generation": True,
+        "architecture": core.spec.architecture,
+        "model_type": core.spec.model_type,
+        "context_length": core.max_context_length,
+        "vocab_size": core.spec.vocab_size,
+        "layers": core.spec.layout(),
+    }
+
+
+@router.get("/metrics")
+async def metrics(raw_request: Request) -> Response:
+    return Response(get_serving(raw_request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+@admin_router.api_route("/flush_cache", methods=["GET", "POST"])
+async def flush_cache(raw_request: Request) -> dict[str, Any]:
+    if not await get_serving(raw_request).engine.flush_cache():
+        raise APIError(409, "the cache was not flushed: requests are running; retry when idle")
+    return {"success": True, "message": "cache flushed"}

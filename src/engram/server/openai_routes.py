@@ -1,0 +1,148 @@
+"""OpenAI-compatible routes: `/v1/models`, `/v1/chat/completions`, `/v1/completions`."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+
+from engram.engine.request import RequestOutput, TokenLogprob
+from engram.server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    ModelCard,
+    ModelList,
+    TopLogprob,
+    Usage,
+)
+from engram.server.serving import Serving, collect, get_serving
+from engram.server.streaming import cancel_on_disconnect, sse, sse_response
+
+router = APIRouter()
+
+
+@router.get("/v1/models")
+async def list_models(raw_request: Request) -> ModelList:
+    s = get_serving(raw_request)
+    core = s.engine.engine
+    card = ModelCard(id=s.model_name, created=s.created, root=str(core.model_path), max_model_len=core.max_context_length)
+    return ModelList(data=[card])
+
+
+@router.post("/v1/chat/completions", response_model=None)
+@cancel_on_disconnect
+async def chat_completions(request: ChatCompletionRequest, raw_request: Request):
+    s = get_serving(raw_request)
+    s.check_model(request.model)
+    prompt_ids = s.encode_chat([m.template_dict() for m in request.messages])
+    params = s.sampling_params(request.sampling_fields())
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    outputs = await s.generate(rid, prompt_ids, params)
+    if request.stream:
+        return sse_response(_chat_events(s, request, rid, outputs))
+    out, logprobs = await collect(outputs)
+    choice = ChatChoice(
+        message=AssistantMessage(content=out.text),
+        logprobs=_chat_logprobs(s, logprobs if params.logprobs is not None else None),
+        finish_reason=_finish_reason(out),
+    )
+    return ChatCompletionResponse(id=rid, model=s.model_name, choices=[choice], usage=Usage.of(out))
+
+
+async def _chat_events(s: Serving, request: ChatCompletionRequest, rid: str, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+    created = int(time.time())
+
+    def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
+        return sse(ChatCompletionChunk(id=rid, created=created, model=s.model_name, choices=choices, usage=usage))
+
+    yield chunk([ChatChunkChoice(delta=DeltaMessage(role="assistant", content=""))])
+    async for out in outputs:
+        if out.new_text or out.logprobs or out.finished:
+            delta = DeltaMessage(content=out.new_text or None)
+            yield chunk([ChatChunkChoice(delta=delta, logprobs=_chat_logprobs(s, out.logprobs), finish_reason=_finish_reason(out))])
+    if request.include_usage:
+        yield chunk([], Usage.of(out))
+
+
+@router.post("/v1/completions", response_model=None)
+@cancel_on_disconnect
+async def completions(request: CompletionRequest, raw_request: Request):
+    s = get_serving(raw_request)
+    s.check_model(request.model)
+    prompt_ids = s.encode_prompt(request.prompt)
+    params = s.sampling_params(request.sampling_fields())
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    outputs = await s.generate(rid, prompt_ids, params)
+    if request.stream:
+        return sse_response(_completion_events(s, request, rid, outputs))
+    out, logprobs = await collect(outputs)
+    choice = CompletionChoice(
+        text=out.text,
+        logprobs=_completion_logprobs(s, logprobs if params.logprobs is not None else None, 0),
+        finish_reason=_finish_reason(out),
+    )
+    return CompletionResponse(id=rid, model=s.model_name, choices=[choice], usage=Usage.of(out))
+
+
+async def _completion_events(s: Serving, request: CompletionRequest, rid: str, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+    created = int(time.time())
+
+    def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> str:
+        return sse(CompletionResponse(id=rid, created=created, model=s.model_name, choices=choices, usage=usage))
+
+    async for out in outputs:
+        if out.new_text or out.logprobs or out.finished:
+            offset = len(out.text) - len(out.new_text)
+            logprobs = _completion_logprobs(s, out.logprobs, offset)
+            yield chunk([CompletionChoice(text=out.new_text, logprobs=logprobs, finish_reason=_finish_reason(out))])
+    if request.include_usage:
+        yield chunk([], Usage.of(out))
+
+
+def _finish_reason(out: RequestOutput) -> str | None:
+    return out.finish_reason.value if out.finish_reason is not None else None
+
+
+def _top_logprob(s: Serving, token_id: int, logprob: float) -> TopLogprob:
+    text = s.token_text(token_id)
+    return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+
+
+def _chat_logprobs(s: Serving, logprobs: list[TokenLogprob] | None) -> ChatLogprobs | None:
+    if logprobs is None:
+        return None
+    content = [
+        ChatTokenLogprob(**_top_logprob(s, lp.token_id, lp.logprob).model_dump(),
+                         top_logprobs=[_top_logprob(s, t, v) for t, v in lp.top])
+        for lp in logprobs
+    ]
+    return ChatLogprobs(content=content)
+
+
+def _completion_logprobs(s: Serving, logprobs: list[TokenLogprob] | None, offset: int) -> CompletionLogprobs | None:
+    if logprobs is None:
+        return None
+    tokens = [s.token_text(lp.token_id) for lp in logprobs]
+    offsets = []
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token)
+    return CompletionLogprobs(
+        tokens=tokens,
+        token_logprobs=[lp.logprob for lp in logprobs],
+        top_logprobs=[{s.token_text(t): v for t, v in lp.top} for lp in logprobs],
+        text_offset=offsets,
+    )

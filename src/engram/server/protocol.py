@@ -1,0 +1,292 @@
+"""Request and response bodies: OpenAI's (chat, completions, models) and SGLang's (`/generate`).
+
+Requests validate strictly (no "5" for 5) and ignore unknown fields, except SGLang's
+`sampling_params`, where an unknown key is usually a misspelled one (`max_tokens` for
+`max_new_tokens`) and is refused. Each request maps its fields to `SamplingParams` names in
+`sampling_fields()`; `None` means "the engine's default".
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_serializer, model_validator
+
+from engram.engine.request import RequestOutput
+
+
+def _only_one(n: int) -> int:
+    if n != 1:
+        raise ValueError(f"only n=1 is supported, got {n}")
+    return n
+
+
+SingleChoice = Annotated[int, AfterValidator(_only_one)]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+
+# ---- OpenAI requests ------------------------------------------------------------------------
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class _OpenAIRequest(_Request):
+    model: str
+    temperature: float | None = None
+    top_p: float | None = None
+    n: SingleChoice = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    # vLLM's extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def _common_fields(self) -> dict[str, Any]:
+        names = ("temperature", "top_p", "stop", "seed", "frequency_penalty", "presence_penalty", "top_k",
+                 "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens")
+        return {name: getattr(self, name) for name in names}
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def template_dict(self) -> dict[str, str]:
+        """The message as chat templates expect it (content parts joined into one string)."""
+        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
+        message = {"role": self.role, "content": content}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class ChatCompletionRequest(_OpenAIRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs=true")
+        return self
+
+    def sampling_fields(self) -> dict[str, Any]:
+        return {
+            **self._common_fields(),
+            "max_tokens": self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens,
+            "logprobs": (self.top_logprobs or 0) if self.logprobs else None,
+        }
+
+
+class CompletionRequest(_OpenAIRequest):
+    prompt: str | list[int]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+
+    def sampling_fields(self) -> dict[str, Any]:
+        return {**self._common_fields(), "max_tokens": self.max_tokens, "logprobs": self.logprobs}
+
+
+# ---- OpenAI responses -----------------------------------------------------------------------
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+    @classmethod
+    def of(cls, out: RequestOutput) -> Usage:
+        prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
+        return cls(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=out.num_cached_tokens))
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class _Response(BaseModel):
+    id: str
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+
+
+class ChatCompletionResponse(_Response):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatCompletionChunk(_Response):
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionResponse(_Response):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+    usage: Usage | None = None  # None on stream chunks
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "engram"
+    root: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# ---- SGLang-native --------------------------------------------------------------------------
+
+
+class NativeSamplingParams(_Request):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    max_new_tokens: int | None = 128
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    sampling_seed: int | None = None
+    n: SingleChoice = 1
+
+
+class GenerateRequest(_Request):
+    text: str | None = None
+    input_ids: list[int] | None = None
+    sampling_params: NativeSamplingParams = Field(default_factory=NativeSamplingParams)
+    stream: bool = False
+    rid: str | None = Field(default=None, min_length=1, max_length=256)
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> GenerateRequest:
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("give exactly one of text and input_ids")
+        return self
+
+    def sampling_fields(self) -> dict[str, Any]:
+        fields = self.sampling_params.model_dump(exclude={"max_new_tokens", "sampling_seed", "n"})
+        return {
+            **fields,
+            "max_tokens": self.sampling_params.max_new_tokens,
+            "seed": self.sampling_params.sampling_seed,
+            "logprobs": self.top_logprobs_num if self.return_logprob else None,
+        }
+
+
+class MetaInfo(BaseModel):
+    id: str
+    finish_reason: dict[str, Any] | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    e2e_latency: float
+    output_token_logprobs: list[tuple[float, int, None]] | None = None  # (logprob, token id, text)
+    output_top_logprobs: list[list[tuple[float, int, None]]] | None = None
+
+
+class GenerateResponse(BaseModel):
+    text: str
+    output_ids: list[int]
+    meta_info: MetaInfo

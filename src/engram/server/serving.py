@@ -1,0 +1,95 @@
+"""What every route shares: the engine, the tokenizer, the served model name and the metrics.
+
+The server deals in token ids and strings only; `Serving` is where text becomes token ids,
+request fields become `SamplingParams`, and a request is started on the engine.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+import jinja2
+from fastapi import Request
+
+from engram.engine.async_engine import AsyncEngine
+from engram.engine.request import RequestOutput, SamplingParams, TokenLogprob
+from engram.server.errors import APIError
+from engram.server.metrics import Metrics, RequestTimer
+
+
+class Serving:
+    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.metrics = Metrics(engine)
+        self.tokenizer = engine.engine.tokenizer
+        self.created = int(time.time())
+
+    def check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+
+    def _require_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            raise APIError(400, "the model has no tokenizer: send token ids instead of text")
+        return self.tokenizer
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        tokenizer = self._require_tokenizer()
+        try:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except (ValueError, jinja2.TemplateError) as e:
+            raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        return self._require_tokenizer().encode(prompt) if isinstance(prompt, str) else prompt
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else ""
+
+    @staticmethod
+    def sampling_params(fields: dict[str, Any]) -> SamplingParams:
+        """Build SamplingParams from request fields named like its own; None keeps its default."""
+        try:
+            return SamplingParams(**{k: v for k, v in fields.items() if v is not None})
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Start a request and wait for its first output, so that bad input (the engine raises
+        ValueError) is answered with 400 before a response, streaming or not, has begun."""
+        timer = self.metrics.timer()
+        outputs = self.engine.generate(request_id, prompt_ids, params)
+        try:
+            first = await anext(outputs)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        return _timed(outputs, first, timer)
+
+
+async def _timed(outputs: AsyncIterator[RequestOutput], first: RequestOutput, timer: RequestTimer) -> AsyncIterator[RequestOutput]:
+    async with aclosing(outputs):  # closing this generator aborts the request
+        out = first
+        while True:
+            timer.observe(out)
+            yield out
+            if out.finished:
+                return
+            out = await anext(outputs)
+
+
+async def collect(outputs: AsyncIterator[RequestOutput]) -> tuple[RequestOutput, list[TokenLogprob]]:
+    """Drain a request: its final output and the logprobs of all its tokens."""
+    logprobs: list[TokenLogprob] = []
+    async for out in outputs:
+        logprobs += out.logprobs or []
+    return out, logprobs
+
+
+def get_serving(request: Request) -> Serving:
+    return request.app.state.serving

@@ -1,0 +1,71 @@
+"""Server-sent events, and aborting a request whose client has gone away.
+
+A streaming response is cancelled by Starlette when its client disconnects; the cancellation
+closes the engine stream, which aborts the request. A non-streaming handler gets the same
+treatment from `cancel_on_disconnect`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from fastapi import Request, Response
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
+
+from engram.server.errors import error_body, error_for
+
+logger = logging.getLogger(__name__)
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse(data: BaseModel | dict) -> str:
+    payload = data.model_dump_json() if isinstance(data, BaseModel) else json.dumps(data, separators=(",", ":"))
+    return f"data: {payload}\n\n"
+
+
+def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
+    """Stream `events`, then `data: [DONE]`. An error after the headers went out is sent in-band."""
+
+    async def body() -> AsyncIterator[str]:
+        try:
+            async for event in events:
+                yield event
+        except Exception as e:
+            logger.exception("streaming request failed")
+            yield sse(error_body(error_for(e)))
+        yield SSE_DONE
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+async def _client_gone(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def cancel_on_disconnect(handler: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    """Run a route handler (which takes `raw_request: Request`) as a task that is cancelled if the
+    client disconnects first; cancelling it aborts its engine request and frees the slot."""
+
+    @functools.wraps(handler)
+    async def wrapper(*args: Any, **kwargs: Any) -> Any:
+        work = asyncio.ensure_future(handler(*args, **kwargs))
+        watch = asyncio.ensure_future(_client_gone(kwargs["raw_request"]))
+        try:
+            done, _ = await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not work.done():
+                work.cancel()
+        if work not in done:
+            return Response(status_code=499)  # nobody will read it
+        return work.result()
+
+    return wrapper

@@ -1,0 +1,342 @@
+"""Snapshot format v1 (DESIGN.md): one safetensors file per conversation turn.
+
+    <root>/<conversation_id>/<branch>/<turn:06d>.safetensors
+
+The file holds `tokens` (int32 [n]) and the state tensors named by `expected_tensors`; its header
+metadata key "engram" holds the JSON manifest. A save is one atomic commit (temp file, fsync,
+rename, folder fsync); a load returns nothing unless every check passes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import secrets
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+import torch
+from safetensors import safe_open
+
+from engram.models.spec import ModelSpec
+from engram.state.identity import ModelIdentity, safetensors_header
+from engram.state.sequence_state import SequenceState, StateDtypes, check_state
+
+FORMAT = "engram-state/1"
+MAX_TURN = 999_999  # turns are six digits in file names
+_ID_RE = re.compile(r"[A-Za-z0-9_.-]{1,128}")
+_PARENT_RE = re.compile(r"(?!\.\.?/)[A-Za-z0-9_.-]{1,128}/[0-9]{6}")
+_SNAPSHOT_NAME_RE = re.compile(r"[0-9]{6}\.safetensors")
+
+log = logging.getLogger(__name__)
+
+
+class SnapshotError(Exception):
+    """Base of every snapshot failure; the message says what failed."""
+
+
+class SnapshotNotFoundError(SnapshotError):
+    pass
+
+
+class SnapshotCorruptError(SnapshotError):
+    """The file is unreadable, incomplete or inconsistent with its own manifest."""
+
+
+class SnapshotIncompatibleError(SnapshotError):
+    """A sound snapshot made by another format, model, tokenizer, layout or state dtype."""
+
+
+class InvalidIdError(SnapshotError, ValueError):
+    pass
+
+
+def validate_id(value: str, what: str) -> str:
+    """Return `value` if it is a safe path component: `[A-Za-z0-9_.-]{1,128}`, not '.' or '..'."""
+    if not isinstance(value, str) or not _ID_RE.fullmatch(value) or value in (".", ".."):
+        raise InvalidIdError(
+            f"invalid {what} {value!r:.80}: ids are 1-128 characters of A-Z a-z 0-9 _ . - and not '.' or '..'"
+        )
+    return value
+
+
+def _validate_turn(turn: int) -> int:
+    if not isinstance(turn, int) or isinstance(turn, bool) or not 1 <= turn <= MAX_TURN:
+        raise InvalidIdError(f"invalid turn {turn!r:.80}: must be an integer in 1..{MAX_TURN}")
+    return turn
+
+
+@dataclass(kw_only=True)
+class SnapshotMeta:
+    conversation_id: str
+    branch: str = "main"
+    turn: int
+    parent: str | None = None  # "<branch>/<turn:06d>" of the snapshot this one continues
+    created_at: float = field(default_factory=time.time)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        validate_id(self.conversation_id, "conversation_id")
+        validate_id(self.branch, "branch")
+        _validate_turn(self.turn)
+        if self.parent is not None and not (isinstance(self.parent, str) and _PARENT_RE.fullmatch(self.parent)):
+            raise InvalidIdError(f"invalid parent {self.parent!r:.80}: expected '<branch>/<turn:06d>'")
+
+
+def snapshot_path(root: str | Path, conversation_id: str, branch: str, turn: int) -> Path:
+    return (
+        Path(root)
+        / validate_id(conversation_id, "conversation_id")
+        / validate_id(branch, "branch")
+        / f"{_validate_turn(turn):06d}.safetensors"
+    )
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _dtype_names(dtypes: StateDtypes) -> dict[str, str]:
+    return {f.name: _dtype_name(getattr(dtypes, f.name)) for f in fields(dtypes)}
+
+
+def tensor_checksum(tensors: Mapping[str, torch.Tensor]) -> str:
+    """sha256 over the tensors in sorted name order; for each, the UTF-8 bytes of
+    `f"{name}\\0{dtype}\\0{comma-joined shape}\\0"` (dtype as torch names it, e.g. "bfloat16")
+    followed by its raw little-endian element bytes in row-major order, exactly as stored on disk.
+    Tensors must be on the CPU."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        h.update(f"{name}\0{_dtype_name(t.dtype)}\0{','.join(map(str, t.shape))}\0".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def _check_tokens(tokens: torch.Tensor | None, token_count: Any, state_len: Any, vocab_size: int) -> None:
+    """Raise ValueError unless `tokens` is int32 [token_count] of in-vocabulary ids covering `state_len`."""
+    if tokens is None:
+        raise ValueError("the 'tokens' tensor is missing")
+    if tokens.dtype != torch.int32 or tokens.dim() != 1:
+        raise ValueError(f"tokens must be int32 [n], got {_dtype_name(tokens.dtype)} {tuple(tokens.shape)}")
+    if tokens.numel() != token_count:
+        raise ValueError(f"tokens holds {tokens.numel()} ids but token_count is {token_count!r}")
+    if not isinstance(state_len, int) or not 0 <= state_len <= token_count:
+        raise ValueError(f"state_len {state_len!r} outside 0..{token_count}")
+    if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size):
+        raise ValueError(f"token ids outside the vocabulary 0..{vocab_size - 1}")
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _make_dirs(folder: Path) -> None:
+    """mkdir -p, fsyncing each new folder's parent so the folders survive a crash too."""
+    missing = []
+    while not folder.is_dir():
+        missing.append(folder)
+        folder = folder.parent
+    for d in reversed(missing):
+        d.mkdir(exist_ok=True)
+        _fsync_dir(d.parent)
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    """Readers see the old file or the complete new one, never a part; a failure leaves no temp file."""
+    _make_dirs(path.parent)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        with open(tmp, "xb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def save_snapshot(
+    root: str | Path,
+    state: SequenceState,
+    meta: SnapshotMeta,
+    spec: ModelSpec,
+    dtypes: StateDtypes,
+    model: ModelIdentity,
+    tokenizer_sha256: str,
+) -> Path:
+    """Write `state` as snapshot `meta.turn` of `meta.branch`, replacing any earlier file of that turn."""
+    try:
+        check_state(spec, dtypes, state)
+        tokens = torch.tensor(state.tokens, dtype=torch.int32)
+        _check_tokens(tokens, len(state.tokens), state.state_len, spec.vocab_size)
+    except (ValueError, RuntimeError) as e:  # RuntimeError: a token id overflows int32
+        raise SnapshotError(f"refusing to save an invalid state: {e}") from e
+    path = snapshot_path(root, meta.conversation_id, meta.branch, meta.turn)
+    tensors = {name: t.detach().to("cpu").contiguous() for name, t in state.tensors.items()}
+    tensors["tokens"] = tokens
+    manifest = {
+        "format": FORMAT,
+        "model": asdict(model),
+        "tokenizer": {"sha256": tokenizer_sha256},
+        "layout": spec.layout(),
+        "dtypes": _dtype_names(dtypes),
+        "conversation_id": meta.conversation_id,
+        "branch": meta.branch,
+        "turn": meta.turn,
+        "parent": meta.parent,
+        "created_at": meta.created_at,
+        "state_len": state.state_len,
+        "token_count": len(state.tokens),
+        "checksum": tensor_checksum(tensors),
+        "extra": meta.extra,
+    }
+    metadata = {"engram": json.dumps(manifest, sort_keys=True, allow_nan=False)}
+    _atomic_write(path, safetensors.torch.save(tensors, metadata=metadata))
+    return path
+
+
+def _read_header(path: Path) -> dict:
+    """The parsed safetensors header, after checking the file holds all the tensor data it describes."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            raw = safetensors_header(f)
+    except FileNotFoundError:
+        raise SnapshotNotFoundError(f"no snapshot at {path}") from None
+    except (OSError, ValueError) as e:
+        raise SnapshotCorruptError(f"{path}: unreadable header: {e}") from e
+    try:
+        header = json.loads(raw)
+        data_len = max((e["data_offsets"][1] for k, e in header.items() if k != "__metadata__"), default=0)
+        complete_size = 8 + len(raw) + data_len
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+        raise SnapshotCorruptError(f"{path}: malformed header: {e!r}") from e
+    if size != complete_size:
+        raise SnapshotCorruptError(f"{path}: truncated or incomplete: header describes {complete_size} bytes, file has {size}")
+    return header
+
+
+def _parse_manifest(metadata: Any, path: Path) -> dict:
+    try:
+        manifest = json.loads(metadata["engram"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise SnapshotCorruptError(f"{path}: no readable 'engram' manifest in the header ({e!r})") from e
+    if not isinstance(manifest, dict):
+        raise SnapshotCorruptError(f"{path}: the 'engram' manifest is not a JSON object")
+    return manifest
+
+
+def read_manifest(path: str | Path) -> dict:
+    """The manifest, read from the header alone (no tensor data), for fast listing."""
+    path = Path(path)
+    return _parse_manifest(_read_header(path).get("__metadata__"), path)
+
+
+def _section(manifest: dict, key: str) -> dict:
+    value = manifest.get(key)
+    return value if isinstance(value, dict) else {}
+
+
+def _check_compatible(
+    manifest: dict, path: Path, spec: ModelSpec, dtypes: StateDtypes, model: ModelIdentity, tokenizer_sha256: str
+) -> None:
+    if manifest.get("format") != FORMAT:
+        raise SnapshotIncompatibleError(f"{path}: format {manifest.get('format')!r} is not supported (this build reads {FORMAT!r})")
+    saved_model = _section(manifest, "model")
+    for key, ours in asdict(model).items():
+        if saved_model.get(key) != ours:
+            raise SnapshotIncompatibleError(
+                f"{path}: made by a different model: {key} is {saved_model.get(key)!r} in the snapshot, {ours!r} here"
+            )
+    saved_tokenizer = _section(manifest, "tokenizer").get("sha256")
+    if saved_tokenizer != tokenizer_sha256:
+        raise SnapshotIncompatibleError(
+            f"{path}: made with a different tokenizer: sha256 {saved_tokenizer!r} in the snapshot, {tokenizer_sha256!r} here"
+        )
+    if manifest.get("layout") != spec.layout():
+        raise SnapshotIncompatibleError(f"{path}: layer layout differs: {manifest.get('layout')} in the snapshot, {spec.layout()} here")
+    saved_dtypes = _section(manifest, "dtypes")
+    for key, ours in _dtype_names(dtypes).items():
+        if saved_dtypes.get(key) != ours:
+            raise SnapshotIncompatibleError(
+                f"{path}: state dtype differs: {key} is {saved_dtypes.get(key)!r} in the snapshot, {ours!r} here"
+            )
+
+
+def load_snapshot(
+    path: str | Path,
+    spec: ModelSpec,
+    dtypes: StateDtypes,
+    model: ModelIdentity,
+    tokenizer_sha256: str,
+    device: str | torch.device = "cpu",
+) -> tuple[SequenceState, dict]:
+    """Load and verify a snapshot: completeness, format, model, tokenizer, layout, dtypes (manifest),
+    then checksum, tokens, and every tensor's presence, shape, dtype and finiteness.
+
+    The checksum comes before the per-tensor checks so that a flipped bit reads as corruption,
+    not as, say, a non-finite value.
+    """
+    path = Path(path)
+    _read_header(path)  # clear 'not found' / 'truncated' messages before safetensors sees the file
+    try:
+        f = safe_open(str(path), framework="pt", device="cpu")
+    except Exception as e:
+        raise SnapshotCorruptError(f"{path}: unreadable: {e}") from e
+    with f:
+        manifest = _parse_manifest(f.metadata(), path)
+        _check_compatible(manifest, path, spec, dtypes, model, tokenizer_sha256)
+        try:
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+        except Exception as e:
+            raise SnapshotCorruptError(f"{path}: unreadable tensor data: {e}") from e
+    if tensor_checksum(tensors) != manifest.get("checksum"):
+        raise SnapshotCorruptError(f"{path}: checksum mismatch: the tensor data is not what was saved")
+    tokens = tensors.pop("tokens", None)
+    try:
+        _check_tokens(tokens, manifest.get("token_count"), manifest.get("state_len"), spec.vocab_size)
+        state = SequenceState(tokens.tolist(), manifest["state_len"], tensors)
+        check_state(spec, dtypes, state)
+    except ValueError as e:
+        raise SnapshotCorruptError(f"{path}: {e}") from e
+    state.tensors = {name: t.to(device) for name, t in tensors.items()}
+    return state, manifest
+
+
+def list_snapshots(root: str | Path, conversation_id: str | None = None) -> list[dict]:
+    """Manifest plus "path" of every readable snapshot under `root`, sorted by conversation, branch, turn.
+
+    Temp files of unfinished writes are skipped; an unreadable file is logged and skipped.
+    """
+    conversations = "*" if conversation_id is None else validate_id(conversation_id, "conversation_id")
+    paths = [p for p in Path(root).glob(f"{conversations}/*/*") if _SNAPSHOT_NAME_RE.fullmatch(p.name)]
+    entries = []
+    for path in sorted(paths, key=lambda p: p.parts[-3:]):
+        try:
+            entries.append({**read_manifest(path), "path": str(path)})
+        except SnapshotError as e:
+            log.warning("skipping snapshot: %s", e)
+    return entries
+
+
+def delete_snapshot(path: str | Path) -> None:
+    path = Path(path)
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        raise SnapshotNotFoundError(f"no snapshot at {path}") from None
+    _fsync_dir(path.parent)

@@ -1,0 +1,38 @@
+"""Shared fixtures: tiny random checkpoints written once per test session."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from checkpoints import write_checkpoint
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def checkpoint_dir(tmp_path_factory):
+    """checkpoint_dir(kind) -> folder of a tiny random checkpoint of that kind (cached per session)."""
+    made: dict[str, str] = {}
+
+    def make(kind: str) -> str:
+        if kind not in made:
+            made[kind] = str(write_checkpoint(kind, tmp_path_factory.mktemp(kind)))
+        return made[kind]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def hf_model():
+    """hf_model(path) -> the transformers model of a checkpoint, float32, eval mode (cached)."""
+    from transformers import AutoModelForCausalLM
+
+    loaded: dict[str, torch.nn.Module] = {}
+
+    def load(path: str) -> torch.nn.Module:
+        if path not in loaded:
+            loaded[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        return loaded[path]
+
+    return load

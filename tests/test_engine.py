@@ -1,0 +1,202 @@
+"""Engine behaviour: chunking, batching, exact split/resume, cancellation, stops, sampling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_utils import greedy, make_engine, random_prompt, record_logits, run_to_end
+from engram.engine.request import FinishReason, SamplingParams
+
+HYBRID_KINDS = ["nemotron", "bamba", "granite_rope"]
+
+
+def _prefill_logits(path: str, prompt: list[int], chunk: int) -> torch.Tensor:
+    engine = make_engine(path, max_num_batched_tokens=chunk)
+    logits = record_logits(engine)
+    engine.add_request("r", prompt, greedy(1))
+    run_to_end(engine)
+    rows = [t for t in logits if len(t)]  # steps that only advanced the prefill have no logits
+    assert len(rows) == 1
+    return rows[0][0]
+
+
+@pytest.mark.parametrize("kind", ["mamba2", "nemotron", "bamba"])
+def test_chunked_prefill_equals_one_shot(kind, checkpoint_dir):
+    path = checkpoint_dir(kind)
+    prompt = random_prompt(45, seed=3)
+    whole = _prefill_logits(path, prompt, 512)
+    for chunk in (1, 3, 7, 16):
+        torch.testing.assert_close(_prefill_logits(path, prompt, chunk), whole, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["mamba2", "nemotron"])
+def test_mixed_batch_equals_each_alone(kind, checkpoint_dir):
+    path = checkpoint_dir(kind)
+    prompts = [random_prompt(n, seed=n) for n in (3, 29, 11, 52, 1)]
+    alone = []
+    for p in prompts:
+        engine = make_engine(path)
+        engine.add_request("r", p, greedy(12))
+        alone.append(run_to_end(engine)["r"].token_ids)
+    engine = make_engine(path, max_num_batched_tokens=24)  # prefill chunks share steps with decodes
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, greedy(12))
+    together = run_to_end(engine)
+    assert [together[f"r{i}"].token_ids for i in range(len(prompts))] == alone
+
+
+@pytest.mark.parametrize("kind", ["mamba2", *HYBRID_KINDS])
+@pytest.mark.parametrize("split", [1, 8, 19, 33])
+def test_split_prefill_resumed_from_captured_state_equals_unsplit(kind, split, checkpoint_dir):
+    path = checkpoint_dir(kind)
+    prompt = random_prompt(40, seed=5)
+    engine = make_engine(path)
+    logits = record_logits(engine)
+    engine.add_request("full", prompt, greedy(10))
+    full = run_to_end(engine)["full"]
+    full_first_logits = logits[0][0]
+
+    engine.add_request("head", prompt[:split], greedy(1), capture_state=True)
+    state = run_to_end(engine)["head"].state
+    assert state is not None and state.state_len == split and state.tokens[:split] == prompt[:split]
+    logits.clear()
+    engine.add_request("resumed", prompt, greedy(10), initial_state=state)
+    resumed = run_to_end(engine)["resumed"]
+    torch.testing.assert_close(logits[0][0], full_first_logits, atol=1e-4, rtol=1e-4)
+    assert resumed.token_ids == full.token_ids
+    assert resumed.num_cached_tokens == split
+
+
+def test_resume_without_attention_kv_is_refused(checkpoint_dir):
+    engine = make_engine(checkpoint_dir("nemotron"))
+    prompt = random_prompt(20, seed=6)
+    engine.add_request("head", prompt[:10], greedy(1), capture_state=True)
+    state = run_to_end(engine)["head"].state
+    with pytest.raises(ValueError, match="lacks tensors"):
+        engine.add_request("r", prompt, greedy(4), initial_state=state.without_attention_kv())
+
+
+def test_cancel_mid_generation_frees_slot_and_pages(checkpoint_dir):
+    engine = make_engine(checkpoint_dir("nemotron"))
+    for i in range(3):
+        engine.add_request(f"r{i}", random_prompt(30, seed=i), greedy(200))
+    for _ in range(5):
+        engine.step()
+    stats = engine.stats()
+    assert stats.num_running == 3 and stats.state_slots_used == 3 and stats.kv_blocks_used > 0
+    engine.abort_request("r1")
+    assert engine.stats().state_slots_used == 2
+    outs = {o.request_id: o for o in engine.step()}
+    assert outs["r1"].finished and outs["r1"].finish_reason == FinishReason.ABORT
+    engine.abort_request("r0")
+    engine.abort_request("r2")
+    engine.step()
+    stats = engine.stats()
+    assert (stats.num_running, stats.state_slots_used, stats.kv_blocks_used) == (0, 0, 0)
+    assert not engine.has_unfinished_requests()
+
+
+def test_stop_conditions(checkpoint_dir):
+    engine = make_engine(checkpoint_dir("nemotron"))
+    prompt = random_prompt(12, seed=7)
+    engine.add_request("base", prompt, greedy(16))
+    base = run_to_end(engine)["base"]
+    assert base.finish_reason == FinishReason.LENGTH and len(base.token_ids) == 16
+
+    stop_token = base.token_ids[5]
+    engine.add_request("tok", prompt, greedy(16, stop_token_ids=[stop_token]))
+    out = run_to_end(engine)["tok"]
+    first = base.token_ids.index(stop_token)
+    assert out.token_ids == base.token_ids[: first + 1] and out.stop_reason == stop_token
+
+    eos = engine.tokenizer.eos_token_id
+    engine.add_request("eos", prompt, SamplingParams(max_tokens=16, temperature=0, stop_token_ids=[], ignore_eos=False))
+    # The EOS only stops generation when produced; with ignore_eos=True it is generated through.
+    out = run_to_end(engine)["eos"]
+    assert out.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+    assert (eos in out.token_ids) == (out.finish_reason == FinishReason.STOP)
+
+    text = base.text
+    stop_str = text[len(text) // 2 : len(text) // 2 + 2]
+    if stop_str:
+        engine.add_request("str", prompt, greedy(16, stop=[stop_str]))
+        out = run_to_end(engine)["str"]
+        assert out.finish_reason == FinishReason.STOP and out.stop_reason == stop_str
+        assert out.text == text[: text.index(stop_str)]
+
+
+def test_seeded_sampling_is_reproducible_and_params_matter(checkpoint_dir):
+    engine = make_engine(checkpoint_dir("mamba2"))
+    prompt = random_prompt(10, seed=8)
+
+    def sample(**kw) -> list[int]:
+        engine.add_request("s", prompt, SamplingParams(max_tokens=20, ignore_eos=True, **kw))
+        return run_to_end(engine)["s"].token_ids
+
+    assert sample(seed=1, temperature=1.0) == sample(seed=1, temperature=1.0)
+    assert sample(seed=1, temperature=1.0) != sample(seed=2, temperature=1.0)
+    greedy_tokens = sample(temperature=0.0)
+    # Filters that leave only the most likely token make sampling greedy, whatever the seed.
+    assert sample(seed=3, temperature=1.0, top_k=1) == greedy_tokens
+    assert sample(seed=4, temperature=2.0, top_p=1e-6) == greedy_tokens
+    assert sample(seed=5, temperature=2.0, min_p=1.0) == greedy_tokens
+    assert sample(seed=6, temperature=2.0, top_k=3) != greedy_tokens
+    assert sample(temperature=0.0, repetition_penalty=5.0) != greedy_tokens
+    assert sample(temperature=0.0, frequency_penalty=2.0) != greedy_tokens
+
+
+def test_logprobs_are_those_of_the_model(checkpoint_dir):
+    engine = make_engine(checkpoint_dir("nemotron"))
+    logits = record_logits(engine)
+    engine.add_request("r", random_prompt(9, seed=9), greedy(3, logprobs=4))
+    entries = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            entries.extend(out.logprobs or [])
+    assert len(entries) == 3
+    for entry, step_logits in zip(entries, logits):
+        ref = torch.log_softmax(step_logits[0], dim=-1)
+        assert entry.token_id == int(ref.argmax())
+        assert abs(entry.logprob - float(ref.max())) < 1e-5
+        assert [t for t, _ in entry.top] == ref.topk(4).indices.tolist()
+
+
+def test_bad_requests_are_refused_with_a_reason(checkpoint_dir):
+    engine = make_engine(checkpoint_dir("mamba2"), context_length=64)
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request("a", [], greedy(1))
+    with pytest.raises(ValueError, match="context length"):
+        engine.add_request("b", random_prompt(60, 1), greedy(10))
+    with pytest.raises(ValueError, match="vocabulary"):
+        engine.add_request("c", [10**6], greedy(1))
+    engine.add_request("d", [1, 2], greedy(1))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("d", [1, 2], greedy(1))
+
+
+def test_overloaded_kv_budget_preempts_and_every_request_stays_exact(checkpoint_dir):
+    path = checkpoint_dir("nemotron")
+    prompts = [random_prompt(24 + i, seed=20 + i) for i in range(4)]
+    alone = []
+    for p in prompts:
+        engine = make_engine(path)
+        engine.add_request("r", p, greedy(30))
+        alone.append(run_to_end(engine)["r"].token_ids)
+
+    # 4 sequences of ~55 tokens need ~16 pages of 16 tokens; the cache has 6.
+    engine = make_engine(path, max_total_tokens=96, context_length=96, kv_block_size=16, max_running_requests=4)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, greedy(30))
+    peak_blocks = 0
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+        peak_blocks = max(peak_blocks, engine.stats().kv_blocks_used)
+    stats = engine.stats()
+    assert stats.num_preemptions > 0
+    assert peak_blocks <= stats.kv_blocks_total == 6
+    assert [finished[f"r{i}"].token_ids for i in range(4)] == alone
+    assert (stats.state_slots_used, stats.kv_blocks_used, stats.num_running, stats.num_waiting) == (0, 0, 0, 0)
