@@ -153,7 +153,7 @@ def _make_dirs(folder: Path) -> None:
         _fsync_dir(d.parent)
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
+def atomic_write(path: Path, data: bytes) -> None:
     """Readers see the old file or the complete new one, never a part; a failure leaves no temp file."""
     _make_dirs(path.parent)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
@@ -205,7 +205,7 @@ def save_snapshot(
         "extra": meta.extra,
     }
     metadata = {"engram": json.dumps(manifest, sort_keys=True, allow_nan=False)}
-    _atomic_write(path, safetensors.torch.save(tensors, metadata=metadata))
+    atomic_write(path, safetensors.torch.save(tensors, metadata=metadata))
     return path
 
 

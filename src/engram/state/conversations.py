@@ -1,0 +1,418 @@
+"""Conversations: branches of numbered turns, each turn's exact tokens, and where its state lives.
+
+A turn records only what it added to its parent turn (the new prompt tokens and the model's reply
+tokens as generated, and the new messages), so a conversation's whole history is rebuilt by
+walking parent links. The record is one JSON file per conversation beside its snapshots,
+replaced atomically on every change. States live in the warm cache (host memory) and, per the
+trigger policy, in snapshot files; a continuation restores the nearest turn that has one.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from pathlib import Path
+
+from engram.models.spec import ModelSpec
+from engram.state.identity import ModelIdentity
+from engram.state.sequence_state import SequenceState, StateDtypes
+from engram.state.snapshot import (
+    SnapshotError,
+    SnapshotMeta,
+    SnapshotNotFoundError,
+    atomic_write,
+    delete_snapshot,
+    list_snapshots,
+    load_snapshot,
+    save_snapshot,
+    snapshot_path,
+    validate_id,
+)
+
+RECORD_NAME = "conversation.json"
+
+
+class ConversationError(Exception):
+    """Base of conversation failures; the message says what is wrong."""
+
+
+class ConversationNotFoundError(ConversationError):
+    pass
+
+
+class ConversationBusyError(ConversationError):
+    pass
+
+
+class ConversationConflictError(ConversationError):
+    pass
+
+
+class SnapshotTrigger(str, Enum):
+    EVERY_TURN = "every_turn"
+    EVERY_N_TURNS = "every_n_turns"
+    ON_TOOL_CALL = "on_tool_call"
+    MANUAL_ONLY = "manual_only"
+
+
+@dataclass(frozen=True)
+class SnapshotPolicy:
+    trigger: SnapshotTrigger = SnapshotTrigger.EVERY_TURN
+    every_n_turns: int = 1
+    retention_count: int = 0  # snapshots kept per branch; 0 keeps all
+
+    def wants_snapshot(self, turn: int, tool_calls: bool) -> bool:
+        if self.trigger == SnapshotTrigger.EVERY_TURN:
+            return True
+        if self.trigger == SnapshotTrigger.EVERY_N_TURNS:
+            return turn % max(1, self.every_n_turns) == 0
+        if self.trigger == SnapshotTrigger.ON_TOOL_CALL:
+            return tool_calls
+        return False
+
+
+def ref_name(branch: str, turn: int) -> str:
+    return f"{branch}/{turn:06d}"
+
+
+@dataclass
+class Turn:
+    branch: str
+    turn: int
+    parent: str | None  # ref_name of the parent turn
+    new_tokens: list[int]  # tokens added to the parent's history: new prompt part + reply as generated
+    new_messages: list[dict]  # messages added: the request's new messages + the assistant reply
+    state_len: int  # tokens of the full history the turn's state has consumed
+    created_at: float = field(default_factory=time.time)
+    tool_calls: bool = False
+    snapshot: bool = False  # a snapshot file holds this turn's state
+
+    @property
+    def ref(self) -> str:
+        return ref_name(self.branch, self.turn)
+
+
+@dataclass
+class Conversation:
+    conversation_id: str
+    turns: dict[str, Turn] = field(default_factory=dict)
+    created_at: float = field(default_factory=time.time)
+
+    def latest(self, branch: str) -> Turn | None:
+        own = [t for t in self.turns.values() if t.branch == branch]
+        return max(own, key=lambda t: t.turn, default=None)
+
+    def chain(self, turn: Turn | None) -> list[Turn]:
+        """The turns from the first to `turn`, following parent links across branches."""
+        out = []
+        while turn is not None:
+            out.append(turn)
+            turn = self.turns[turn.parent] if turn.parent else None
+        return out[::-1]
+
+    def tokens(self, turn: Turn | None) -> list[int]:
+        return [t for step in self.chain(turn) for t in step.new_tokens]
+
+    def messages(self, turn: Turn | None) -> list[dict]:
+        return [m for step in self.chain(turn) for m in step.new_messages]
+
+    def branches(self) -> list[str]:
+        return sorted({t.branch for t in self.turns.values()})
+
+    def to_json(self) -> dict:
+        return {"conversation_id": self.conversation_id, "created_at": self.created_at, "turns": [asdict(t) for t in self.turns.values()]}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Conversation":
+        turns = [Turn(**t) for t in data["turns"]]
+        return cls(data["conversation_id"], {t.ref: t for t in turns}, data.get("created_at", time.time()))
+
+
+@dataclass
+class TurnPlan:
+    """What a new turn starts from: the base turn's exact history and the nearest saved state."""
+
+    conversation_id: str
+    branch: str
+    turn: int  # the number the new turn will get
+    parent: str | None
+    history_tokens: list[int]
+    history_messages: list[dict]
+    state: SequenceState | None
+    state_tier: str | None  # "warm" or "cold" (snapshot file); None: full prefill
+
+
+class WarmCache:
+    """Host-memory states of recent turns, least recently used evicted first."""
+
+    def __init__(self, max_entries: int, max_bytes: int):
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self._states: OrderedDict[tuple[str, str], SequenceState] = OrderedDict()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self._states.values())
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def get(self, conversation_id: str, ref: str) -> SequenceState | None:
+        state = self._states.get((conversation_id, ref))
+        if state is not None:
+            self._states.move_to_end((conversation_id, ref))
+        return state
+
+    def put(self, conversation_id: str, ref: str, state: SequenceState) -> None:
+        self._states[(conversation_id, ref)] = state
+        self._states.move_to_end((conversation_id, ref))
+        while self._states and (len(self._states) > self.max_entries or self.nbytes > self.max_bytes):
+            self._states.popitem(last=False)
+
+    def drop(self, conversation_id: str, ref: str | None = None) -> None:
+        for key in [k for k in self._states if k[0] == conversation_id and (ref is None or k[1] == ref)]:
+            del self._states[key]
+
+
+class ConversationManager:
+    """The turn registry, warm states and snapshot files of every conversation. Thread-safe."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        dtypes: StateDtypes,
+        model: ModelIdentity,
+        tokenizer_sha256: str,
+        policy: SnapshotPolicy,
+        snapshot_dir: str | Path | None,
+        warm: WarmCache,
+    ):
+        self.spec, self.dtypes, self.model, self.tokenizer_sha256 = spec, dtypes, model, tokenizer_sha256
+        self.policy = policy
+        self.root = Path(snapshot_dir) if snapshot_dir is not None else None
+        self.warm = warm
+        self._conversations: dict[str, Conversation] = {}
+        self._busy: set[str] = set()
+        self._lock = threading.RLock()
+
+    @property
+    def persistent(self) -> bool:
+        return self.root is not None
+
+    # ---- records -----------------------------------------------------------------------------
+
+    def _record_path(self, conversation_id: str) -> Path:
+        return self.root / validate_id(conversation_id, "conversation_id") / RECORD_NAME
+
+    def get(self, conversation_id: str) -> Conversation | None:
+        """The conversation, loaded from disk on first access (startup indexes nothing)."""
+        validate_id(conversation_id, "conversation_id")
+        with self._lock:
+            conv = self._conversations.get(conversation_id)
+            if conv is None and self.persistent and self._record_path(conversation_id).is_file():
+                conv = Conversation.from_json(json.loads(self._record_path(conversation_id).read_text()))
+                self._conversations[conversation_id] = conv
+            return conv
+
+    def require(self, conversation_id: str) -> Conversation:
+        conv = self.get(conversation_id)
+        if conv is None:
+            raise ConversationNotFoundError(f"conversation {conversation_id!r} not found")
+        return conv
+
+    def _persist(self, conv: Conversation) -> None:
+        if self.persistent:
+            atomic_write(self._record_path(conv.conversation_id), json.dumps(conv.to_json()).encode())
+
+    def list_ids(self) -> list[str]:
+        with self._lock:
+            ids = set(self._conversations)
+            if self.persistent and self.root.is_dir():
+                ids |= {p.parent.name for p in self.root.glob(f"*/{RECORD_NAME}")}
+            return sorted(ids)
+
+    # ---- turns --------------------------------------------------------------------------------
+
+    def find_turn(self, conv: Conversation, branch: str, turn: int | None) -> Turn | None:
+        """Turn `turn` as seen from `branch` (its own turns or an ancestor's); the latest if None."""
+        if turn is None:
+            return conv.latest(branch)
+        for source in (branch, "main"):
+            match = next((t for t in conv.chain(conv.latest(source)) if t.turn == turn), None)
+            if match is not None:
+                return match
+        raise ConversationNotFoundError(f"conversation {conv.conversation_id!r} has no turn {turn} on branch {branch!r}")
+
+    def begin(self, conversation_id: str, branch: str = "main", from_turn: int | None = None) -> TurnPlan:
+        """Reserve the conversation for one new turn (409 if already busy) and say what it starts from."""
+        validate_id(conversation_id, "conversation_id")
+        validate_id(branch, "branch")
+        with self._lock:
+            if conversation_id in self._busy:
+                raise ConversationBusyError(f"conversation {conversation_id!r} already has a request in flight")
+            conv = self.get(conversation_id) or Conversation(conversation_id)
+            if from_turn is None and branch != "main" and conv.turns and conv.latest(branch) is None:
+                raise ConversationNotFoundError(f"branch {branch!r} does not exist; pass from_turn to fork it")
+            base = self.find_turn(conv, branch, from_turn)
+            if base is not None and base.branch == branch:
+                self._check_regenerable(conv, base)
+            state, tier = self._nearest_state(conv, base)
+            self._conversations.setdefault(conversation_id, conv)
+            self._busy.add(conversation_id)
+            return TurnPlan(
+                conversation_id=conversation_id,
+                branch=branch,
+                turn=(base.turn if base else 0) + 1,
+                parent=base.ref if base else None,
+                history_tokens=conv.tokens(base),
+                history_messages=conv.messages(base),
+                state=state,
+                state_tier=tier,
+            )
+
+    def _check_regenerable(self, conv: Conversation, base: Turn) -> None:
+        later = {t.ref for t in conv.turns.values() if t.branch == base.branch and t.turn > base.turn}
+        for t in conv.turns.values():
+            if t.parent in later and t.branch != base.branch:
+                raise ConversationConflictError(
+                    f"turn {t.parent} is the parent of branch {t.branch!r}; continue into a new branch instead"
+                )
+
+    def _nearest_state(self, conv: Conversation, base: Turn | None) -> tuple[SequenceState | None, str | None]:
+        for turn in reversed(conv.chain(base)):
+            state = self.warm.get(conv.conversation_id, turn.ref)
+            if state is not None:
+                return state, "warm"
+            if turn.snapshot and self.persistent:
+                try:
+                    state = self.load(conv.conversation_id, turn.branch, turn.turn)
+                except SnapshotNotFoundError:
+                    turn.snapshot = False
+                    continue
+                self.warm.put(conv.conversation_id, turn.ref, state)
+                return state, "cold"
+        return None, None
+
+    def finish(
+        self,
+        plan: TurnPlan,
+        prompt_tokens: list[int],
+        output_tokens: list[int],
+        new_messages: list[dict],
+        state: SequenceState | None,
+        tool_calls: bool = False,
+    ) -> Turn:
+        """Record the turn, keep its state warm, snapshot it per the policy, release the conversation."""
+        try:
+            with self._lock:
+                conv = self._conversations[plan.conversation_id]
+                for t in [t for t in conv.turns.values() if t.branch == plan.branch and t.turn >= plan.turn]:
+                    self._forget_turn(conv, t)  # regenerating from an earlier turn
+                turn = Turn(
+                    branch=plan.branch,
+                    turn=plan.turn,
+                    parent=plan.parent,
+                    new_tokens=prompt_tokens[len(plan.history_tokens) :] + output_tokens,
+                    new_messages=new_messages,
+                    state_len=state.state_len if state else 0,
+                    tool_calls=tool_calls,
+                )
+                conv.turns[turn.ref] = turn
+                if state is not None:
+                    self.warm.put(plan.conversation_id, turn.ref, state)
+                    if self.persistent and self.policy.wants_snapshot(turn.turn, tool_calls):
+                        self._write_snapshot(conv, turn, state)
+                self._persist(conv)
+                return turn
+        finally:
+            self.release(plan.conversation_id)
+
+    def release(self, conversation_id: str) -> None:
+        with self._lock:
+            self._busy.discard(conversation_id)
+
+    # ---- snapshots ------------------------------------------------------------------------------
+
+    def _write_snapshot(self, conv: Conversation, turn: Turn, state: SequenceState) -> None:
+        meta = SnapshotMeta(conversation_id=conv.conversation_id, branch=turn.branch, turn=turn.turn, parent=turn.parent)
+        save_snapshot(self.root, state, meta, self.spec, self.dtypes, self.model, self.tokenizer_sha256)
+        turn.snapshot = True
+        self._apply_retention(conv, turn.branch)
+
+    def _apply_retention(self, conv: Conversation, branch: str) -> None:
+        keep = self.policy.retention_count
+        if keep <= 0:
+            return
+        saved = sorted((t for t in conv.turns.values() if t.branch == branch and t.snapshot), key=lambda t: t.turn)
+        for t in saved[:-keep]:
+            delete_snapshot(snapshot_path(self.root, conv.conversation_id, t.branch, t.turn))
+            t.snapshot = False
+
+    def save(self, conversation_id: str, branch: str = "main", turn: int | None = None) -> Turn:
+        """Write a snapshot of a turn whose state is still held (the manual trigger)."""
+        self._require_persistence()
+        with self._lock:
+            conv = self.require(conversation_id)
+            target = self.find_turn(conv, branch, turn)
+            if target is None:
+                raise ConversationNotFoundError(f"conversation {conversation_id!r} has no turns on branch {branch!r}")
+            if not target.snapshot:
+                state = self.warm.get(conversation_id, target.ref)
+                if state is None:
+                    raise ConversationConflictError(f"the state of turn {target.ref} is no longer held in memory; it cannot be saved now")
+                self._write_snapshot(conv, target, state)
+                self._persist(conv)
+            return target
+
+    def load(self, conversation_id: str, branch: str, turn: int) -> SequenceState:
+        self._require_persistence()
+        path = snapshot_path(self.root, conversation_id, branch, turn)
+        return load_snapshot(path, self.spec, self.dtypes, self.model, self.tokenizer_sha256)[0]
+
+    def snapshots(self, conversation_id: str | None = None) -> list[dict]:
+        self._require_persistence()
+        return list_snapshots(self.root, conversation_id)
+
+    def delete_snapshot(self, conversation_id: str, branch: str, turn: int) -> None:
+        self._require_persistence()
+        with self._lock:
+            delete_snapshot(snapshot_path(self.root, conversation_id, branch, turn))
+            conv = self.get(conversation_id)
+            target = conv.turns.get(ref_name(branch, turn)) if conv else None
+            if target is not None:
+                target.snapshot = False
+                self._persist(conv)
+
+    def delete_conversation(self, conversation_id: str) -> None:
+        with self._lock:
+            conv = self.require(conversation_id)
+            if conversation_id in self._busy:
+                raise ConversationBusyError(f"conversation {conversation_id!r} has a request in flight")
+            for t in list(conv.turns.values()):
+                self._forget_turn(conv, t)
+            if self.persistent:
+                self._record_path(conversation_id).unlink(missing_ok=True)
+                for folder in sorted(self._record_path(conversation_id).parent.glob("*"), reverse=True):
+                    if folder.is_dir() and not any(folder.iterdir()):
+                        folder.rmdir()
+                folder = self._record_path(conversation_id).parent
+                if folder.is_dir() and not any(folder.iterdir()):
+                    folder.rmdir()
+            self._conversations.pop(conversation_id, None)
+
+    def _forget_turn(self, conv: Conversation, turn: Turn) -> None:
+        self.warm.drop(conv.conversation_id, turn.ref)
+        if turn.snapshot and self.persistent:
+            try:
+                delete_snapshot(snapshot_path(self.root, conv.conversation_id, turn.branch, turn.turn))
+            except SnapshotNotFoundError:
+                pass
+        del conv.turns[turn.ref]
+
+    def _require_persistence(self) -> None:
+        if not self.persistent:
+            raise SnapshotError("snapshot persistence is disabled (start the server with --enable-snapshot-persistence)")
