@@ -1,0 +1,179 @@
+"""Python client for an Engram server: chat by conversation, and the snapshot routes.
+
+    client = EngramClient("http://127.0.0.1:30000")
+    conv = client.conversation()
+    conv.chat("Hello")          # sends only the new message; the server keeps the state
+    SnapshotManager(client).list_conversation(conv.conversation_id)
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import httpx
+
+
+class EngramError(Exception):
+    """An error answer from the server; `status` is the HTTP status code."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(f"{status}: {message}")
+        self.status = status
+        self.message = message
+
+
+class AuthenticationError(EngramError):
+    pass
+
+
+class SnapshotNotFoundError(EngramError):
+    pass
+
+
+class SnapshotBusyError(EngramError):
+    """The conversation has a request in flight."""
+
+
+class SnapshotIncompatibleError(EngramError):
+    """The snapshot was made by another model or tokenizer, or its file is damaged."""
+
+
+class InvalidRequestError(EngramError):
+    pass
+
+
+def _error_for(response: httpx.Response) -> EngramError:
+    try:
+        body = response.json()
+    except ValueError:
+        body = {}
+    detail = body.get("error", body) if isinstance(body, dict) else body
+    message = detail.get("message", response.text) if isinstance(detail, dict) else str(detail)
+    status = response.status_code
+    if status == 401:
+        return AuthenticationError(status, message)
+    if status == 404:
+        return SnapshotNotFoundError(status, message)
+    if status == 409:
+        kind = (detail.get("type") or "") if isinstance(detail, dict) else ""
+        return SnapshotIncompatibleError(status, message) if "incompatible" in kind or "corrupt" in kind else SnapshotBusyError(status, message)
+    if status in (400, 422):
+        return InvalidRequestError(status, message)
+    return EngramError(status, message)
+
+
+class EngramClient:
+    def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 300.0):
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout)
+
+    def close(self) -> None:
+        self.http.close()
+
+    def __enter__(self) -> "EngramClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def request(self, method: str, path: str, body: dict | None = None) -> Any:
+        response = self.http.request(method, path, json=body)
+        if response.status_code >= 400:
+            raise _error_for(response)
+        return response.json()
+
+    def model(self) -> str:
+        return self.request("GET", "/v1/models")["data"][0]["id"]
+
+    def chat(self, messages: list[dict], **fields: Any) -> dict:
+        """POST /v1/chat/completions; extension fields (conversation_id, branch, from_turn) pass through."""
+        body = {"model": fields.pop("model", None) or self.model(), "messages": messages, **fields}
+        return self.request("POST", "/v1/chat/completions", {k: v for k, v in body.items() if v is not None})
+
+    def generate(self, text: str | None = None, input_ids: list[int] | None = None, **fields: Any) -> dict:
+        body = {"text": text, "input_ids": input_ids, **fields}
+        return self.request("POST", "/generate", {k: v for k, v in body.items() if v is not None})
+
+    def get_conversation(self, conversation_id: str) -> dict:
+        return self.request("GET", f"/v1/conversations/{conversation_id}")
+
+    def delete_conversation(self, conversation_id: str) -> dict:
+        return self.request("DELETE", f"/v1/conversations/{conversation_id}")
+
+    def conversation(self, conversation_id: str | None = None, branch: str = "main", **defaults: Any) -> "Conversation":
+        return Conversation(self, conversation_id, branch, **defaults)
+
+
+class SnapshotManager:
+    """The snapshot routes, with the request bodies of the SGLang-based predecessor."""
+
+    def __init__(self, endpoint: str | EngramClient, api_key: str | None = None):
+        self.client = endpoint if isinstance(endpoint, EngramClient) else EngramClient(endpoint, api_key)
+
+    def _post(self, path: str, **fields: Any) -> dict:
+        return self.client.request("POST", path, {k: v for k, v in fields.items() if v is not None})
+
+    def list_conversation(self, conversation_id: str) -> list[dict]:
+        return self._post("/list_snapshots", conversation_id=conversation_id)["snapshots"]
+
+    def get_info(self, conversation_id: str, turn_number: int | None = None, branch_name: str | None = None) -> dict:
+        return self._post("/get_snapshot_info", conversation_id=conversation_id, turn_number=turn_number, branch_name=branch_name)
+
+    def save(self, conversation_id: str | None = None, rid: str | None = None, turn_number: int | None = None, branch_name: str | None = None) -> dict:
+        return self._post("/save_snapshot", conversation_id=conversation_id, rid=rid, turn_number=turn_number, branch_name=branch_name)
+
+    def restore(
+        self,
+        conversation_id: str,
+        turn_number: int | None = None,
+        branch_name: str | None = None,
+        create_new_request: bool = False,
+        continuation_ids: list[int] | None = None,
+        max_new_tokens: int | None = None,
+        sampling_params: dict | None = None,
+    ) -> dict:
+        return self._post(
+            "/restore_snapshot",
+            conversation_id=conversation_id,
+            turn_number=turn_number,
+            branch_name=branch_name,
+            create_new_request=create_new_request,
+            continuation_ids=continuation_ids,
+            max_new_tokens=max_new_tokens,
+            sampling_params=sampling_params,
+        )
+
+    def delete(self, conversation_id: str, turn_number: int | None = None, branch_name: str | None = None) -> dict:
+        return self._post("/delete_snapshot", conversation_id=conversation_id, turn_number=turn_number, branch_name=branch_name)
+
+
+class Conversation:
+    """A server-side conversation: `.chat(text)` sends only the new user turn."""
+
+    def __init__(self, client: EngramClient, conversation_id: str | None = None, branch: str = "main", **defaults: Any):
+        self.client = client
+        self.conversation_id = conversation_id or f"conv-{uuid.uuid4().hex[:16]}"
+        self.branch = branch
+        self.defaults = defaults
+        self.turn = 0
+        self.last_response: dict | None = None
+
+    def chat(self, text: str, role: str = "user", from_turn: int | None = None, **fields: Any) -> str:
+        response = self.client.chat(
+            [{"role": role, "content": text}],
+            conversation_id=self.conversation_id,
+            branch=self.branch,
+            from_turn=from_turn,
+            **{**self.defaults, **fields},
+        )
+        self.turn = response.get("turn", self.turn + 1)
+        self.last_response = response
+        return response["choices"][0]["message"]["content"]
+
+    def fork(self, branch: str, from_turn: int) -> "Conversation":
+        """A handle on a new branch that will start from `from_turn` of this one."""
+        forked = Conversation(self.client, self.conversation_id, branch, **self.defaults)
+        forked.turn = from_turn
+        forked._fork_from = from_turn
+        return forked

@@ -1,0 +1,96 @@
+"""Tiny random checkpoints for tests, written with transformers `save_pretrained`.
+
+Shapes are deliberately odd (GQA, n_groups > 1, partial rotary, vocab larger than the tokenizer)
+and mamba chunks are small (8), so prompts of 20-60 tokens span several chunks. Weights are
+re-drawn by `randomize_decisively` so that greedy decoding is not decided by numerical noise.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engram.models.byte_tokenizer import BOS, EOS, PAD, build_byte_tokenizer
+from engram.models.embedded import randomize_decisively
+
+_MAMBA = dict(n_groups=2, state_size=12, conv_kernel=4, chunk_size=8)
+_GRANITE: dict[str, Any] = dict(
+    vocab_size=272,
+    hidden_size=48,
+    num_hidden_layers=4,
+    layer_types=["mamba", "attention", "mamba", "attention"],
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    intermediate_size=40,
+    shared_intermediate_size=56,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    # A large embedding_multiplier with tied embeddings makes the model echo its input token.
+    embedding_multiplier=2.0,
+    residual_multiplier=1.5,
+    attention_multiplier=0.25,
+    logits_scaling=0.5,
+    mamba_n_heads=4,
+    mamba_d_head=24,
+    mamba_n_groups=_MAMBA["n_groups"],
+    mamba_d_state=_MAMBA["state_size"],
+    mamba_d_conv=_MAMBA["conv_kernel"],
+    mamba_chunk_size=_MAMBA["chunk_size"],
+    tie_word_embeddings=True,
+)
+
+_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "mamba2": (
+        "Mamba2Config",
+        dict(vocab_size=270, hidden_size=48, num_hidden_layers=3, num_heads=6, head_dim=16, expand=2,
+             tie_word_embeddings=False, **_MAMBA),
+    ),
+    "mamba2_tied": (
+        "Mamba2Config",
+        dict(vocab_size=270, hidden_size=48, num_hidden_layers=3, num_heads=6, head_dim=16, expand=2,
+             tie_word_embeddings=True, **_MAMBA),
+    ),
+    "granite": ("GraniteMoeHybridConfig", _GRANITE),
+    "granite_rope": ("GraniteMoeHybridConfig", dict(_GRANITE, position_embedding_type="rope")),
+    "nemotron": (
+        "NemotronHConfig",
+        dict(vocab_size=280, hidden_size=48, hybrid_override_pattern="M*M-E*",
+             num_attention_heads=4, num_key_value_heads=2, head_dim=12, intermediate_size=64,
+             mamba_num_heads=6, mamba_head_dim=16, expand=2, n_groups=2, ssm_state_size=12, conv_kernel=4,
+             chunk_size=8, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+             moe_shared_expert_intermediate_size=40, routed_scaling_factor=2.5, n_group=1, topk_group=1,
+             tie_word_embeddings=False),
+    ),
+    "bamba": (
+        "BambaConfig",
+        dict(vocab_size=264, hidden_size=48, num_hidden_layers=4, attn_layer_indices=[1, 3],
+             num_attention_heads=4, num_key_value_heads=2, intermediate_size=64, mamba_n_heads=6,
+             mamba_d_head=16, mamba_expand=2, mamba_n_groups=2, mamba_d_state=12, mamba_d_conv=4,
+             mamba_chunk_size=8, tie_word_embeddings=False),
+    ),
+}
+
+KINDS: tuple[str, ...] = tuple(_CONFIGS)
+
+
+def write_checkpoint(kind: str, path: str | Path, seed: int = 0, **config_overrides: Any) -> Path:
+    import transformers
+
+    config_class, base = _CONFIGS[kind]
+    tokenizer = build_byte_tokenizer()
+    special = {
+        f"{name}_token_id": tokenizer.convert_tokens_to_ids(token)
+        for name, token in (("pad", PAD), ("bos", BOS), ("eos", EOS))
+    }
+    config = getattr(transformers, config_class)(**{**base, **special, "dtype": "float32", **config_overrides})
+    assert config.vocab_size >= len(tokenizer)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    randomize_decisively(model, seed)
+    path = Path(path)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(str(path))
+    return path

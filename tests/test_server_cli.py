@@ -1,0 +1,92 @@
+"""The commands: `engram serve` (the embedded model by default, as a process) and `engram chat`."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from engram import cli, launch_server
+from engram.models.embedded import EMBEDDED_MODEL_NAME, ensure_embedded_model
+
+SERVE_FLAGS = ("--model-path", "--host", "--port", "--served-model-name", "--dtype", "--max-running-requests",
+               "--api-key", "--admin-api-key", "--log-level", "--max-num-batched-tokens", "--enable-cuda-graph",
+               "--no-enable-cuda-graph")
+
+
+@pytest.mark.parametrize("main", [lambda argv: cli.main(["serve", *argv]), launch_server.main], ids=["engram-serve", "launch_server"])
+def test_serve_flags(main, capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    for flag in SERVE_FLAGS:
+        assert flag in out, flag
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """`python -m engram serve` without --model-path, as a separate process."""
+    cache = tmp_path_factory.getbasetemp() / "engram-cache"
+    ensure_embedded_model(cache)  # shared with the other server tests: generated once
+    port = free_port()
+    env = {**os.environ, "ENGRAM_CACHE_DIR": str(cache)}
+    cmd = [sys.executable, "-m", "engram", "serve", "--port", str(port), "--max-total-tokens", "4096",
+           "--context-length", "512", "--max-running-requests", "2", "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() < deadline, "the server did not come up"
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                break
+        except httpx.TransportError:
+            time.sleep(0.2)
+    yield url, proc
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def test_serve_embedded_model(served):
+    url, _ = served
+    assert [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]] == [EMBEDDED_MODEL_NAME]
+    body = {"model": EMBEDDED_MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_chat_client(served, monkeypatch, capsys):
+    url, _ = served
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n/reset\nagain\n/exit\n"))
+    cli.main(["chat", "--url", url, "--max-tokens", "4", "--temperature", "0"])
+    out = capsys.readouterr().out
+    assert f"chatting with {EMBEDDED_MODEL_NAME}" in out
+    assert out.count("assistant> ") == 2 and "(conversation reset)" in out
+    assert out.count("generated]") == 2
+
+
+def test_chat_client_reports_unreachable_server(monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+    with pytest.raises(SystemExit, match="cannot reach the server"):
+        cli.main(["chat", "--url", f"http://127.0.0.1:{free_port()}"])
+
+
+def test_serve_stops_cleanly_on_sigint(served):
+    _, proc = served
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) == 0

@@ -1,0 +1,183 @@
+"""The SGLang-native routes over plain HTTP, cancellation on disconnect, and responsiveness."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from engram.args import EngineArgs, ServerArgs
+from engram.launch_server import build_app
+from engram.models.embedded import ensure_embedded_model
+from engram.server.background import BackgroundServer
+
+MODEL = "tiny-hybrid"
+LONG = {"max_new_tokens": 900, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    path = ensure_embedded_model(tmp_path_factory.getbasetemp() / "engram-cache")
+    engine_args = EngineArgs(model_path=str(path), max_running_requests=4, max_total_tokens=8192, context_length=1024)
+    with BackgroundServer(build_app(engine_args, ServerArgs(served_model_name=MODEL))) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        yield client
+
+
+def engine_of(server):
+    return server.app.state.serving.engine
+
+
+def wait_until_idle(server, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while engine_of(server).stats().num_running or engine_of(server).stats().num_waiting:
+        assert time.monotonic() < deadline, f"still busy: {engine_of(server).stats()}"
+        time.sleep(0.02)
+
+
+def sse_events(response: httpx.Response) -> list:
+    events = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_generate_text(http):
+    body = {"text": "Hello", "sampling_params": {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}}
+    r = http.post("/generate", json=body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    meta = out["meta_info"]
+    assert len(out["output_ids"]) == meta["completion_tokens"] == 10
+    assert meta["prompt_tokens"] == 5 and meta["cached_tokens"] == 0
+    assert meta["finish_reason"] == {"type": "length", "length": 10}
+    assert isinstance(out["text"], str) and meta["e2e_latency"] > 0
+    assert http.post("/generate", json=body).json()["text"] == out["text"]  # greedy is deterministic
+
+
+def test_generate_input_ids_matches_text(http):
+    params = {"max_new_tokens": 8, "temperature": 0}
+    by_text = http.post("/generate", json={"text": "abc", "sampling_params": params}).json()
+    by_ids = http.post("/generate", json={"input_ids": list(b"abc"), "sampling_params": params, "rid": "my-rid"}).json()
+    assert by_ids["output_ids"] == by_text["output_ids"] and by_ids["text"] == by_text["text"]
+    assert by_ids["meta_info"]["id"] == "my-rid"
+
+
+def test_generate_logprobs(http):
+    body = {"text": "abc", "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True},
+            "return_logprob": True, "top_logprobs_num": 2}
+    out = http.post("/generate", json=body).json()
+    meta = out["meta_info"]
+    assert [tok for _, tok, _ in meta["output_token_logprobs"]] == out["output_ids"]
+    assert all(len(top) == 2 for top in meta["output_top_logprobs"])
+
+
+def test_generate_stream(http):
+    body = {"text": "abc", "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}, "stream": True}
+    with http.stream("POST", "/generate", json=body) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r)
+    assert len(events) >= 2
+    texts = [e["text"] for e in events]
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))  # cumulative, like SGLang
+    assert [e["meta_info"]["finish_reason"] for e in events[:-1]] == [None] * (len(events) - 1)
+    final = events[-1]
+    assert final["meta_info"]["finish_reason"]["type"] == "length" and len(final["output_ids"]) == 6
+    body["stream"] = False
+    assert http.post("/generate", json=body).json()["text"] == final["text"]
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        ({"sampling_params": {"max_new_tokens": 2}}, "exactly one of text and input_ids"),
+        ({"text": "a", "input_ids": [1]}, "exactly one of text and input_ids"),
+        ({"text": "a", "sampling_params": {"max_tokens": 5}}, "max_tokens"),  # SGLang's name is max_new_tokens
+        ({"text": "a", "sampling_params": {"n": 3}}, "n=1"),
+        ({"text": ["a", "b"]}, "text"),
+        ({"input_ids": []}, "empty"),
+        ({"input_ids": [70000]}, "vocabulary"),
+        ({"text": "a", "sampling_params": {"max_new_tokens": 5000}}, "context length"),
+        ({"text": "a", "sampling_params": {"top_p": 0}}, "top_p"),
+    ],
+)
+def test_generate_bad_requests(http, body, says):
+    r = http.post("/generate", json=body)
+    assert r.status_code == 400, r.text
+    assert says in r.json()["error"]["message"]
+
+
+def test_health_and_info(http, server):
+    assert http.get("/health").status_code == 200
+    assert http.get("/health_generate").status_code == 200
+    info = http.get("/get_model_info").json()
+    assert info["served_model_name"] == MODEL and info["is_generation"]
+    assert info["context_length"] == 1024 and "attention" in info["layers"] and "mamba" in info["layers"]
+    r = http.post("/flush_cache")
+    assert r.status_code == 200 and r.json()["success"]
+
+
+def test_metrics(http):
+    http.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
+    text = http.get("/metrics").text
+    for family in ("num_running_reqs", "num_queue_reqs", "prompt_tokens_total", "generation_tokens_total",
+                   "cached_tokens_total", "prefill_throughput", "gen_throughput", "state_slots_used",
+                   "state_pool_usage", "kv_blocks_used", "kv_pool_usage"):
+        assert f"\nengram:{family} " in text, family
+    for histogram in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"):
+        assert f"\nengram:{histogram}_count " in text, histogram
+    count = float(text.split("\nengram:time_to_first_token_seconds_count ")[1].split()[0])
+    assert count >= 1
+
+
+def test_streaming_disconnect_aborts_and_health_stays_fast(http, server):
+    before = engine_of(server).stats().generation_tokens_total
+    with http.stream("POST", "/generate", json={"text": "abc", "sampling_params": LONG, "stream": True}) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        assert engine_of(server).stats().num_running == 1
+        latencies = []
+        for _ in range(5):  # the model computes on its thread; the HTTP layer answers meanwhile
+            start = time.perf_counter()
+            assert httpx.get(server.url + "/health").status_code == 200
+            latencies.append(time.perf_counter() - start)
+        assert engine_of(server).stats().num_running == 1
+    wait_until_idle(server)
+    stats = engine_of(server).stats()
+    assert stats.state_slots_used == 0 and stats.kv_blocks_used == 0
+    assert stats.generation_tokens_total - before < LONG["max_new_tokens"]  # it was cut short
+    assert max(latencies) < 0.5, latencies
+
+
+def test_non_streaming_disconnect_aborts(server):
+    before = engine_of(server).stats().generation_tokens_total
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/generate", json={"text": "abc", "sampling_params": LONG}, timeout=0.5)
+    wait_until_idle(server)
+    assert engine_of(server).stats().state_slots_used == 0
+    assert engine_of(server).stats().generation_tokens_total - before < LONG["max_new_tokens"]
+
+
+def test_concurrent_requests(http, server):
+    bodies = [{"text": f"prompt {i}", "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}}
+              for i in range(6)]
+    alone = [http.post("/generate", json=b).json()["text"] for b in bodies]
+    results: list = [None] * len(bodies)
+
+    def send(i: int) -> None:
+        results[i] = httpx.post(server.url + "/generate", json=bodies[i], timeout=60).json()["text"]
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(bodies))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == alone  # batching (6 requests, 4 slots) does not change greedy outputs
+    wait_until_idle(server)

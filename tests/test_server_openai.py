@@ -1,0 +1,175 @@
+"""The OpenAI-compatible routes, driven over real HTTP by the official `openai` client."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from engram.args import EngineArgs, ServerArgs
+from engram.launch_server import build_app
+from engram.models.embedded import ensure_embedded_model
+from engram.server.background import BackgroundServer
+
+MODEL = "tiny-hybrid"
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    path = ensure_embedded_model(tmp_path_factory.getbasetemp() / "engram-cache")
+    engine_args = EngineArgs(model_path=str(path), max_running_requests=4, max_total_tokens=8192, context_length=1024)
+    with BackgroundServer(build_app(engine_args, ServerArgs(served_model_name=MODEL))) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(server):
+    return server.app.state.serving.tokenizer
+
+
+def chat_prompt_len(tokenizer, messages) -> int:
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return len(tokenizer.encode(text, add_special_tokens=False))
+
+
+def test_models(client, server):
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    assert models[0].max_model_len == server.app.state.serving.engine.engine.max_context_length
+
+
+def test_chat(client, tokenizer):
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    choice = r.choices[0]
+    assert r.object == "chat.completion" and r.model == MODEL and r.id.startswith("chatcmpl-")
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason == "length"
+    assert r.usage.prompt_tokens == chat_prompt_len(tokenizer, MESSAGES)
+    assert r.usage.completion_tokens == 12
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 12
+    assert r.usage.prompt_tokens_details.cached_tokens == 0
+    newer = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_completion_tokens=3, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    assert newer.usage.completion_tokens == 3
+
+
+def test_chat_greedy_is_deterministic_and_streaming_matches(client):
+    kw = dict(model=MODEL, messages=MESSAGES, max_tokens=16, temperature=0)
+    first = client.chat.completions.create(**kw)
+    second = client.chat.completions.create(**kw)
+    assert first.choices[0].message.content == second.choices[0].message.content
+
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == first.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [first.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage == first.usage
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_chat_logprobs(client):
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0,
+                                       logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 6
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        tops = [t.logprob for t in entry.top_logprobs]
+        assert tops == sorted(tops, reverse=True)
+        assert entry.logprob == pytest.approx(tops[0])  # greedy picks the best token
+    stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0, stream=True,
+                                            logprobs=True, extra_body={"ignore_eos": True})
+    streamed = [e.logprob for c in stream if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert streamed == pytest.approx([e.logprob for e in content], abs=1e-5)
+    plain = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
+    assert plain.choices[0].logprobs is None
+
+
+def test_stop_string_and_seed(client):
+    kw = dict(model=MODEL, prompt="The cat", max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
+    full = client.completions.create(**kw).choices[0].text
+    stop = full[8:10]
+    assert stop and full.index(stop) >= 1
+    stopped = client.completions.create(**kw, stop=[stop]).choices[0]
+    assert stopped.text == full[: full.index(stop)] and stopped.finish_reason == "stop"
+
+    sampled = [client.completions.create(model=MODEL, prompt="The cat", max_tokens=16, temperature=1.0, seed=7).choices[0].text
+               for _ in range(2)]
+    assert sampled[0] == sampled[1]
+
+
+def test_completions(client):
+    r = client.completions.create(model=MODEL, prompt="abc", max_tokens=8, temperature=0, logprobs=2,
+                                  extra_body={"ignore_eos": True})
+    choice = r.choices[0]
+    assert r.object == "text_completion" and r.id.startswith("cmpl-")
+    assert r.usage.prompt_tokens == 3 and r.usage.completion_tokens == 8 and r.usage.total_tokens == 11
+    assert choice.finish_reason == "length"
+    assert len(choice.logprobs.tokens) == len(choice.logprobs.token_logprobs) == 8
+    assert all(len(top) <= 2 for top in choice.logprobs.top_logprobs)
+    assert choice.logprobs.text_offset[0] == 0
+
+    stream = client.completions.create(model=MODEL, prompt="abc", max_tokens=8, temperature=0, stream=True,
+                                       stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+    assert chunks[-1].usage.completion_tokens == 8
+
+
+def test_completion_with_token_ids(client):
+    by_text = client.completions.create(model=MODEL, prompt="abc", max_tokens=5, temperature=0)
+    by_ids = client.completions.create(model=MODEL, prompt=list(b"abc"), max_tokens=5, temperature=0)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+
+
+def test_client_errors(client):
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.chat.completions.create(model="no-such-model", messages=MESSAGES)
+    with pytest.raises(openai.BadRequestError, match="context length"):
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=10**6)
+    with pytest.raises(openai.BadRequestError, match="n=1"):
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, n=2)
+    with pytest.raises(openai.BadRequestError, match="messages"):
+        client.chat.completions.create(model=MODEL, messages=[])
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "says"),
+    [
+        ("/v1/chat/completions", '{"model": "tiny-hybrid", "messages": [', "malformed JSON"),
+        ("/v1/chat/completions", "[1, 2]", "valid dictionary"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": "hi"}, "messages"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": 5}]}, "content"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "a"}]}, "role"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}], "max_tokens": "9"}, "max_tokens"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}], "max_tokens": 0}, "max_tokens"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}], "temperature": -1}, "temperature"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}, "logprobs"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}]}, "model"),
+        ("/v1/completions", {"model": MODEL, "prompt": ""}, "empty"),
+        ("/v1/completions", {"model": MODEL, "prompt": [1, 99999]}, "vocabulary"),
+        ("/v1/completions", {"model": MODEL, "prompt": "a", "logprobs": 50}, "logprobs"),
+        ("/v1/completions", {"model": MODEL, "prompt": "a", "stream": "yes"}, "stream"),
+        ("/v1/completions", {"model": MODEL, "prompt": "a" * 1100, "max_tokens": 1}, "context length"),
+    ],
+)
+def test_bad_requests_are_4xx_with_a_message(server, route, body, says):
+    kw = {"json": body} if isinstance(body, dict) else {"content": body, "headers": {"content-type": "application/json"}}
+    r = httpx.post(server.url + route, **kw)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert says in error["message"] and error["type"] == "invalid_request_error"
+
+
+def test_unknown_route_is_json_404(server):
+    r = httpx.get(server.url + "/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["message"]
