@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 
 from engram.models.byte_tokenizer import BOS, EOS, PAD, build_byte_tokenizer
 from engram.models.embedded import randomize_decisively
@@ -76,8 +77,6 @@ KINDS: tuple[str, ...] = tuple(_CONFIGS)
 
 
 def write_checkpoint(kind: str, path: str | Path, seed: int = 0, **config_overrides: Any) -> Path:
-    import transformers
-
     config_class, base = _CONFIGS[kind]
     tokenizer = build_byte_tokenizer()
     special = {

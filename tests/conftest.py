@@ -10,6 +10,16 @@ from checkpoints import write_checkpoint
 torch.set_num_threads(2)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def engram_cache(tmp_path_factory):
+    """Keep the embedded model and default snapshot folder of every test out of the home folder."""
+    cache = tmp_path_factory.getbasetemp() / "engram-cache"
+    mp = pytest.MonkeyPatch()
+    mp.setenv("ENGRAM_CACHE_DIR", str(cache))
+    yield cache
+    mp.undo()
+
+
 @pytest.fixture(scope="session")
 def checkpoint_dir(tmp_path_factory):
     """checkpoint_dir(kind) -> folder of a tiny random checkpoint of that kind (cached per session)."""

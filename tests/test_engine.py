@@ -7,6 +7,7 @@ import torch
 
 from engine_utils import greedy, make_engine, random_prompt, record_logits, run_to_end
 from engram.engine.request import FinishReason, SamplingParams
+from engram.state.sequence_state import SequenceState
 
 HYBRID_KINDS = ["nemotron", "bamba", "granite_rope"]
 
@@ -200,3 +201,20 @@ def test_overloaded_kv_budget_preempts_and_every_request_stays_exact(checkpoint_
     assert peak_blocks <= stats.kv_blocks_total == 6
     assert [finished[f"r{i}"].token_ids for i in range(4)] == alone
     assert (stats.state_slots_used, stats.kv_blocks_used, stats.num_running, stats.num_waiting) == (0, 0, 0, 0)
+
+
+def test_dropping_attention_kv_from_a_hybrid_state_changes_the_output(checkpoint_dir):
+    """What a snapshot without the attention half amounts to: the recurrent state restored over an
+    empty (zero) KV cache. The continuation differs, so the exactness tests can catch it."""
+    engine = make_engine(checkpoint_dir("nemotron"))
+    prompt = random_prompt(40, seed=11)
+    engine.add_request("head", prompt[:30], greedy(1), capture_state=True)
+    state = run_to_end(engine)["head"].state
+    engine.add_request("exact", prompt, greedy(10), initial_state=state)
+    exact = run_to_end(engine)["exact"].token_ids
+    engine.add_request("full", prompt, greedy(10))
+    assert run_to_end(engine)["full"].token_ids == exact
+
+    zero_kv = {name: torch.zeros_like(t) if name.endswith((".k", ".v")) else t for name, t in state.tensors.items()}
+    engine.add_request("lossy", prompt, greedy(10), initial_state=SequenceState(state.tokens, state.state_len, zero_kv))
+    assert run_to_end(engine)["lossy"].token_ids != exact

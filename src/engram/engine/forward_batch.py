@@ -13,14 +13,18 @@ from engram.engine.pools import KVPool, StatePool
 class ForwardBatch:
     input_ids: torch.Tensor  # [T] all new tokens of the step, sequence after sequence
     positions: torch.Tensor  # [T] position of each token in its sequence
-    seq_lens: list[int]  # new tokens per sequence
-    context_lens: list[int]  # tokens each sequence had consumed before this step
-    state_slots: torch.Tensor  # [S] StatePool slot of each sequence
-    slot_mapping: torch.Tensor  # [T] KV cache slot each new token is written to
+    seq_lens: list[int]  # new tokens per sequence (host data)
+    context_lens: list[int]  # tokens each sequence had consumed before this step (host data)
+    state_slots: torch.Tensor  # [S] StatePool slot of each sequence (-1: a padding row of a CUDA graph)
+    slot_mapping: torch.Tensor  # [T] KV cache slot each new token is written to (-1: padding)
     block_tables: torch.Tensor  # [S, max_blocks] KV pages of each sequence (-1 padded)
     logits_indices: torch.Tensor  # rows of the flat batch whose next-token logits are needed
     state_pool: StatePool
     kv_pool: KVPool
+    # The lengths again as device tensors, for kernels that must not read host data (a decode
+    # step replayed from a CUDA graph sees only these): int64 [S + 1] and int64 [S].
+    cu_seqlens: torch.Tensor | None = None
+    context_lens_t: torch.Tensor | None = None
 
     @property
     def is_decode(self) -> bool:

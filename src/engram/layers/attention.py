@@ -33,6 +33,15 @@ class Attention(nn.Module):
         k_cache, v_cache = batch.kv_pool.k[self.layer_index], batch.kv_pool.v[self.layer_index]
         k.store_kv(k_cache, v_cache, key, value, batch.slot_mapping)
         out = k.paged_attention(
-            q, k_cache, v_cache, batch.seq_lens, batch.context_lens, batch.block_tables, batch.kv_pool.block_size, s.scaling
+            q,
+            k_cache,
+            v_cache,
+            batch.seq_lens,
+            batch.context_lens,
+            batch.block_tables,
+            batch.kv_pool.block_size,
+            s.scaling,
+            batch.cu_seqlens,
+            batch.context_lens_t,
         )
         return self.o_proj(out.reshape(-1, s.num_heads * s.head_dim))

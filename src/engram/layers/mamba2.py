@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engram.engine.forward_batch import ForwardBatch
@@ -34,23 +33,25 @@ class Mamba2Mixer(nn.Module):
         ssm_pool = batch.state_pool.ssm[self.layer_index]
         slots = batch.state_slots
         weight = self.conv1d.weight[:, 0, :]
-        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*s.time_step_limit)
-        A = -torch.exp(self.A_log.float())
 
+        # Both ops read the sequences' states from the pools by slot and write them back in place.
         if batch.is_decode:
-            xbc, conv_new = k.causal_conv1d_update(xbc, weight, self.conv1d.bias, conv_pool[slots])
+            xbc = k.causal_conv1d_update(xbc, weight, self.conv1d.bias, conv_pool, slots)
         else:
-            xbc, conv_new = k.causal_conv1d_varlen(xbc, weight, self.conv1d.bias, batch.seq_lens, conv_pool[slots])
-        conv_pool[slots] = conv_new.to(conv_pool.dtype)
+            xbc = k.causal_conv1d_varlen(xbc, weight, self.conv1d.bias, conv_pool, slots, batch.seq_lens, batch.cu_seqlens)
 
         x, B, C = xbc.split([s.intermediate_size, groups * n, groups * n], dim=-1)
         x = x.reshape(-1, heads, head_dim)
         B, C = B.reshape(-1, groups, n), C.reshape(-1, groups, n)
         if batch.is_decode:
-            y, ssm_new = k.ssd_state_update(ssm_pool[slots], x, dt, A, B, C, self.D)
+            y = k.ssd_state_update(ssm_pool, slots, x, dt, self.dt_bias, s.time_step_limit, self.A_log, B, C, self.D)
         else:
-            y, ssm_new = k.ssd_varlen(x, dt, A, B, C, self.D, s.chunk_size, batch.seq_lens, ssm_pool[slots])
-        ssm_pool[slots] = ssm_new.to(ssm_pool.dtype)
+            y = k.ssd_varlen(
+                x, dt, self.dt_bias, s.time_step_limit, self.A_log, B, C, self.D, s.chunk_size, batch.seq_lens, ssm_pool, slots,
+                batch.cu_seqlens,
+            )
 
-        y = k.gated_rms_norm(y.reshape(-1, s.intermediate_size), gate, self.norm.weight, s.norm_eps, s.intermediate_size // groups)
-        return self.out_proj(y.to(hidden.dtype))
+        y = k.gated_rms_norm(
+            y.reshape(-1, s.intermediate_size), gate, self.norm.weight, s.norm_eps, s.intermediate_size // groups, hidden.dtype
+        )
+        return self.out_proj(y)

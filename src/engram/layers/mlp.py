@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engram.ops.dispatch import kernels
-from engram.ops.moe import route_sigmoid_grouped, route_softmax_topk
+from engram.ops.moe import route_sigmoid_grouped
 
 
 class GatedMLP(nn.Module):
@@ -34,8 +34,7 @@ class FusedGatedMLP(nn.Module):
         self.output_linear = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.input_linear(x).chunk(2, dim=-1)
-        return self.output_linear(F.silu(gate) * up)
+        return self.output_linear(kernels().silu_and_mul(self.input_linear(x)))
 
 
 class PlainMLP(nn.Module):
@@ -63,8 +62,10 @@ class SoftmaxTopKMoE(nn.Module):
         self.output_linear = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route_softmax_topk(self.router.layer(x), self.top_k)
-        return kernels().moe_experts(x, self.input_linear, self.output_linear, weights.to(x.dtype), ids, F.silu, True)
+        k = kernels()
+        weights, ids = k.route_softmax_topk(self.router.layer(x), self.top_k)
+        # moe_experts casts the routing weights to the activation dtype itself.
+        return k.moe_experts(x, self.input_linear, self.output_linear, weights, ids, F.silu, True)
 
 
 class SigmoidGroupedMoE(nn.Module):

@@ -29,10 +29,14 @@ def paged_attention(
     block_tables: torch.Tensor,
     block_size: int,
     scaling: float,
+    cu_seqlens: torch.Tensor | None = None,
+    context_lens_t: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, Hq, D] holds seq_lens[i] new tokens per sequence, whose KV is already stored.
 
-    Each new token at position context_lens[i] + j attends to positions 0..context_lens[i] + j."""
+    Each new token at position context_lens[i] + j attends to positions 0..context_lens[i] + j.
+    `cu_seqlens` / `context_lens_t` are the same lengths as device tensors, for fast kernels (a
+    decode step in a CUDA graph reads only those); unused here."""
     out = torch.empty_like(q)
     n_rep = q.shape[1] // k_cache.shape[1]
     start = 0

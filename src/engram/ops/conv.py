@@ -1,6 +1,9 @@
 """Depthwise causal conv1d with a carried state (Mamba2's short convolution), torch reference.
 
 x [L, C], weight [C, K], conv state [K-1, C]: the last K-1 inputs before x. SiLU applied.
+
+The batch ops read and write the state in place, in the pool `[num_slots, K-1, C]` at the
+sequences' slots (so a fast kernel never gathers or scatters whole states).
 """
 
 from __future__ import annotations
@@ -18,10 +21,10 @@ def causal_conv1d(
     return F.silu(y), window[window.shape[0] - conv_state.shape[0] :]
 
 
-def causal_conv1d_update(
+def causal_conv1d_step(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token for each of S sequences: x [S, C], conv_state [S, K-1, C]."""
+    """One token for each of S sequences: x [S, C], conv_state [S, K-1, C] -> (y, new state)."""
     window = torch.cat([conv_state.to(x.dtype), x[:, None]], dim=1)  # [S, K, C]
     y = torch.einsum("skc,ck->sc", window, weight.to(x.dtype))
     if bias is not None:
@@ -29,9 +32,27 @@ def causal_conv1d_update(
     return F.silu(y), window[:, 1:]
 
 
+def causal_conv1d_update(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_pool: torch.Tensor, slots: torch.Tensor
+) -> torch.Tensor:
+    """Decode: one token for each of S sequences (x [S, C]); conv_pool[slots] is advanced in place."""
+    y, new_state = causal_conv1d_step(x, weight, bias, conv_pool[slots])
+    conv_pool[slots] = new_state.to(conv_pool.dtype)
+    return y
+
+
 def causal_conv1d_varlen(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, seq_lens: list[int], conv_states: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flat batch: x [T, C] split by seq_lens, conv_states [S, K-1, C]."""
-    ys, states = zip(*(causal_conv1d(xi, weight, bias, conv_states[i]) for i, xi in enumerate(x.split(seq_lens))))
-    return torch.cat(ys), torch.stack(states)
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_pool: torch.Tensor,
+    slots: torch.Tensor,
+    seq_lens: list[int],
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Flat batch: x [T, C] split by seq_lens; conv_pool[slots] is read as the initial states and
+    overwritten with the final ones. `cu_seqlens` (device) is for fast kernels; unused here."""
+    states = conv_pool[slots]
+    ys, finals = zip(*(causal_conv1d(xi, weight, bias, states[i]) for i, xi in enumerate(x.split(seq_lens))))
+    conv_pool[slots] = torch.stack(finals).to(conv_pool.dtype)
+    return torch.cat(ys)

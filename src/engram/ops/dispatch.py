@@ -2,7 +2,10 @@
 
 Layers call `kernels().<op>`; the engine picks the set once at start-up. Every op of a fast set
 has the signature and semantics of the torch reference of the same name, and a test comparing
-the two on random inputs.
+the two on random inputs (tests/test_gpu_ops.py, on a CUDA machine).
+
+Ops that carry recurrent state take the state pool and the sequences' slots and update the pool
+in place; the references do it with gather/scatter, the fast kernels read and write by slot.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from engram.ops import attention, conv, moe, norm, ssd
+from engram.ops import activation, attention, conv, moe, norm, ssd
 
 
 @dataclass(frozen=True)
@@ -22,9 +25,14 @@ class KernelSet:
     causal_conv1d_update: Callable = conv.causal_conv1d_update
     rms_norm: Callable = norm.rms_norm
     gated_rms_norm: Callable = norm.gated_rms_norm
+    silu_and_mul: Callable = activation.silu_and_mul
     store_kv: Callable = attention.store_kv
     paged_attention: Callable = attention.paged_attention
+    route_softmax_topk: Callable = moe.route_softmax_topk
     moe_experts: Callable = moe.moe_experts
+    # Every op a decode step runs is free of host syncs and of data-dependent shapes, and
+    # tolerates padding rows (slot -1, context -1): the step can be captured in a CUDA graph.
+    graph_safe_decode: bool = False
 
 
 REFERENCE = KernelSet(name="torch-reference")
@@ -47,5 +55,8 @@ def select_kernels(device: str, enable_fast_ops: bool) -> KernelSet:
             from engram.ops import cuda_kernels
         except ImportError:
             return REFERENCE
-        return replace(REFERENCE, name="cuda", **cuda_kernels.available())
+        ops = cuda_kernels.available()
+        if not ops:
+            return REFERENCE
+        return replace(REFERENCE, **ops)
     return REFERENCE

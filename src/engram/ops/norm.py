@@ -16,10 +16,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_fp32: 
     return weight * h.to(dtype)
 
 
-def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int) -> torch.Tensor:
-    """Mamba2's output norm: RMS-normalize x * silu(gate) within groups of `group_size` channels."""
+def gated_rms_norm(
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    group_size: int,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Mamba2's output norm: RMS-normalize x * silu(gate) within groups of `group_size` channels.
+    The result (weight * normalized, in the promoted dtype) is cast to `out_dtype` when given."""
     dtype = x.dtype
     h = x.float() * F.silu(gate.float())
     g = h.view(*h.shape[:-1], -1, group_size)
     g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * g.view_as(h).to(dtype)
+    out = weight * g.view_as(h).to(dtype)
+    return out if out_dtype is None else out.to(out_dtype)

@@ -7,6 +7,7 @@ Shapes: x [L, H, P], dt [L, H] (already softplus'd and clamped), A [H] (negative
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def expand_groups(t: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -79,7 +80,7 @@ def ssd_chunk_scan(
     return y + x * D.float()[:, None], state
 
 
-def ssd_state_update(
+def ssd_step(
     state: torch.Tensor,
     x: torch.Tensor,
     dt: torch.Tensor,
@@ -109,30 +110,67 @@ def ssd_sequential(
     D: torch.Tensor,
     initial_state: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The recurrence by definition, one token at a time: the reference for both ops above."""
+    """The recurrence by definition, one token at a time: the reference for the ops here."""
     state = initial_state.float()[None]
     ys = []
     for t in range(x.shape[0]):
-        y, state = ssd_state_update(state, x[t : t + 1], dt[t : t + 1], A, B[t : t + 1], C[t : t + 1], D)
+        y, state = ssd_step(state, x[t : t + 1], dt[t : t + 1], A, B[t : t + 1], C[t : t + 1], D)
         ys.append(y[0])
     return torch.stack(ys), state[0]
+
+
+def discretize(
+    dt: torch.Tensor, dt_bias: torch.Tensor, dt_limit: tuple[float, float], A_log: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Raw dt [T, H] (from the input projection) -> (softplus(dt + bias) clamped, A = -exp(A_log)), float32."""
+    dt = F.softplus(dt.float() + dt_bias.float()).clamp(*dt_limit)
+    return dt, -torch.exp(A_log.float())
+
+
+def ssd_state_update(
+    ssm_pool: torch.Tensor,
+    slots: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    dt_bias: torch.Tensor,
+    dt_limit: tuple[float, float],
+    A_log: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+) -> torch.Tensor:
+    """Decode: one token for each of S sequences, raw dt [S, H]; ssm_pool[slots] [S, H, P, N] is
+    advanced in place. Returns y [S, H, P] in float32."""
+    dt, A = discretize(dt, dt_bias, dt_limit, A_log)
+    y, new_state = ssd_step(ssm_pool[slots], x, dt, A, B, C, D)
+    ssm_pool[slots] = new_state.to(ssm_pool.dtype)
+    return y
 
 
 def ssd_varlen(
     x: torch.Tensor,
     dt: torch.Tensor,
-    A: torch.Tensor,
+    dt_bias: torch.Tensor,
+    dt_limit: tuple[float, float],
+    A_log: torch.Tensor,
     B: torch.Tensor,
     C: torch.Tensor,
     D: torch.Tensor,
     chunk_size: int,
     seq_lens: list[int],
-    initial_states: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flat batch of sequences (x [T, H, P], T = sum(seq_lens)); initial_states [S, H, P, N]."""
+    ssm_pool: torch.Tensor,
+    slots: torch.Tensor,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Flat batch of sequences (x [T, H, P], T = sum(seq_lens)), raw dt [T, H]. The initial states
+    are ssm_pool[slots]; the final states are written back there. Returns y [T, H, P] (float32).
+    `cu_seqlens` (device) is for fast kernels; unused here."""
+    dt, A = discretize(dt, dt_bias, dt_limit, A_log)
+    initial = ssm_pool[slots]
     ys, finals = [], []
     for i, (xi, dti, Bi, Ci) in enumerate(zip(*(t.split(seq_lens) for t in (x, dt, B, C)))):
-        y, final = ssd_chunk_scan(xi, dti, A, Bi, Ci, D, chunk_size, initial_states[i])
+        y, final = ssd_chunk_scan(xi, dti, A, Bi, Ci, D, chunk_size, initial[i])
         ys.append(y)
         finals.append(final)
-    return torch.cat(ys), torch.stack(finals)
+    ssm_pool[slots] = torch.stack(finals).to(ssm_pool.dtype)
+    return torch.cat(ys)

@@ -13,8 +13,9 @@ from fastapi import FastAPI
 
 from engram.args import ServerArgs
 from engram.engine.async_engine import AsyncEngine
-from engram.server import native_routes, openai_routes
+from engram.server import native_routes, openai_routes, snapshot_routes
 from engram.server.auth import AuthConfig, AuthMiddleware
+from engram.server.conversations import ConversationTurns, build_manager
 from engram.server.errors import install_error_handlers
 from engram.server.serving import Serving
 
@@ -29,10 +30,12 @@ def create_app(engine: AsyncEngine, args: ServerArgs) -> FastAPI:
             await asyncio.to_thread(engine.shutdown)
 
     app = FastAPI(title="Engram", lifespan=lifespan)
-    app.state.serving = Serving(engine, args.served_model_name or engine.engine.model_path.name)
+    turns = ConversationTurns(build_manager(engine.engine, args), engine.engine.tokenizer)
+    app.state.serving = Serving(engine, args.served_model_name or engine.engine.model_path.name, turns)
     install_error_handlers(app)
-    for router in (openai_routes.router, native_routes.router, native_routes.admin_router):
+    admin_routers = (native_routes.admin_router, snapshot_routes.admin_router)
+    for router in (openai_routes.router, native_routes.router, snapshot_routes.router, *admin_routers):
         app.include_router(router)
-    admin_paths = frozenset(route.path for route in native_routes.admin_router.routes)
+    admin_paths = frozenset(route.path for r in admin_routers for route in r.routes)
     app.add_middleware(AuthMiddleware, config=AuthConfig(args.api_key, args.admin_api_key, admin_paths))
     return app

@@ -10,14 +10,31 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from engram.engine.async_engine import EngineDeadError
+from engram.state.conversations import (
+    ConversationBusyError,
+    ConversationError,
+    ConversationConflictError,
+    ConversationNotFoundError,
+)
+from engram.state.snapshot import (
+    InvalidIdError,
+    SnapshotCorruptError,
+    SnapshotError,
+    SnapshotIncompatibleError,
+    SnapshotNotFoundError,
+)
 
 _ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
     409: "conflict_error",
+    422: "invalid_request_error",
     503: "service_unavailable",
 }
+
+
+SNAPSHOT_TAG = "snapshots"  # routes with this tag answer invalid bodies with 422, as the snapshot API did
 
 
 class APIError(Exception):
@@ -29,18 +46,35 @@ class APIError(Exception):
         self.code = code
 
 
+# Conversation and snapshot failures: 404 not found, 409 busy or unusable, 422 invalid.
+_STATUS_OF = (
+    (InvalidIdError, 422, "invalid_id"),
+    (ConversationNotFoundError, 404, "conversation_not_found"),
+    (SnapshotNotFoundError, 404, "snapshot_not_found"),
+    (ConversationBusyError, 409, "conversation_busy"),
+    (ConversationConflictError, 409, "conversation_conflict"),
+    (SnapshotIncompatibleError, 409, "snapshot_incompatible"),
+    (SnapshotCorruptError, 409, "snapshot_corrupt"),
+    (SnapshotError, 409, "snapshot_unavailable"),
+)
+
+
 def error_for(exc: Exception) -> APIError:
     """The API error an exception stands for: its own status, 503 for a dead engine, else 500."""
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, EngineDeadError):
         return APIError(503, str(exc))
+    for kind, status, code in _STATUS_OF:
+        if isinstance(exc, kind):
+            return APIError(status, str(exc), code=code)
     return APIError(500, f"internal error: {exc!r}")
 
 
 def error_body(err: APIError) -> dict:
     kind = _ERROR_TYPES.get(err.status, "invalid_request_error" if err.status < 500 else "server_error")
-    return {"error": {"message": err.message, "type": kind, "param": err.param, "code": err.code}}
+    # `success` is the snapshot API's field (its predecessor's clients test it).
+    return {"success": False, "error": {"message": err.message, "type": kind, "param": err.param, "code": err.code}}
 
 
 def error_response(err: APIError) -> JSONResponse:
@@ -61,9 +95,11 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
-        return error_response(APIError(400, message, param=param))
+        route = request.scope.get("route")
+        status = 422 if route is not None and SNAPSHOT_TAG in getattr(route, "tags", ()) else 400
+        return error_response(APIError(status, message, param=param))
 
     @app.exception_handler(HTTPException)
     async def _http(_: Request, exc: HTTPException) -> JSONResponse:
@@ -73,7 +109,7 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _any(_: Request, exc: Exception) -> JSONResponse:
         return error_response(error_for(exc))
 
-    # APIError and EngineDeadError get their own entries so that Starlette answers them without
-    # re-raising; what reaches the catch-all `Exception` entry is answered, then re-raised (logged).
-    for kind in (APIError, EngineDeadError, Exception):
+    # Known errors get their own entries so that Starlette answers them without re-raising;
+    # what reaches the catch-all `Exception` entry is answered, then re-raised (logged).
+    for kind in (APIError, EngineDeadError, ConversationError, SnapshotError, Exception):
         app.add_exception_handler(kind, _any)

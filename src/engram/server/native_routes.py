@@ -31,22 +31,22 @@ async def generate(request: GenerateRequest, raw_request: Request):
     params = s.sampling_params(request.sampling_fields())
     rid = request.rid or uuid.uuid4().hex
     start = time.perf_counter()
-    outputs = await s.generate(rid, prompt_ids, params)
+    outputs = await s.generate(rid, prompt_ids, params, initial_state=s.take_staged_state(rid))
     if request.stream:
-        return sse_response(_generate_events(rid, request.return_logprob, start, outputs))
+        return sse_response(generate_events(rid, request.return_logprob, start, outputs))
     out, logprobs = await collect(outputs)
-    return _response(rid, out, logprobs if request.return_logprob else None, start)
+    return generate_response(rid, out, logprobs if request.return_logprob else None, start)
 
 
-async def _generate_events(rid: str, return_logprob: bool, start: float, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+async def generate_events(rid: str, return_logprob: bool, start: float, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
     """SGLang streams cumulative responses: each event holds the text and ids so far."""
     logprobs: list[TokenLogprob] = []
     async for out in outputs:
         logprobs += out.logprobs or []
-        yield sse(_response(rid, out, logprobs if return_logprob else None, start))
+        yield sse(generate_response(rid, out, logprobs if return_logprob else None, start))
 
 
-def _response(rid: str, out: RequestOutput, logprobs: list[TokenLogprob] | None, start: float) -> GenerateResponse:
+def generate_response(rid: str, out: RequestOutput, logprobs: list[TokenLogprob] | None, start: float) -> GenerateResponse:
     meta = MetaInfo(
         id=rid,
         finish_reason=_finish_reason(out),

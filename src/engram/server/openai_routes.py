@@ -5,10 +5,11 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 from fastapi import APIRouter, Request
 
-from engram.engine.request import RequestOutput, TokenLogprob
+from engram.engine.request import RequestOutput, SamplingParams, TokenLogprob
 from engram.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -22,6 +23,7 @@ from engram.server.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    ConversationFields,
     DeltaMessage,
     ModelCard,
     ModelList,
@@ -47,32 +49,54 @@ async def list_models(raw_request: Request) -> ModelList:
 async def chat_completions(request: ChatCompletionRequest, raw_request: Request):
     s = get_serving(raw_request)
     s.check_model(request.model)
-    prompt_ids = s.encode_chat([m.template_dict() for m in request.messages])
+    messages = [m.template_dict() for m in request.messages]
     params = s.sampling_params(request.sampling_fields())
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    outputs = await s.generate(rid, prompt_ids, params)
+    if request.conversation_id is None:
+        where = ConversationFields()
+        outputs = await s.generate(rid, s.encode_chat(messages), params)
+    else:
+        where, outputs = await _conversation_turn(s, request, rid, messages, params)
     if request.stream:
-        return sse_response(_chat_events(s, request, rid, outputs))
+        return sse_response(_chat_events(s, request, rid, outputs, where))
     out, logprobs = await collect(outputs)
     choice = ChatChoice(
         message=AssistantMessage(content=out.text),
         logprobs=_chat_logprobs(s, logprobs if params.logprobs is not None else None),
         finish_reason=_finish_reason(out),
     )
-    return ChatCompletionResponse(id=rid, model=s.model_name, choices=[choice], usage=Usage.of(out))
+    return ChatCompletionResponse(id=rid, model=s.model_name, choices=[choice], usage=Usage.of(out), **where.model_dump())
 
 
-async def _chat_events(s: Serving, request: ChatCompletionRequest, rid: str, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+async def _conversation_turn(
+    s: Serving, request: ChatCompletionRequest, rid: str, messages: list[dict], params: SamplingParams
+) -> tuple[ConversationFields, AsyncIterator[RequestOutput]]:
+    """Start the next turn of a server-side conversation: restore its state, feed only the new tokens."""
+    turns = s.conversations
+    plan = await turns.begin(request.conversation_id, request.branch, request.from_turn)
+    try:
+        outputs = await s.generate(rid, turns.prompt(plan, messages), params, initial_state=plan.state, capture_state=True)
+    except BaseException:
+        turns.manager.release(plan.conversation_id)
+        raise
+    where = ConversationFields(conversation_id=plan.conversation_id, branch=plan.branch, turn=plan.turn)
+    return where, turns.record(rid, plan, messages, outputs)
+
+
+async def _chat_events(
+    s: Serving, request: ChatCompletionRequest, rid: str, outputs: AsyncIterator[RequestOutput], where: ConversationFields
+) -> AsyncIterator[str]:
     created = int(time.time())
 
     def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
-        return sse(ChatCompletionChunk(id=rid, created=created, model=s.model_name, choices=choices, usage=usage))
+        return sse(ChatCompletionChunk(id=rid, created=created, model=s.model_name, choices=choices, usage=usage, **where.model_dump()))
 
     yield chunk([ChatChunkChoice(delta=DeltaMessage(role="assistant", content=""))])
-    async for out in outputs:
-        if out.new_text or out.logprobs or out.finished:
-            delta = DeltaMessage(content=out.new_text or None)
-            yield chunk([ChatChunkChoice(delta=delta, logprobs=_chat_logprobs(s, out.logprobs), finish_reason=_finish_reason(out))])
+    async with aclosing(outputs):
+        async for out in outputs:
+            if out.new_text or out.logprobs or out.finished:
+                delta = DeltaMessage(content=out.new_text or None)
+                yield chunk([ChatChunkChoice(delta=delta, logprobs=_chat_logprobs(s, out.logprobs), finish_reason=_finish_reason(out))])
     if request.include_usage:
         yield chunk([], Usage.of(out))
 

@@ -90,6 +90,16 @@ class ChatCompletionRequest(_OpenAIRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # Engram's extensions: continue a server-side conversation (send only the new messages).
+    conversation_id: str | None = None
+    branch: str | None = None
+    from_turn: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _conversation_fields_need_an_id(self) -> ChatCompletionRequest:
+        if self.conversation_id is None and (self.branch is not None or self.from_turn is not None):
+            raise ValueError("branch and from_turn need a conversation_id")
+        return self
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
@@ -196,13 +206,29 @@ class _Response(BaseModel):
     model: str
 
 
-class ChatCompletionResponse(_Response):
+class ConversationFields(BaseModel):
+    """Where a conversation request's turn went (Engram's extension; absent otherwise)."""
+
+    conversation_id: str | None = None
+    branch: str | None = None
+    turn: int | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset_conversation(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        for key in ("conversation_id", "branch", "turn"):
+            if data.get(key) is None:
+                data.pop(key, None)
+        return data
+
+
+class ChatCompletionResponse(_Response, ConversationFields):
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
     usage: Usage
 
 
-class ChatCompletionChunk(_Response):
+class ChatCompletionChunk(_Response, ConversationFields):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
@@ -290,3 +316,58 @@ class GenerateResponse(BaseModel):
     text: str
     output_ids: list[int]
     meta_info: MetaInfo
+
+
+# ---- snapshot routes (the SGLang-based predecessor's bodies) ----------------------------------
+
+
+class SnapshotSelector(_Request):
+    """A turn of a conversation: `turn_number` on `branch_name`, or `snapshot_id` ("branch/000003"
+    or "3"); the latest turn of the branch when neither is given."""
+
+    conversation_id: str
+    turn_number: int | None = Field(default=None, ge=1)
+    branch_name: str | None = None
+    snapshot_id: str | None = None
+
+    @model_validator(mode="after")
+    def _snapshot_id_form(self) -> SnapshotSelector:
+        if self.snapshot_id is not None and not self.snapshot_id.rpartition("/")[2].isdigit():
+            raise ValueError(f"snapshot_id {self.snapshot_id!r} is not '<branch>/<turn>' or '<turn>'")
+        return self
+
+    def target(self) -> tuple[str, int | None]:
+        if self.snapshot_id is None:
+            return self.branch_name or "main", self.turn_number
+        head, _, tail = self.snapshot_id.rpartition("/")
+        return head or self.branch_name or "main", int(tail)
+
+
+class SaveSnapshotRequest(SnapshotSelector):
+    conversation_id: str | None = None
+    rid: str | None = None
+
+    @model_validator(mode="after")
+    def _who(self) -> SaveSnapshotRequest:
+        if self.conversation_id is None and self.rid is None:
+            raise ValueError("give conversation_id or the rid of a finished conversation request")
+        return self
+
+
+class ListSnapshotsRequest(_Request):
+    conversation_id: str | None = None
+
+
+class RestoreSnapshotRequest(SnapshotSelector):
+    rid: str | None = Field(default=None, min_length=1, max_length=256)
+    create_new_request: bool = False
+    continuation_ids: list[int] | None = None
+    max_new_tokens: int | None = None
+    sampling_params: NativeSamplingParams = Field(default_factory=NativeSamplingParams)
+    stream: bool = False
+
+    def sampling_fields(self) -> dict[str, Any]:
+        fields = GenerateRequest(input_ids=[0], sampling_params=self.sampling_params).sampling_fields()
+        if self.max_new_tokens is not None:
+            fields["max_tokens"] = self.max_new_tokens
+        return fields

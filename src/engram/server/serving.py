@@ -7,6 +7,7 @@ request fields become `SamplingParams`, and a request is started on the engine.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
@@ -16,17 +17,32 @@ from fastapi import Request
 
 from engram.engine.async_engine import AsyncEngine
 from engram.engine.request import RequestOutput, SamplingParams, TokenLogprob
+from engram.server.conversations import ConversationTurns
 from engram.server.errors import APIError
 from engram.server.metrics import Metrics, RequestTimer
 
 
+MAX_STAGED_STATES = 64
+
+
 class Serving:
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str, conversations: ConversationTurns) -> None:
         self.engine = engine
         self.model_name = model_name
         self.metrics = Metrics(engine)
         self.tokenizer = engine.engine.tokenizer
+        self.conversations = conversations
+        self.staged_states: OrderedDict[str, Any] = OrderedDict()  # rid -> state from /restore_snapshot
         self.created = int(time.time())
+
+    def stage_state(self, rid: str, state: Any) -> None:
+        """Hold a restored state for the `/generate` request that will carry this rid."""
+        self.staged_states[rid] = state
+        while len(self.staged_states) > MAX_STAGED_STATES:
+            self.staged_states.popitem(last=False)
+
+    def take_staged_state(self, rid: str) -> Any:
+        return self.staged_states.pop(rid, None)
 
     def check_model(self, name: str) -> None:
         if name != self.model_name:
@@ -60,11 +76,12 @@ class Serving:
         except ValueError as e:
             raise APIError(400, str(e)) from None
 
-    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, **kwargs: Any) -> AsyncIterator[RequestOutput]:
         """Start a request and wait for its first output, so that bad input (the engine raises
-        ValueError) is answered with 400 before a response, streaming or not, has begun."""
+        ValueError) is answered with 400 before a response, streaming or not, has begun.
+        `kwargs` go to the engine (a state to restore, whether to capture the final state)."""
         timer = self.metrics.timer()
-        outputs = self.engine.generate(request_id, prompt_ids, params)
+        outputs = self.engine.generate(request_id, prompt_ids, params, **kwargs)
         try:
             first = await anext(outputs)
         except ValueError as e:

@@ -28,6 +28,8 @@ from engram.state.snapshot import (
     delete_snapshot,
     list_snapshots,
     load_snapshot,
+    read_manifest,
+    read_tokens,
     save_snapshot,
     snapshot_path,
     validate_id,
@@ -283,18 +285,13 @@ class ConversationManager:
                 )
 
     def _nearest_state(self, conv: Conversation, base: Turn | None) -> tuple[SequenceState | None, str | None]:
+        """The state of the latest turn in the base's chain that still has one, and its tier."""
         for turn in reversed(conv.chain(base)):
-            state = self.warm.get(conv.conversation_id, turn.ref)
-            if state is not None:
-                return state, "warm"
-            if turn.snapshot and self.persistent:
-                try:
-                    state = self.load(conv.conversation_id, turn.branch, turn.turn)
-                except SnapshotNotFoundError:
-                    turn.snapshot = False
-                    continue
-                self.warm.put(conv.conversation_id, turn.ref, state)
-                return state, "cold"
+            tier = "warm" if self.warm.get(conv.conversation_id, turn.ref) is not None else "cold"
+            try:
+                return self.load_into_warm(conv.conversation_id, turn), tier
+            except SnapshotNotFoundError:
+                continue
         return None, None
 
     def finish(
@@ -376,6 +373,28 @@ class ConversationManager:
     def snapshots(self, conversation_id: str | None = None) -> list[dict]:
         self._require_persistence()
         return list_snapshots(self.root, conversation_id)
+
+    def snapshot_manifest(self, conversation_id: str, turn: Turn) -> dict:
+        self._require_persistence()
+        path = snapshot_path(self.root, conversation_id, turn.branch, turn.turn)
+        if not turn.snapshot or not path.is_file():
+            raise SnapshotNotFoundError(f"turn {turn.ref} of conversation {conversation_id!r} has no snapshot")
+        return {**read_manifest(path), "path": str(path)}
+
+    @staticmethod
+    def snapshot_tokens(manifest: dict) -> list[int]:
+        """The token ids a snapshot covers (its `fill_ids`), read without the state tensors."""
+        return read_tokens(manifest["path"])
+
+    def load_into_warm(self, conversation_id: str, turn: Turn) -> SequenceState:
+        """The turn's state, from the warm cache or its verified snapshot file (then kept warm)."""
+        state = self.warm.get(conversation_id, turn.ref)
+        if state is None:
+            if not turn.snapshot:
+                raise SnapshotNotFoundError(f"turn {turn.ref} of conversation {conversation_id!r} has no snapshot and no state in memory")
+            state = self.load(conversation_id, turn.branch, turn.turn)
+            self.warm.put(conversation_id, turn.ref, state)
+        return state
 
     def delete_snapshot(self, conversation_id: str, branch: str, turn: int) -> None:
         self._require_persistence()

@@ -317,6 +317,15 @@ def load_snapshot(
     return state, manifest
 
 
+def read_tokens(path: str | Path) -> list[int]:
+    """The `tokens` tensor of a snapshot (unverified: for listings; `load_snapshot` verifies)."""
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            return f.get_tensor("tokens").tolist()
+    except Exception as e:
+        raise SnapshotCorruptError(f"{path}: unreadable tokens: {e}") from e
+
+
 def list_snapshots(root: str | Path, conversation_id: str | None = None) -> list[dict]:
     """Manifest plus "path" of every readable snapshot under `root`, sorted by conversation, branch, turn.
 

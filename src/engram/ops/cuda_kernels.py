@@ -1,0 +1,83 @@
+"""The CUDA fast path: which fast op serves which reference op.
+
+- Triton kernels of this package (engram.ops.triton_ops): RMS norms, gated RMS norm, SiLU-and-mul,
+  the single-token SSD state update and causal-conv update (in place in the state pool, by slot),
+  the varlen causal conv1d, KV store, paged attention (prefill with context and decode), router
+  top-k and the fused MoE (per-pair GEMV at small batch, grouped GEMM over the expert-sorted
+  routed tokens above).
+- fla-core (optional, the `cuda` extra): Mamba2 chunked prefill through `chunk_simple_gla`, which
+  computes SSD exactly with q=C, k=B, v=x*dt, g=A*dt, scale=1 and the groups repeated to heads,
+  over `cu_seqlens` with initial states read from the state pool. Without fla-core the prefill
+  scan stays on the torch reference.
+
+Importing this module raises ImportError when Triton is missing; `dispatch.select_kernels`
+then keeps the references.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from engram.ops import ssd as ssd_ref
+from engram.ops import triton_ops
+
+try:  # optional dependency
+    from fla.ops.simple_gla import chunk_simple_gla as _chunk_simple_gla
+except Exception:  # noqa: BLE001 - any failure to import means "not available"
+    _chunk_simple_gla = None
+
+# fla warns when a short prefill has fewer tokens than heads (it suspects head-first inputs).
+warnings.filterwarnings("ignore", message="Input tensor shape suggests potential format mismatch")
+
+
+def has_fla() -> bool:
+    return _chunk_simple_gla is not None
+
+
+def ssd_varlen_fla(x, dt, dt_bias, dt_limit, A_log, B, C, D, chunk_size, seq_lens, ssm_pool, slots, cu_seqlens=None):
+    """Mamba2 SSD over a flat varlen batch via fla's chunked simple-GLA kernels.
+
+    SSD: h_t = exp(dt_t A) h_{t-1} + (x_t dt_t) B_t^T, y_t = h_t C_t + D x_t. simple-GLA:
+    S_t = exp(g_t) S_{t-1} + k_t v_t^T, o_t = scale q_t S_t. So q=C, k=B, v=x*dt, g=A*dt, scale=1;
+    fla's state [K=N, V=P] is the transpose of the pool's [P, N]."""
+    T, H, P = x.shape
+    G = B.shape[1]
+    dtf, A = ssd_ref.discretize(dt, dt_bias, dt_limit, A_log)
+    dtype = x.dtype
+    q = C.to(dtype).repeat_interleave(H // G, dim=1)
+    k = B.to(dtype).repeat_interleave(H // G, dim=1)
+    v = (x.float() * dtf[..., None]).to(dtype)
+    g = dtf * A[None]
+    if cu_seqlens is None:
+        cu_seqlens = triton_ops._cu_seqlens(seq_lens, x.device)
+    cu_cpu = torch.tensor([0, *torch.tensor(seq_lens).cumsum(0).tolist()], dtype=torch.int64)
+    initial = ssm_pool[slots].to(torch.float32).transpose(-1, -2).contiguous()  # [S, H, N, P]
+    o, final = _chunk_simple_gla(
+        q[None], k[None], v[None], g=g[None], scale=1.0, initial_state=initial, output_final_state=True,
+        cu_seqlens=cu_seqlens.to(torch.int64), cu_seqlens_cpu=cu_cpu,
+    )
+    ssm_pool[slots] = final.transpose(-1, -2).to(ssm_pool.dtype)
+    return o[0].float() + x.float() * D.float()[:, None]
+
+
+def available() -> dict:
+    """Fields of a KernelSet: the name and the fast ops."""
+    ops = dict(
+        name="cuda-triton" + ("+fla" if has_fla() else ""),
+        causal_conv1d_varlen=triton_ops.causal_conv1d_varlen,
+        causal_conv1d_update=triton_ops.causal_conv1d_update,
+        ssd_state_update=triton_ops.ssd_state_update,
+        rms_norm=triton_ops.rms_norm,
+        gated_rms_norm=triton_ops.gated_rms_norm,
+        silu_and_mul=triton_ops.silu_and_mul,
+        store_kv=triton_ops.store_kv,
+        paged_attention=triton_ops.paged_attention,
+        route_softmax_topk=triton_ops.route_softmax_topk,
+        moe_experts=triton_ops.moe_experts,
+        graph_safe_decode=True,
+    )
+    if has_fla():
+        ops["ssd_varlen"] = ssd_varlen_fla
+    return ops

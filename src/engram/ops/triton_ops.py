@@ -1,0 +1,691 @@
+"""Triton kernels for the CUDA fast path. Each function here has the signature and semantics of the
+torch reference of the same name (engram.ops.{conv,ssd,norm,activation,attention,moe}); tests/
+test_gpu_ops.py compares them on random inputs.
+
+Kernels that touch recurrent state read and write the pools in place by slot; a slot of -1 (and a
+context length of -1 in attention) marks a padding row of a CUDA-graph batch, which reads and
+writes nothing. None of these ops syncs with the host or has data-dependent output shapes, so a
+decode step can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from engram.ops import moe as moe_ref
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def _np2(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+def _precision(t: torch.Tensor) -> str:
+    """Dot precision: exact float32 for float32 inputs (tests), native for half types."""
+    return "ieee" if t.dtype == torch.float32 else "tf32"
+
+
+# ---------------------------------------------------------------------------------------------
+# norms and activations
+
+
+@triton.jit
+def _rms_norm_kernel(X, W, Y, stride_x, stride_y, N, eps, BLOCK: tl.constexpr, W_FP32: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+    h = x.to(tl.float32)
+    var = tl.sum(h * h, axis=0) / N
+    h = h * tl.rsqrt(var + eps)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    if W_FP32:
+        y = w * h
+    else:
+        y = w * h.to(x.dtype).to(tl.float32)
+    tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_fp32: bool = False) -> torch.Tensor:
+    n = x.shape[-1]
+    x2 = x.reshape(-1, n)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out_dtype = x.dtype if weight_in_fp32 else torch.promote_types(weight.dtype, x.dtype)
+    y = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
+    if x2.shape[0]:
+        block = _np2(n)
+        _rms_norm_kernel[(x2.shape[0],)](
+            x2, weight, y, x2.stride(0), y.stride(0), n, eps, BLOCK=block, W_FP32=weight_in_fp32, num_warps=min(16, max(1, block // 256))
+        )
+    return y.view(*x.shape[:-1], n)
+
+
+@triton.jit
+def _gated_rms_norm_kernel(X, Z, W, Y, stride_x, stride_z, stride_y, GS, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    off = tl.program_id(1) * GS + tl.arange(0, BLOCK)
+    mask = tl.arange(0, BLOCK) < GS
+    x = tl.load(X + row * stride_x + off, mask=mask, other=0.0)
+    z = tl.load(Z + row * stride_z + off, mask=mask, other=0.0).to(tl.float32)
+    h = x.to(tl.float32) * (z * tl.sigmoid(z))
+    var = tl.sum(h * h, axis=0) / GS
+    h = h * tl.rsqrt(var + eps)
+    w = tl.load(W + off, mask=mask, other=0.0).to(tl.float32)
+    y = w * h.to(x.dtype).to(tl.float32)
+    tl.store(Y + row * stride_y + off, y.to(Y.dtype.element_ty), mask=mask)
+
+
+def gated_rms_norm(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    n = x.shape[-1]
+    x2, z2 = x.reshape(-1, n), gate.reshape(-1, n)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if z2.stride(-1) != 1:
+        z2 = z2.contiguous()
+    dtype = out_dtype or torch.promote_types(weight.dtype, x.dtype)
+    y = torch.empty(x2.shape, dtype=dtype, device=x.device)
+    if x2.shape[0]:
+        block = _np2(group_size)
+        _gated_rms_norm_kernel[(x2.shape[0], n // group_size)](
+            x2, z2, weight, y, x2.stride(0), z2.stride(0), y.stride(0), group_size, eps, BLOCK=block,
+            num_warps=min(16, max(1, block // 256)),
+        )
+    return y.view(*x.shape[:-1], n)
+
+
+@triton.jit
+def _silu_and_mul_kernel(H, Y, stride_h, stride_y, N, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    g = tl.load(H + row * stride_h + cols, mask=mask, other=0.0)
+    u = tl.load(H + row * stride_h + N + cols, mask=mask, other=0.0).to(tl.float32)
+    gf = g.to(tl.float32)
+    s = (gf * tl.sigmoid(gf)).to(g.dtype).to(tl.float32)
+    tl.store(Y + row * stride_y + cols, (s * u).to(Y.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(h: torch.Tensor) -> torch.Tensor:
+    n = h.shape[-1] // 2
+    h2 = h.reshape(-1, 2 * n)
+    if h2.stride(-1) != 1:
+        h2 = h2.contiguous()
+    y = torch.empty((h2.shape[0], n), dtype=h.dtype, device=h.device)
+    if h2.shape[0]:
+        block = min(1024, _np2(n))
+        _silu_and_mul_kernel[(h2.shape[0], triton.cdiv(n, block))](h2, y, h2.stride(0), y.stride(0), n, BLOCK=block, num_warps=4)
+    return y.view(*h.shape[:-1], n)
+
+
+# ---------------------------------------------------------------------------------------------
+# causal conv1d (Mamba2's short convolution), state in the pool [slots, K-1, C]
+
+
+@triton.jit
+def _conv_update_kernel(
+    X, W, Bias, Pool, Slots, Y,
+    stride_x, stride_wc, stride_wk, stride_ps, stride_pk, stride_y, C,
+    K: tl.constexpr, KPAD: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    s = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cm = c < C
+    slot = tl.load(Slots + s).to(tl.int64)
+    valid = slot >= 0
+    r = tl.arange(0, KPAD)
+    x = tl.load(X + s * stride_x + c, mask=cm, other=0.0)
+    xf = x.to(tl.float32)
+    base = Pool + slot * stride_ps
+    st = tl.load(base + r[:, None] * stride_pk + c[None, :], mask=(r[:, None] < K - 1) & cm[None, :] & valid, other=0.0)
+    win = tl.where(r[:, None] == K - 1, xf[None, :], st.to(x.dtype).to(tl.float32))
+    w = tl.load(W + c[None, :] * stride_wc + r[:, None] * stride_wk, mask=(r[:, None] < K) & cm[None, :], other=0.0).to(tl.float32)
+    acc = tl.sum(win * w, axis=0)
+    if HAS_BIAS:
+        acc += tl.load(Bias + c, mask=cm, other=0.0).to(tl.float32)
+    y = acc * tl.sigmoid(acc)
+    tl.store(Y + s * stride_y + c, y.to(Y.dtype.element_ty), mask=cm)
+    # new state row i = window row i + 1: old rows 1..K-2, then x
+    shifted = tl.load(base + (r[:, None] + 1) * stride_pk + c[None, :], mask=(r[:, None] + 1 < K - 1) & cm[None, :] & valid, other=0.0)
+    new = tl.where(r[:, None] == K - 2, xf[None, :], shifted.to(tl.float32))
+    tl.store(base + r[:, None] * stride_pk + c[None, :], new.to(Pool.dtype.element_ty), mask=(r[:, None] < K - 1) & cm[None, :] & valid)
+
+
+def causal_conv1d_update(x, weight, bias, conv_pool, slots):
+    S, C = x.shape
+    K = weight.shape[1]
+    y = torch.empty((S, C), dtype=x.dtype, device=x.device)
+    if S:
+        block = 256
+        _conv_update_kernel[(S, triton.cdiv(C, block))](
+            x, weight, bias if bias is not None else weight, conv_pool, slots, y,
+            x.stride(0), weight.stride(0), weight.stride(1), conv_pool.stride(0), conv_pool.stride(1), y.stride(0), C,
+            K=K, KPAD=_np2(K), HAS_BIAS=bias is not None, BLOCK_C=block, num_warps=4,
+        )
+    return y
+
+
+@triton.jit
+def _conv_varlen_kernel(
+    X, W, Bias, Pool, Slots, Cu, Y,
+    stride_x, stride_wc, stride_wk, stride_ps, stride_pk, stride_y, C,
+    K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    s = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+    start = tl.load(Cu + s).to(tl.int64)
+    n = tl.load(Cu + s + 1).to(tl.int64) - start
+    if tl.program_id(1) * BLOCK_T >= n:
+        return
+    slot = tl.load(Slots + s).to(tl.int64)
+    tm = t < n
+    cm = c < C
+    acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    for j in tl.static_range(K):
+        p = t - (K - 1) + j  # input position of tap j, relative to the sequence start
+        xv = tl.load(X + (start + p)[:, None] * stride_x + c[None, :], mask=(tm & (p >= 0))[:, None] & cm[None, :], other=0.0)
+        sv = tl.load(
+            Pool + slot * stride_ps + (K - 1 + p)[:, None] * stride_pk + c[None, :], mask=(tm & (p < 0))[:, None] & cm[None, :], other=0.0
+        )
+        wj = tl.load(W + c * stride_wc + j * stride_wk, mask=cm, other=0.0).to(tl.float32)
+        acc += (xv.to(tl.float32) + sv.to(xv.dtype).to(tl.float32)) * wj[None, :]
+    if HAS_BIAS:
+        acc += tl.load(Bias + c, mask=cm, other=0.0).to(tl.float32)[None, :]
+    y = acc * tl.sigmoid(acc)
+    tl.store(Y + (start + t)[:, None] * stride_y + c[None, :], y.to(Y.dtype.element_ty), mask=tm[:, None] & cm[None, :])
+
+
+@triton.jit
+def _conv_state_kernel(
+    X, Pool, Slots, Cu, stride_x, stride_ps, stride_pk, C, K: tl.constexpr, KPAD: tl.constexpr, BLOCK_C: tl.constexpr
+):
+    """New state = the last K-1 rows of [old state; x] (after the outputs are computed)."""
+    s = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cm = c < C
+    start = tl.load(Cu + s).to(tl.int64)
+    n = tl.load(Cu + s + 1).to(tl.int64) - start
+    slot = tl.load(Slots + s).to(tl.int64)
+    valid = slot >= 0
+    r = tl.arange(0, KPAD)
+    rm = r < K - 1
+    idx = n + r  # row of the window [old state (K-1); x (n)]
+    from_state = idx < K - 1
+    base = Pool + slot * stride_ps
+    sv = tl.load(base + idx[:, None] * stride_pk + c[None, :], mask=(rm & from_state)[:, None] & cm[None, :] & valid, other=0.0)
+    xv = tl.load(X + (start + idx - (K - 1))[:, None] * stride_x + c[None, :], mask=(rm & ~from_state)[:, None] & cm[None, :] & valid, other=0.0)
+    new = tl.where(from_state[:, None], sv.to(tl.float32), xv.to(tl.float32))
+    tl.store(base + r[:, None] * stride_pk + c[None, :], new.to(Pool.dtype.element_ty), mask=rm[:, None] & cm[None, :] & valid)
+
+
+def _cu_seqlens(seq_lens: list[int], device: torch.device) -> torch.Tensor:
+    cu = [0]
+    for n in seq_lens:
+        cu.append(cu[-1] + n)
+    return torch.tensor(cu, dtype=torch.int64, device=device)
+
+
+def causal_conv1d_varlen(x, weight, bias, conv_pool, slots, seq_lens, cu_seqlens=None):
+    T, C = x.shape
+    K = weight.shape[1]
+    S = len(seq_lens)
+    if cu_seqlens is None:
+        cu_seqlens = _cu_seqlens(seq_lens, x.device)
+    y = torch.empty((T, C), dtype=x.dtype, device=x.device)
+    if S == 0 or T == 0:
+        return y
+    bt, bc = 64, 128
+    bias_arg = bias if bias is not None else weight
+    _conv_varlen_kernel[(S, triton.cdiv(max(seq_lens), bt), triton.cdiv(C, bc))](
+        x, weight, bias_arg, conv_pool, slots, cu_seqlens, y,
+        x.stride(0), weight.stride(0), weight.stride(1), conv_pool.stride(0), conv_pool.stride(1), y.stride(0), C,
+        K=K, HAS_BIAS=bias is not None, BLOCK_T=bt, BLOCK_C=bc, num_warps=4,
+    )
+    _conv_state_kernel[(S, triton.cdiv(C, 256))](
+        x, conv_pool, slots, cu_seqlens, x.stride(0), conv_pool.stride(0), conv_pool.stride(1), C, K=K, KPAD=_np2(K), BLOCK_C=256, num_warps=4
+    )
+    return y
+
+
+# ---------------------------------------------------------------------------------------------
+# SSD single-token state update, state in the pool [slots, H, P, N]
+
+
+@triton.jit
+def _ssd_update_kernel(
+    Pool, Slots, X, DT, DtBias, ALog, Bm, Cm, Dp, Y,
+    stride_ps, stride_ph, stride_pp, stride_xs, stride_xh, stride_dts, stride_bs, stride_bg, stride_cs, stride_cg,
+    stride_ys, stride_yh, P, N, HPG, dt_min, dt_max,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    s = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
+    n = tl.arange(0, BLOCK_N)
+    pm = p < P
+    nm = n < N
+    g = h // HPG
+    slot = tl.load(Slots + s).to(tl.int64)
+    valid = slot >= 0
+    dt = tl.load(DT + s * stride_dts + h).to(tl.float32) + tl.load(DtBias + h).to(tl.float32)
+    dt = tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(dt)))  # softplus, threshold 20 as torch
+    dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
+    A = -tl.exp(tl.load(ALog + h).to(tl.float32))
+    decay = tl.exp(dt * A)
+    x = tl.load(X + s * stride_xs + h * stride_xh + p, mask=pm, other=0.0).to(tl.float32)
+    b = tl.load(Bm + s * stride_bs + g * stride_bg + n, mask=nm, other=0.0).to(tl.float32)
+    c = tl.load(Cm + s * stride_cs + g * stride_cg + n, mask=nm, other=0.0).to(tl.float32)
+    ptr = Pool + slot * stride_ps + h * stride_ph + p[:, None] * stride_pp + n[None, :]
+    m2 = pm[:, None] & nm[None, :] & valid
+    st = tl.load(ptr, mask=m2, other=0.0).to(tl.float32)
+    st = st * decay + (x * dt)[:, None] * b[None, :]
+    tl.store(ptr, st.to(Pool.dtype.element_ty), mask=m2)
+    y = tl.sum(st * c[None, :], axis=1) + x * tl.load(Dp + h).to(tl.float32)
+    tl.store(Y + s * stride_ys + h * stride_yh + p, y, mask=pm)
+
+
+def ssd_state_update(ssm_pool, slots, x, dt, dt_bias, dt_limit, A_log, B, C, D):
+    S, H, P = x.shape
+    G, N = B.shape[1], B.shape[2]
+    assert x.stride(2) == 1 and B.stride(2) == 1 and C.stride(2) == 1 and ssm_pool.stride(3) == 1
+    y = torch.empty((S, H, P), dtype=torch.float32, device=x.device)
+    if S:
+        bp = min(16, _np2(P))
+        _ssd_update_kernel[(S, H, triton.cdiv(P, bp))](
+            ssm_pool, slots, x, dt, dt_bias, A_log, B, C, D, y,
+            ssm_pool.stride(0), ssm_pool.stride(1), ssm_pool.stride(2), x.stride(0), x.stride(1), dt.stride(0),
+            B.stride(0), B.stride(1), C.stride(0), C.stride(1), y.stride(0), y.stride(1), P, N, H // G,
+            float(dt_limit[0]), float(dt_limit[1]), BLOCK_P=bp, BLOCK_N=_np2(N), num_warps=4,
+        )
+    return y
+
+
+# ---------------------------------------------------------------------------------------------
+# paged attention (prefill chunks with context, and decode), GQA folded into the row dimension
+
+
+@triton.jit
+def _paged_attention_kernel(
+    Q, Kc, Vc, O, BT, Cu, Ctx, PSeq, PQs,
+    stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_bs, stride_bp,
+    scale, D,
+    G: tl.constexpr, TPB: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, DECODE: tl.constexpr, PREC: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1)
+    if DECODE:
+        seq = pid.to(tl.int64)
+        qs = 0
+    else:
+        seq = tl.load(PSeq + pid).to(tl.int64)
+        qs = tl.load(PQs + pid)
+    q0 = tl.load(Cu + seq)
+    n = tl.load(Cu + seq + 1) - q0
+    ctx = tl.load(Ctx + seq)
+    rows = tl.arange(0, BLOCK_M)
+    tok = qs + rows // G
+    head = kvh * G + rows % G
+    rv = (rows < TPB * G) & (tok < n)
+    d = tl.arange(0, BLOCK_D)
+    dm = d < D
+    q = tl.load(Q + (q0 + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=rv[:, None] & dm[None, :], other=0.0)
+    qpos = ctx + tok
+    hi = tl.minimum(ctx + n, ctx + qs + TPB)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for start in range(0, hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        pv = pos < hi
+        page = tl.load(BT + seq * stride_bs + (pos // PAGE) * stride_bp, mask=pv, other=0).to(tl.int64)
+        slot = page * PAGE + pos % PAGE
+        k = tl.load(Kc + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :], mask=pv[:, None] & dm[None, :], other=0.0)
+        sc = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PREC) * scale
+        ok = pv[None, :] & (pos[None, :] <= qpos[:, None])
+        sc = tl.where(ok, sc, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(sc - m_use[:, None])
+        alpha = tl.exp(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(Vc + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :], mask=pv[:, None] & dm[None, :], other=0.0).to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PREC)
+        m_i = m_new
+    l_i = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_i[:, None]
+    tl.store(O + (q0 + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :], out.to(O.dtype.element_ty), mask=rv[:, None] & dm[None, :])
+
+
+def paged_attention(q, k_cache, v_cache, seq_lens, context_lens, block_tables, block_size, scaling, cu_seqlens=None, context_lens_t=None):
+    T, Hq, D = q.shape
+    Hkv = k_cache.shape[1]
+    G = Hq // Hkv
+    S = len(seq_lens)
+    out = torch.empty_like(q)
+    if S == 0 or T == 0:
+        return out
+    dev = q.device
+    if cu_seqlens is None:
+        cu_seqlens = _cu_seqlens(seq_lens, dev)
+    if context_lens_t is None:
+        context_lens_t = torch.tensor(context_lens, dtype=torch.int64, device=dev)
+    decode = all(n == 1 for n in seq_lens)
+    block_d = max(16, _np2(D))
+    if decode:
+        block_m = max(16, _np2(G))
+        tpb = block_m // G
+        grid = (S, Hkv)
+        pseq = pqs = cu_seqlens  # unused
+        block_n = 64
+    else:
+        block_m = 64 if G <= 64 else _np2(G)
+        tpb = block_m // G
+        prog_seq, prog_qs = [], []
+        for i, n in enumerate(seq_lens):
+            for qs in range(0, n, tpb):
+                prog_seq.append(i)
+                prog_qs.append(qs)
+        progs = torch.tensor([prog_seq, prog_qs], dtype=torch.int32).to(dev, non_blocking=True)
+        pseq, pqs = progs[0], progs[1]
+        grid = (len(prog_seq), Hkv)
+        block_n = 64
+    _paged_attention_kernel[grid](
+        q, k_cache, v_cache, out, block_tables, cu_seqlens, context_lens_t, pseq, pqs,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        out.stride(0), out.stride(1), block_tables.stride(0), block_tables.stride(1), float(scaling), D,
+        G=G, TPB=tpb, PAGE=block_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, DECODE=decode,
+        PREC=_precision(q), num_warps=4, num_stages=2,
+    )
+    return out
+
+
+@triton.jit
+def _store_kv_kernel(K, V, Kc, Vc, SlotMap, stride_k, stride_v, stride_kc, stride_vc, HD, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(SlotMap + t).to(tl.int64)
+    off = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = off < HD
+    k = tl.load(K + t * stride_k + off, mask=m, other=0.0)
+    v = tl.load(V + t * stride_v + off, mask=m, other=0.0)
+    ok = m & (slot >= 0)
+    tl.store(Kc + slot * stride_kc + off, k.to(Kc.dtype.element_ty), mask=ok)
+    tl.store(Vc + slot * stride_vc + off, v.to(Vc.dtype.element_ty), mask=ok)
+
+
+def store_kv(k_cache, v_cache, k, v, slot_mapping):
+    T = k.shape[0]
+    if T == 0:
+        return
+    k2, v2 = k.reshape(T, -1), v.reshape(T, -1)
+    if k2.stride(-1) != 1:
+        k2 = k2.contiguous()
+    if v2.stride(-1) != 1:
+        v2 = v2.contiguous()
+    hd = k2.shape[1]
+    assert k_cache.stride(1) == k_cache.shape[2] and k_cache.stride(2) == 1
+    block = min(1024, _np2(hd))
+    _store_kv_kernel[(T, triton.cdiv(hd, block))](
+        k2, v2, k_cache, v_cache, slot_mapping, k2.stride(0), v2.stride(0), k_cache.stride(0), v_cache.stride(0), hd, BLOCK=block, num_warps=4
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# MoE: router top-k, and experts as a grouped GEMM over the routed tokens
+
+
+@triton.jit
+def _topk_softmax_kernel(L, Wt, Ids, stride_l, E, TOPK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    x = tl.load(L + t * stride_l + e, mask=e < E, other=float("-inf")).to(tl.float32)
+    kk = tl.arange(0, BLOCK_K)
+    vals = tl.full([BLOCK_K], float("-inf"), dtype=tl.float32)
+    idxs = tl.zeros([BLOCK_K], dtype=tl.int32)
+    for j in tl.static_range(TOPK):
+        m = tl.max(x, axis=0)
+        i = tl.min(tl.where(x == m, e, BLOCK_E), axis=0)
+        vals = tl.where(kk == j, m, vals)
+        idxs = tl.where(kk == j, i, idxs)
+        x = tl.where(e == i, float("-inf"), x)
+    mx = tl.max(vals, axis=0)
+    p = tl.where(kk < TOPK, tl.exp(vals - mx), 0.0)
+    p = p / tl.sum(p, axis=0)
+    tl.store(Wt + t * TOPK + kk, p, mask=kk < TOPK)
+    tl.store(Ids + t * TOPK + kk, idxs.to(tl.int64), mask=kk < TOPK)
+
+
+def route_softmax_topk(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    T, E = router_logits.shape
+    weights = torch.empty((T, top_k), dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty((T, top_k), dtype=torch.int64, device=router_logits.device)
+    if T:
+        logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
+        _topk_softmax_kernel[(T,)](logits, weights, ids, logits.stride(0), E, TOPK=top_k, BLOCK_E=_np2(E), BLOCK_K=_np2(top_k), num_warps=1)
+    return weights, ids
+
+
+@triton.jit
+def _act(g, ACT: tl.constexpr):
+    if ACT == 0:  # silu
+        return g * tl.sigmoid(g)
+    elif ACT == 1:  # relu^2
+        r = tl.maximum(g, 0.0)
+        return r * r
+    else:  # gelu (erf)
+        return 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
+
+
+@triton.jit
+def _moe_up_gemv_kernel(
+    X, Win, Ids, H1, stride_x, stride_we, stride_wn, stride_h, Hdim, I,
+    TOPK: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """One routed (token, expert) pair per program row: h = act(W_gate x) * (W_up x)."""
+    a = tl.program_id(0).to(tl.int64)
+    t = a // TOPK
+    e = tl.load(Ids + a).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nm = n < I
+    wbase = Win + e * stride_we
+    accg = tl.zeros([BLOCK_N], dtype=tl.float32)
+    accu = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, Hdim, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        km = kk < Hdim
+        xv = tl.load(X + t * stride_x + kk, mask=km, other=0.0).to(tl.float32)
+        wg = tl.load(wbase + n[:, None] * stride_wn + kk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+        accg += tl.sum(wg.to(tl.float32) * xv[None, :], axis=1)
+        if GATED:
+            wu = tl.load(wbase + (n + I)[:, None] * stride_wn + kk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+            accu += tl.sum(wu.to(tl.float32) * xv[None, :], axis=1)
+    dt = H1.dtype.element_ty
+    g = accg.to(dt).to(tl.float32)
+    h = _act(g, ACT).to(dt).to(tl.float32)
+    if GATED:
+        h = h * accu.to(dt).to(tl.float32)
+    tl.store(H1 + a * stride_h + n, h.to(dt), mask=nm)
+
+
+@triton.jit
+def _moe_down_gemv_kernel(
+    H1, Wout, Ids, Wts, Out, stride_h, stride_we, stride_wn, stride_o, Hdim, I,
+    TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """out[t] = sum over the token's experts of weight * (W_down h): no atomics, one program per rows block."""
+    t = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nm = n < Hdim
+    dt = Out.dtype.element_ty
+    out = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        a = t * TOPK + j
+        e = tl.load(Ids + a).to(tl.int64)
+        wt = tl.load(Wts + a).to(dt).to(tl.float32)
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            km = kk < I
+            hv = tl.load(H1 + a * stride_h + kk, mask=km, other=0.0).to(tl.float32)
+            w = tl.load(Wout + e * stride_we + n[:, None] * stride_wn + kk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+            acc += tl.sum(w.to(tl.float32) * hv[None, :], axis=1)
+        out += (acc.to(dt).to(tl.float32) * wt).to(dt).to(tl.float32)
+    tl.store(Out + t * stride_o + n, out.to(dt), mask=nm)
+
+
+@triton.jit
+def _moe_up_grouped_kernel(
+    X, Win, SortedIds, BlockExpert, H1, stride_x, stride_we, stride_wn, stride_h, Tk, Hdim, I, E,
+    TOPK: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    e = tl.load(BlockExpert + b).to(tl.int64)
+    if e >= E:
+        return
+    rows = tl.load(SortedIds + b * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    rv = rows < Tk
+    tok = rows // TOPK
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nm = n < I
+    wbase = Win + e * stride_we
+    accg = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    accu = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, Hdim, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        km = kk < Hdim
+        xa = tl.load(X + tok[:, None] * stride_x + kk[None, :], mask=rv[:, None] & km[None, :], other=0.0)
+        wg = tl.load(wbase + n[None, :] * stride_wn + kk[:, None], mask=nm[None, :] & km[:, None], other=0.0)
+        accg = tl.dot(xa, wg.to(xa.dtype), accg, input_precision=PREC)
+        if GATED:
+            wu = tl.load(wbase + (n + I)[None, :] * stride_wn + kk[:, None], mask=nm[None, :] & km[:, None], other=0.0)
+            accu = tl.dot(xa, wu.to(xa.dtype), accu, input_precision=PREC)
+    dt = H1.dtype.element_ty
+    h = _act(accg.to(dt).to(tl.float32), ACT).to(dt).to(tl.float32)
+    if GATED:
+        h = h * accu.to(dt).to(tl.float32)
+    tl.store(H1 + rows[:, None] * stride_h + n[None, :], h.to(dt), mask=rv[:, None] & nm[None, :])
+
+
+@triton.jit
+def _moe_down_grouped_kernel(
+    H1, Wout, SortedIds, BlockExpert, Wts, O2, stride_h, stride_we, stride_wn, stride_o, Tk, Hdim, I, E,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    e = tl.load(BlockExpert + b).to(tl.int64)
+    if e >= E:
+        return
+    rows = tl.load(SortedIds + b * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    rv = rows < Tk
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nm = n < Hdim
+    wbase = Wout + e * stride_we
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        km = kk < I
+        ha = tl.load(H1 + rows[:, None] * stride_h + kk[None, :], mask=rv[:, None] & km[None, :], other=0.0)
+        w = tl.load(wbase + n[None, :] * stride_wn + kk[:, None], mask=nm[None, :] & km[:, None], other=0.0)
+        acc = tl.dot(ha, w.to(ha.dtype), acc, input_precision=PREC)
+    dt = H1.dtype.element_ty
+    wt = tl.load(Wts + rows, mask=rv, other=0.0).to(dt).to(tl.float32)
+    o = (acc.to(dt).to(tl.float32) * wt[:, None]).to(dt).to(tl.float32)
+    tl.store(O2 + rows[:, None] * stride_o + n[None, :], o, mask=rv[:, None] & nm[None, :])
+
+
+def _act_code(act: Callable) -> int | None:
+    if act is F.silu:
+        return 0
+    if act is moe_ref.relu2:
+        return 1
+    if act is F.gelu:
+        return 2
+    return None
+
+
+def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routed pairs sorted by expert, each expert's run padded to a multiple of block_m.
+
+    Returns (sorted pair indices [max_padded] with Tk as the padding value, expert of each block
+    [max_padded // block_m] with num_experts for blocks past the end). Fixed shapes for a given
+    number of pairs, no host sync."""
+    flat = ids.reshape(-1)
+    tk = flat.numel()
+    dev = ids.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    pad_end = padded.cumsum(0)
+    pad_start = pad_end - padded
+    cnt_start = counts.cumsum(0) - counts
+    sorted_e, order = torch.sort(flat, stable=True)
+    rank = torch.arange(tk, device=dev) - cnt_start[sorted_e]
+    dest = pad_start[sorted_e] + rank
+    max_padded = tk + min(num_experts, tk) * (block_m - 1)
+    max_padded = (max_padded + block_m - 1) // block_m * block_m
+    sorted_ids = torch.full((max_padded,), tk, dtype=torch.int64, device=dev)
+    sorted_ids.index_put_((dest,), order)
+    block_start = torch.arange(0, max_padded, block_m, device=dev)
+    block_expert = torch.searchsorted(pad_end, block_start, right=True)
+    return sorted_ids, block_expert
+
+
+# Up to this many routed (token, expert) pairs, each pair is its own GEMV (decode at small batch:
+# fewer launches, each expert's weights read once per pair); above it, the grouped GEMM.
+MOE_GEMV_MAX_PAIRS = 32
+
+
+def moe_experts(x, w_in, w_out, weights, ids, act, gated):
+    code = _act_code(act)
+    if code is None:
+        return moe_ref.moe_experts(x, w_in, w_out, weights, ids, act, gated)
+    T, Hdim = x.shape
+    E, I = w_out.shape[0], w_out.shape[2]
+    top_k = ids.shape[1]
+    tk = T * top_k
+    out = torch.empty((T, Hdim), dtype=x.dtype, device=x.device)
+    if T == 0:
+        return out
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    assert w_in.stride(-1) == 1 and w_out.stride(-1) == 1
+    ids = ids.contiguous()
+    weights = weights.contiguous()
+    h1 = torch.empty((tk, I), dtype=x.dtype, device=x.device)
+    if tk <= MOE_GEMV_MAX_PAIRS:
+        bn, bk = 16, 256
+        _moe_up_gemv_kernel[(tk, triton.cdiv(I, bn))](
+            x, w_in, ids, h1, x.stride(0), w_in.stride(0), w_in.stride(1), h1.stride(0), Hdim, I,
+            TOPK=top_k, GATED=gated, ACT=code, BLOCK_N=bn, BLOCK_K=bk, num_warps=4,
+        )
+        _moe_down_gemv_kernel[(T, triton.cdiv(Hdim, bn))](
+            h1, w_out, ids, weights, out, h1.stride(0), w_out.stride(0), w_out.stride(1), out.stride(0), Hdim, I,
+            TOPK=top_k, BLOCK_N=bn, BLOCK_K=min(256, _np2(I)), num_warps=4,
+        )
+        return out
+    if tk <= 2048:
+        bm, bn, bk, warps, stages = 16, 64, 128, 4, 3
+    else:
+        bm, bn, bk, warps, stages = 64, 128, 64, 8, 3
+    sorted_ids, block_expert = moe_align(ids, E, bm)
+    nblocks = block_expert.numel()
+    prec = _precision(x)
+    _moe_up_grouped_kernel[(nblocks, triton.cdiv(I, bn))](
+        x, w_in, sorted_ids, block_expert, h1, x.stride(0), w_in.stride(0), w_in.stride(1), h1.stride(0), tk, Hdim, I, E,
+        TOPK=top_k, GATED=gated, ACT=code, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PREC=prec, num_warps=warps, num_stages=stages,
+    )
+    o2 = torch.empty((tk, Hdim), dtype=torch.float32, device=x.device)
+    _moe_down_grouped_kernel[(nblocks, triton.cdiv(Hdim, bn))](
+        h1, w_out, sorted_ids, block_expert, weights.reshape(-1), o2, h1.stride(0), w_out.stride(0), w_out.stride(1), o2.stride(0),
+        tk, Hdim, I, E, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PREC=prec, num_warps=warps, num_stages=stages,
+    )
+    out.copy_(o2.view(T, top_k, Hdim).sum(dim=1))
+    return out

@@ -1,0 +1,121 @@
+"""Conversation turns over HTTP: the chat-template delta of the new messages, appended to the
+conversation's exact token history, and the turn recorded when the request finishes.
+
+The `ConversationManager` (state/) holds histories and states; this module only moves token
+ids, strings and the opaque state handle between it and the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jinja2
+
+from engram.args import ServerArgs
+from engram.engine.engine import LLMEngine
+from engram.engine.request import RequestOutput
+from engram.server.errors import APIError
+from engram.state.conversations import ConversationManager, SnapshotPolicy, SnapshotTrigger, Turn, TurnPlan, WarmCache
+from engram.state.identity import ModelIdentity, tokenizer_fingerprint
+
+TOOL_CALL_MARKERS = ("<tool_call>", "<|tool_call|>", "[TOOL_CALLS]")
+
+
+def default_snapshot_dir() -> Path:
+    base = os.environ.get("ENGRAM_CACHE_DIR") or Path.home() / ".cache" / "engram"
+    return Path(base) / "snapshots"
+
+
+def build_manager(engine: LLMEngine, args: ServerArgs) -> ConversationManager:
+    policy = SnapshotPolicy(SnapshotTrigger(args.snapshot_trigger_policy), args.snapshot_every_n_turns, args.snapshot_retention_count)
+    root = None
+    if args.enable_snapshot_persistence:
+        root = Path(args.snapshot_dir) if args.snapshot_dir else default_snapshot_dir()
+    return ConversationManager(
+        engine.spec,
+        engine.state_dtypes,
+        ModelIdentity.of(engine.spec, engine.model_path),
+        tokenizer_fingerprint(engine.model_path),
+        policy,
+        root,
+        WarmCache(args.max_warm_conversations, int(args.max_warm_memory_gb * (1 << 30))),
+    )
+
+
+def has_tool_call(text: str) -> bool:
+    return any(marker in text for marker in TOOL_CALL_MARKERS)
+
+
+RECENT_REQUESTS = 4096  # request ids remembered for /save_snapshot by rid
+
+
+@dataclass
+class ConversationTurns:
+    manager: ConversationManager
+    tokenizer: Any
+    by_request: OrderedDict[str, tuple[str, str, int]] = field(default_factory=OrderedDict)  # rid -> (conversation, branch, turn)
+
+    async def begin(self, conversation_id: str, branch: str | None, from_turn: int | None) -> TurnPlan:
+        # May read a snapshot file: off the event loop.
+        return await asyncio.to_thread(self.manager.begin, conversation_id, branch or "main", from_turn)
+
+    def prompt(self, plan: TurnPlan, new_messages: list[dict]) -> list[int]:
+        """The history's exact tokens followed by the template rendering of only the new messages."""
+        if self.tokenizer is None:
+            raise APIError(400, "the model has no tokenizer: conversations need a chat template")
+        render = self._render
+        if not plan.history_messages:
+            return self.tokenizer.encode(render(new_messages, True), add_special_tokens=False)
+        before = render(plan.history_messages, False)
+        after = render(plan.history_messages + new_messages, True)
+        if not after.startswith(before):
+            raise APIError(422, "the chat template does not render this conversation incrementally; send the whole conversation without conversation_id")
+        delta = self._unclosed_reply(plan, before) + after[len(before) :]
+        return plan.history_tokens + self.tokenizer.encode(delta, add_special_tokens=False)
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+        except (ValueError, jinja2.TemplateError) as e:
+            raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
+
+    def _unclosed_reply(self, plan: TurnPlan, rendered_history: str) -> str:
+        """The template's end-of-turn text after the last reply, when the model did not generate it
+        (a reply cut by max_tokens or a stop string): it has to be fed before the new messages."""
+        reply = plan.history_messages[-1].get("content") or ""
+        closing = rendered_history[rendered_history.rfind(reply) + len(reply) :] if reply else ""
+        generated = self.tokenizer.decode(plan.history_tokens[-16:], skip_special_tokens=False)
+        return closing if closing and not generated.endswith(closing) else ""
+
+    async def record(
+        self, rid: str, plan: TurnPlan, new_messages: list[dict], outputs: AsyncIterator[RequestOutput]
+    ) -> AsyncIterator[RequestOutput]:
+        """Pass the outputs through; when the request finishes, record the turn. An aborted or
+        failed request records nothing and frees the conversation."""
+        last: RequestOutput | None = None
+        try:
+            async with aclosing(outputs):
+                async for out in outputs:
+                    last = out
+                    yield out
+        finally:
+            if last is not None and last.finished and last.state is not None:
+                turn = await self.finish(plan, new_messages, last)
+                self.by_request[rid] = (plan.conversation_id, turn.branch, turn.turn)
+                while len(self.by_request) > RECENT_REQUESTS:
+                    self.by_request.popitem(last=False)
+            else:
+                self.manager.release(plan.conversation_id)
+
+    async def finish(self, plan: TurnPlan, new_messages: list[dict], out: RequestOutput) -> Turn:
+        reply = {"role": "assistant", "content": out.text}
+        return await asyncio.to_thread(
+            self.manager.finish, plan, out.prompt_token_ids, out.token_ids, new_messages + [reply], out.state, has_tool_call(out.text)
+        )

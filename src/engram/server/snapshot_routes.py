@@ -1,0 +1,149 @@
+"""Snapshot routes with the request bodies of the SGLang-based predecessor (`/save_snapshot`,
+`/list_snapshots`, `/get_snapshot_info`, `/restore_snapshot`, `/delete_snapshot`), and
+`/v1/conversations/{id}`. Status codes are honest: 404 not found, 409 busy or unusable,
+422 invalid; every answer keeps the predecessor's `success` field."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from engram.server import native_routes
+from engram.server.errors import SNAPSHOT_TAG, APIError
+from engram.server.protocol import (
+    ListSnapshotsRequest,
+    RestoreSnapshotRequest,
+    SaveSnapshotRequest,
+    SnapshotSelector,
+)
+from engram.server.serving import Serving, collect, get_serving
+from engram.server.streaming import cancel_on_disconnect, sse_response
+from engram.state.conversations import Conversation, Turn
+
+admin_router = APIRouter(tags=[SNAPSHOT_TAG])  # guarded by --admin-api-key
+router = APIRouter()
+
+
+def _turn_of(s: Serving, selector: SnapshotSelector) -> tuple[Conversation, Turn]:
+    manager = s.conversations.manager
+    conv = manager.require(selector.conversation_id)
+    branch, turn = selector.target()
+    found = manager.find_turn(conv, branch, turn)
+    if found is None:
+        raise APIError(404, f"conversation {selector.conversation_id!r} has no turns on branch {branch!r}")
+    return conv, found
+
+
+def _snapshot_entry(manifest: dict, tokens: list[int]) -> dict[str, Any]:
+    return {
+        "conversation_id": manifest["conversation_id"],
+        "branch_name": manifest["branch"],
+        "turn_number": manifest["turn"],
+        "snapshot_id": f"{manifest['branch']}/{manifest['turn']:06d}",
+        "state_len": manifest["state_len"],
+        "token_count": manifest["token_count"],
+        "created_at": manifest["created_at"],
+        "manifest": manifest,
+        "fill_ids": tokens,
+    }
+
+
+@admin_router.post("/save_snapshot")
+async def save_snapshot(body: SaveSnapshotRequest, raw_request: Request) -> dict[str, Any]:
+    """Snapshot a turn whose state is still held: by conversation (latest turn when no selector)
+    or by the `rid` of the chat request that made it."""
+    s = get_serving(raw_request)
+    if body.conversation_id is None:
+        made = s.conversations.by_request.get(body.rid)
+        if made is None:
+            raise APIError(404, f"no finished conversation turn was made by request {body.rid!r}")
+        conversation_id, branch, turn = made
+    else:
+        conversation_id, (branch, turn) = body.conversation_id, body.target()
+    saved = await asyncio.to_thread(s.conversations.manager.save, conversation_id, branch, turn)
+    return {"success": True, "conversation_id": conversation_id, "branch_name": saved.branch, "turn_number": saved.turn,
+            "snapshot_id": saved.ref, "message": f"snapshot of turn {saved.ref} saved"}
+
+
+@admin_router.post("/list_snapshots")
+async def list_snapshots(body: ListSnapshotsRequest, raw_request: Request) -> dict[str, Any]:
+    manager = get_serving(raw_request).conversations.manager
+    entries = await asyncio.to_thread(manager.snapshots, body.conversation_id)
+    return {"success": True, "snapshots": [_snapshot_entry(m, manager.snapshot_tokens(m)) for m in entries]}
+
+
+@admin_router.post("/get_snapshot_info")
+async def get_snapshot_info(body: SnapshotSelector, raw_request: Request) -> dict[str, Any]:
+    s = get_serving(raw_request)
+    _, turn = _turn_of(s, body)
+    manager = s.conversations.manager
+    manifest = await asyncio.to_thread(manager.snapshot_manifest, body.conversation_id, turn)
+    return {"success": True, **_snapshot_entry(manifest, manager.snapshot_tokens(manifest))}
+
+
+@admin_router.post("/delete_snapshot")
+async def delete_snapshot(body: SnapshotSelector, raw_request: Request) -> dict[str, Any]:
+    s = get_serving(raw_request)
+    _, turn = _turn_of(s, body)
+    await asyncio.to_thread(s.conversations.manager.delete_snapshot, body.conversation_id, turn.branch, turn.turn)
+    return {"success": True, "message": f"snapshot of turn {turn.ref} deleted"}
+
+
+@admin_router.post("/restore_snapshot", response_model=None)
+@cancel_on_disconnect
+async def restore_snapshot(body: RestoreSnapshotRequest, raw_request: Request):
+    """Restore-only (load, verify, keep the state warm; with `rid`, stage it for the `/generate`
+    request of that id) or, with `create_new_request`, restore and generate from
+    `fill_ids + continuation_ids` computing only the new tokens."""
+    s = get_serving(raw_request)
+    _, turn = _turn_of(s, body)
+    manager = s.conversations.manager
+    state = await asyncio.to_thread(manager.load_into_warm, body.conversation_id, turn)
+    if not body.create_new_request:
+        if body.rid is not None:
+            s.stage_state(body.rid, state)
+        return {"success": True, "conversation_id": body.conversation_id, "branch_name": turn.branch,
+                "turn_number": turn.turn, "state_len": state.state_len, "token_count": len(state.tokens),
+                "rid": body.rid, "message": f"state of turn {turn.ref} restored"}
+    prompt = list(state.tokens) + list(body.continuation_ids or [])
+    params = s.sampling_params(body.sampling_fields())
+    rid = body.rid or uuid.uuid4().hex
+    start = time.perf_counter()
+    outputs = await s.generate(rid, prompt, params, initial_state=state)
+    if body.stream:
+        return sse_response(native_routes.generate_events(rid, False, start, outputs))
+    out, _ = await collect(outputs)
+    return {"success": True, **native_routes.generate_response(rid, out, None, start).model_dump()}
+
+
+@router.get("/v1/conversations/{conversation_id}")
+async def get_conversation(conversation_id: str, raw_request: Request) -> dict[str, Any]:
+    conv = get_serving(raw_request).conversations.manager.require(conversation_id)
+    return {
+        "id": conv.conversation_id,
+        "object": "conversation",
+        "created_at": conv.created_at,
+        "branches": {
+            branch: {
+                "latest_turn": conv.latest(branch).turn,
+                "token_count": len(conv.tokens(conv.latest(branch))),
+                "messages": conv.messages(conv.latest(branch)),
+            }
+            for branch in conv.branches()
+        },
+        "turns": [
+            {"branch": t.branch, "turn": t.turn, "parent": t.parent, "snapshot": t.snapshot, "state_len": t.state_len,
+             "created_at": t.created_at, "tool_calls": t.tool_calls}
+            for t in sorted(conv.turns.values(), key=lambda t: (t.branch, t.turn))
+        ],
+    }
+
+
+@router.delete("/v1/conversations/{conversation_id}")
+async def delete_conversation(conversation_id: str, raw_request: Request) -> dict[str, Any]:
+    await asyncio.to_thread(get_serving(raw_request).conversations.manager.delete_conversation, conversation_id)
+    return {"id": conversation_id, "object": "conversation.deleted", "deleted": True}

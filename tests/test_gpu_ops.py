@@ -1,0 +1,303 @@
+"""Every fast CUDA op against its torch reference on random inputs, and greedy tokens of the fast
+path (Triton/fla kernels + CUDA graphs) against the reference path on small random models.
+
+Runs on a CUDA machine. CPU CI skips it, except that with TRITON_INTERPRET=1 (and Triton
+installed) the Triton kernels' comparisons run on the CPU through Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engram.ops import activation, attention, conv, moe, norm, ssd
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+HAS_CUDA = torch.cuda.is_available()
+try:
+    from engram.ops import cuda_kernels, triton_ops
+except ImportError:  # no Triton: nothing here can run
+    cuda_kernels = triton_ops = None
+
+pytestmark = [
+    pytest.mark.skipif(
+        not (HAS_CUDA or INTERPRET),
+        reason="fast ops need a CUDA GPU (or TRITON_INTERPRET=1 to run the Triton kernels on the CPU interpreter)",
+    ),
+    pytest.mark.skipif(triton_ops is None, reason="Triton is not installed (the `cuda` extra)"),
+]
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (CUDA graphs, fla-core kernels)")
+DEV = "cuda" if HAS_CUDA else "cpu"
+DTYPES = [torch.float32, torch.bfloat16] if HAS_CUDA else [torch.float32]
+
+
+def _tol(dtype: torch.dtype) -> dict:
+    return dict(atol=2e-4, rtol=2e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator(device=DEV).manual_seed(seed)
+
+
+def _randn(*shape, g, dtype=torch.float32):
+    return torch.randn(*shape, generator=g, device=DEV).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("w_fp32", [False, True])
+def test_rms_norm(dtype, w_fp32):
+    g = _gen(0)
+    for n in (48, 1536, 4096 + 8):
+        x, w = _randn(7, n, g=g, dtype=dtype), _randn(n, g=g, dtype=dtype)
+        out = triton_ops.rms_norm(x, w, 1e-5, w_fp32)
+        ref = norm.rms_norm(x, w, 1e-5, w_fp32)
+        assert out.dtype == ref.dtype
+        torch.testing.assert_close(out, ref, **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gated_rms_norm(dtype):
+    g = _gen(1)
+    for n, gs in ((96, 48), (3072, 3072), (1024, 128)):
+        x, z, w = _randn(5, n, g=g), _randn(5, n, g=g, dtype=dtype), _randn(n, g=g, dtype=dtype)
+        out = triton_ops.gated_rms_norm(x, z, w, 1e-6, gs, dtype)
+        ref = norm.gated_rms_norm(x, z, w, 1e-6, gs, dtype)
+        torch.testing.assert_close(out, ref, **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(dtype):
+    h = _randn(9, 2 * 56, g=_gen(2), dtype=dtype)
+    torch.testing.assert_close(triton_ops.silu_and_mul(h), activation.silu_and_mul(h), **_tol(dtype))
+
+
+def _conv_inputs(g, dtype, C=144, K=4, slots_total=6):
+    w = _randn(C, 1, K, g=g, dtype=dtype)[:, 0, :]  # a strided view, as the layer passes it
+    b = _randn(C, g=g, dtype=dtype)
+    pool = _randn(slots_total, K - 1, C, g=g, dtype=dtype)
+    return w, b, pool
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_causal_conv1d_update_in_place_by_slot(dtype):
+    g = _gen(3)
+    w, b, pool = _conv_inputs(g, dtype)
+    slots = torch.tensor([4, 0, -1, 2], device=DEV)  # -1: a CUDA-graph padding row
+    xbc = _randn(4, 200, g=g, dtype=dtype)[:, 10:154]  # a column slice of the projection
+    pool_ref = pool.clone()
+    real = slots >= 0
+    y = triton_ops.causal_conv1d_update(xbc, w, b, pool, slots)
+    y_ref = conv.causal_conv1d_update(xbc[real], w, b, pool_ref, slots[real])
+    torch.testing.assert_close(y[real], y_ref, **_tol(dtype))
+    torch.testing.assert_close(pool, pool_ref, **_tol(dtype))  # untouched slots too
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_causal_conv1d_varlen_in_place_by_slot(dtype):
+    g = _gen(4)
+    w, b, pool = _conv_inputs(g, dtype)
+    lens = [1, 2, 70, 5, 3]
+    slots = torch.tensor([5, 1, 3, 0, 2], device=DEV)
+    xbc = _randn(sum(lens), 160, g=g, dtype=dtype)[:, 8:152]
+    pool_ref = pool.clone()
+    y = triton_ops.causal_conv1d_varlen(xbc, w, b, pool, slots, lens)
+    y_ref = conv.causal_conv1d_varlen(xbc, w, b, pool_ref, slots, lens)
+    torch.testing.assert_close(y, y_ref, **_tol(dtype))
+    torch.testing.assert_close(pool, pool_ref, **_tol(dtype))
+
+
+def _ssd_params(g, H, G, P, N, slots_total, pool_dtype=torch.float32):
+    dt_bias = _randn(H, g=g)
+    A_log = torch.log(torch.rand(H, generator=g, device=DEV) * 4 + 0.5)
+    D = _randn(H, g=g)
+    pool = _randn(slots_total, H, P, N, g=g).to(pool_dtype)
+    return dt_bias, A_log, D, pool
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(6, 2, 16, 12), (48, 1, 64, 128), (16, 8, 64, 128)])
+def test_ssd_state_update_in_place_by_slot(dtype, shape):
+    H, G, P, N = shape
+    g = _gen(5)
+    dt_bias, A_log, D, pool = _ssd_params(g, H, G, P, N, 5)
+    slots = torch.tensor([3, -1, 0, 4], device=DEV)
+    S = len(slots)
+    proj = _randn(S, H * P + 2 * G * N + 7, g=g, dtype=dtype)
+    x = proj[:, : H * P].reshape(S, H, P)
+    B = proj[:, H * P : H * P + G * N].reshape(S, G, N)
+    C = proj[:, H * P + G * N : H * P + 2 * G * N].reshape(S, G, N)
+    dt = _randn(S, H, g=g, dtype=dtype) * 2
+    pool_ref = pool.clone()
+    real = slots >= 0
+    y = triton_ops.ssd_state_update(pool, slots, x, dt, dt_bias, (0.0, float("inf")), A_log, B, C, D)
+    y_ref = ssd.ssd_state_update(pool_ref, slots[real], x[real], dt[real], dt_bias, (0.0, float("inf")), A_log, B[real], C[real], D)
+    torch.testing.assert_close(y[real], y_ref, atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(pool, pool_ref, atol=1e-4, rtol=1e-4)
+    # a time-step limit clamps
+    y2 = triton_ops.ssd_state_update(pool.clone(), slots, x, dt, dt_bias, (0.01, 0.1), A_log, B, C, D)
+    y2_ref = ssd.ssd_state_update(pool.clone(), slots[real], x[real], dt[real], dt_bias, (0.01, 0.1), A_log, B[real], C[real], D)
+    torch.testing.assert_close(y2[real], y2_ref, atol=1e-3, rtol=1e-3)
+
+
+@needs_cuda
+@pytest.mark.skipif(cuda_kernels is None or not cuda_kernels.has_fla(), reason="fla-core is not installed (the `cuda` extra)")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(6, 2, 16, 12), (48, 1, 64, 128)])
+def test_ssd_varlen_fla_matches_reference(dtype, shape):
+    H, G, P, N = shape
+    g = _gen(6)
+    dt_bias, A_log, D, pool = _ssd_params(g, H, G, P, N, 6)
+    lens = [1, 37, 300, 64, 5]
+    slots = torch.tensor([2, 5, 0, 3, 1], device=DEV)
+    T = sum(lens)
+    x = _randn(T, H, P, g=g, dtype=dtype)
+    B, C = _randn(T, G, N, g=g, dtype=dtype), _randn(T, G, N, g=g, dtype=dtype)
+    dt = _randn(T, H, g=g, dtype=dtype) - 1
+    pool_ref = pool.clone()
+    y = cuda_kernels.ssd_varlen_fla(x, dt, dt_bias, (0.0, float("inf")), A_log, B, C, D, 64, lens, pool, slots)
+    y_ref = ssd.ssd_varlen(x, dt, dt_bias, (0.0, float("inf")), A_log, B, C, D, 64, lens, pool_ref, slots)
+    limit = 5e-3 if dtype == torch.float32 else 3e-2
+    assert _rel(y, y_ref) < limit, _rel(y, y_ref)
+    assert _rel(pool, pool_ref) < limit, _rel(pool, pool_ref)
+
+
+def _kv_setup(g, dtype, hq, hkv, d, bs, ctx, n):
+    num_pages = sum(-(-(c + m) // bs) for c, m in zip(ctx, n)) + 5
+    k_cache = _randn(num_pages * bs, hkv, d, g=g, dtype=dtype)
+    v_cache = _randn(num_pages * bs, hkv, d, g=g, dtype=dtype)
+    perm = torch.randperm(num_pages, generator=torch.Generator().manual_seed(0)).tolist()
+    width = max(-(-(c + m) // bs) for c, m in zip(ctx, n))
+    tables = torch.full((len(ctx), width), -1, dtype=torch.long)
+    for i, (c, m) in enumerate(zip(ctx, n)):
+        need = -(-(c + m) // bs)
+        tables[i, :need] = torch.tensor([perm.pop() for _ in range(need)])
+    return k_cache, v_cache, tables.to(DEV)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,d,bs", [(6, 2, 8, 4), (12, 4, 128, 16), (4, 4, 12, 16)])
+def test_store_kv_and_paged_attention_prefill(dtype, hq, hkv, d, bs):
+    g = _gen(7)
+    ctx, n = [0, 5, 33, 0], [7, 1, 70, 130]
+    k_cache, v_cache, tables = _kv_setup(g, dtype, hq, hkv, d, bs, ctx, n)
+    T = sum(n)
+    key, value = _randn(T, hkv, d, g=g, dtype=dtype), _randn(T, hkv, d, g=g, dtype=dtype)
+    slot_mapping = torch.cat([attention.token_slots(tables[i], c + m, bs)[c:] for i, (c, m) in enumerate(zip(ctx, n))])
+    kc_ref, vc_ref = k_cache.clone(), v_cache.clone()
+    triton_ops.store_kv(k_cache, v_cache, key, value, slot_mapping)
+    attention.store_kv(kc_ref, vc_ref, key, value, slot_mapping)
+    assert torch.equal(k_cache, kc_ref) and torch.equal(v_cache, vc_ref)
+    q = _randn(T, hq, d, g=g, dtype=dtype)
+    out = triton_ops.paged_attention(q, k_cache, v_cache, n, ctx, tables, bs, d**-0.5)
+    ref = attention.paged_attention(q, k_cache, v_cache, n, ctx, tables, bs, d**-0.5)
+    torch.testing.assert_close(out, ref, **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_attention_decode_with_device_lengths_and_padding(dtype):
+    g = _gen(8)
+    hq, hkv, d, bs = 12, 4, 64, 16
+    ctx = [1, 40, 300, 17]
+    n = [1] * len(ctx)
+    k_cache, v_cache, tables = _kv_setup(g, dtype, hq, hkv, d, bs, ctx, n)
+    q = _randn(len(ctx) + 1, hq, d, g=g, dtype=dtype)
+    # one padding row at the end: context -1, nothing read, nothing written
+    cu = torch.arange(len(ctx) + 2, device=DEV)
+    ctx_t = torch.tensor([*ctx, -1], device=DEV)
+    tables_pad = torch.cat([tables, torch.full((1, tables.shape[1]), -1, device=DEV, dtype=tables.dtype)])
+    out = triton_ops.paged_attention(q, k_cache, v_cache, n + [1], ctx + [1], tables_pad, bs, 0.125, cu, ctx_t)
+    ref = attention.paged_attention(q[:-1], k_cache, v_cache, n, ctx, tables, bs, 0.125)
+    torch.testing.assert_close(out[:-1], ref, **_tol(dtype))
+    assert torch.isfinite(out[-1]).all()
+    # a transposed (column-major) block table, as the CUDA-graph runner keeps it
+    out_t = triton_ops.paged_attention(q, k_cache, v_cache, n + [1], ctx + [1], tables_pad.t().contiguous().t(), bs, 0.125, cu, ctx_t)
+    torch.testing.assert_close(out_t, out)
+
+
+def test_route_softmax_topk():
+    g = _gen(9)
+    for experts, k in ((4, 2), (64, 6), (40, 3)):
+        logits = _randn(33, experts, g=g)
+        w, ids = triton_ops.route_softmax_topk(logits, k)
+        w_ref, ids_ref = moe.route_softmax_topk(logits, k)
+        assert torch.equal(ids, ids_ref)
+        torch.testing.assert_close(w, w_ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 3, 40, 700])
+@pytest.mark.parametrize("gated", [True, False])
+def test_moe_experts(dtype, tokens, gated):
+    if INTERPRET and not HAS_CUDA and tokens > 40:
+        pytest.skip("slow in the interpreter")
+    g = _gen(10)
+    hidden, inter, experts, k = 96, 40, 8, 3
+    x = _randn(tokens, hidden, g=g, dtype=dtype)
+    w_in = _randn(experts, (2 if gated else 1) * inter, hidden, g=g, dtype=dtype) * 0.2
+    w_out = _randn(experts, hidden, inter, g=g, dtype=dtype) * 0.2
+    weights, ids = moe.route_softmax_topk(_randn(tokens, experts, g=g), k)
+    act = F.silu if gated else moe.relu2
+    out = triton_ops.moe_experts(x, w_in, w_out, weights, ids, act, gated)
+    ref = moe.moe_experts(x, w_in, w_out, weights, ids, act, gated)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    else:
+        assert _rel(out, ref) < 1e-2
+
+
+def test_moe_align_blocks_cover_every_pair_once():
+    g = _gen(11)
+    ids = torch.stack([torch.randperm(16, generator=torch.Generator().manual_seed(i))[:4] for i in range(50)]).to(DEV)
+    sorted_ids, block_expert = triton_ops.moe_align(ids, 16, 16)
+    flat = ids.reshape(-1)
+    real = sorted_ids < flat.numel()
+    assert sorted(sorted_ids[real].tolist()) == list(range(flat.numel()))
+    experts_of_rows = block_expert.repeat_interleave(16)[: sorted_ids.numel()]
+    assert torch.equal(experts_of_rows[real], flat[sorted_ids[real]])
+    del g
+
+
+# ---- whole models: greedy tokens of the fast path == the reference path -------------------------
+
+
+def _greedy_run(path: str, fast: bool, graphs: bool, dtype: str, prompts: list[list[int]], max_tokens: int):
+    from engine_utils import greedy, make_engine, record_logits, run_to_end
+
+    engine = make_engine(path, device="cuda", dtype=dtype, enable_fast_ops=fast, enable_cuda_graph=graphs, max_num_batched_tokens=64)
+    logits = record_logits(engine)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, greedy(max_tokens))
+    done = run_to_end(engine)
+    return [done[f"r{i}"].token_ids for i in range(len(prompts))], logits, engine
+
+
+@needs_cuda
+@pytest.mark.parametrize("kind", ["granite", "mamba2", "nemotron", "bamba", "granite_rope"])
+def test_greedy_tokens_fast_path_equal_reference(kind, checkpoint_dir):
+    from engine_utils import random_prompt
+
+    from engram.ops.dispatch import REFERENCE, use_kernels
+
+    path = checkpoint_dir(kind)
+    prompts = [random_prompt(n, seed=n) for n in (3, 29, 11, 52, 1, 70)]
+    try:
+        ref_tokens, ref_logits, _ = _greedy_run(path, False, False, "float32", prompts, 12)
+        fast_tokens, fast_logits, engine = _greedy_run(path, True, True, "float32", prompts, 12)
+        assert engine.runner.num_graph_replays > 0, "decode steps did not run from CUDA graphs"
+        assert fast_tokens == ref_tokens
+        diff = max(float((a.cpu() - b.cpu()).abs().max()) for a, b in zip(fast_logits, ref_logits) if a.numel())
+        print(f"{kind}: float32 max |logit diff| fast vs reference = {diff:.2e}")
+        bf_tokens, _, _ = _greedy_run(path, True, True, "bfloat16", prompts, 12)
+        ref_bf, _, _ = _greedy_run(path, False, False, "bfloat16", prompts, 12)
+        same = sum(a == b for x, y in zip(bf_tokens, ref_bf) for a, b in zip(x, y)) / sum(len(x) for x in ref_bf)
+        print(f"{kind}: bfloat16 greedy tokens equal fast vs reference: {same:.1%}")
+    finally:
+        use_kernels(REFERENCE)

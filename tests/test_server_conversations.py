@@ -1,0 +1,206 @@
+"""Exact persistent conversations over HTTP: continued by conversation_id across a server restart,
+and through restore-and-generate, equal to one request over the whole history."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+
+import httpx
+import pytest
+
+from engram.args import EngineArgs, ServerArgs
+from engram.client import EngramClient, SnapshotManager, SnapshotNotFoundError
+from engram.launch_server import build_app
+from engram.server.background import BackgroundServer
+
+MODEL = "m"
+GREEDY = {"temperature": 0, "max_tokens": 10}
+USER_TURNS = ["Hello there, how are you?", "Tell me about state space models.", "And what about attention?"]
+
+
+@contextlib.contextmanager
+def serving(path: str, snapshot_dir, **server_fields):
+    engine_args = EngineArgs(model_path=path, max_running_requests=4, max_total_tokens=4096, context_length=1024)
+    server_args = ServerArgs(served_model_name=MODEL, snapshot_dir=str(snapshot_dir), **server_fields)
+    with BackgroundServer(build_app(engine_args, server_args)) as srv, httpx.Client(base_url=srv.url, timeout=120) as http:
+        yield srv, http
+
+
+def chat(http, conversation_id, text, **fields):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "conversation_id": conversation_id, **GREEDY, **fields}
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def stats(srv):
+    return srv.app.state.serving.engine.stats()
+
+
+def snapshot_info(http, conversation_id, turn):
+    r = http.post("/get_snapshot_info", json={"conversation_id": conversation_id, "turn_number": turn})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.mark.parametrize("kind", ["mamba2", "nemotron"])
+def test_three_turns_across_a_restart_equal_one_request_over_the_history(kind, checkpoint_dir, tmp_path):
+    path = checkpoint_dir(kind)
+    with serving(path, tmp_path) as (srv, http):
+        first = chat(http, "conv", USER_TURNS[0])
+        second = chat(http, "conv", USER_TURNS[1])
+        assert (first["turn"], second["turn"]) == (1, 2) and second["conversation_id"] == "conv"
+        history = snapshot_info(http, "conv", 2)["fill_ids"]  # every token so far, the replies as generated
+
+    with serving(path, tmp_path) as (srv, http):  # a new process's view: nothing in memory
+        before = stats(srv).prefill_tokens_computed_total
+        third = chat(http, "conv", USER_TURNS[2], logprobs=True, top_logprobs=5)
+        computed = stats(srv).prefill_tokens_computed_total - before
+        assert third["turn"] == 3
+        fill3 = snapshot_info(http, "conv", 3)["fill_ids"]
+        reply_len = third["usage"]["completion_tokens"]
+        prompt3 = fill3[: len(fill3) - reply_len]
+        assert prompt3[: len(history)] == history  # the conversation continues the exact tokens
+        new_tokens = len(prompt3) - len(history)
+        assert computed == new_tokens + 1  # only the new turn (and the reply's last token) was computed
+        assert third["usage"]["prompt_tokens"] == len(prompt3)
+        assert third["usage"]["prompt_tokens_details"]["cached_tokens"] == len(history) - 1
+
+        # one request over the whole history
+        full = http.post("/generate", json={"input_ids": prompt3, "return_logprob": True, "top_logprobs_num": 5,
+                                            "sampling_params": {"temperature": 0, "max_new_tokens": 10}}).json()
+        assert full["output_ids"] == fill3[len(prompt3):]
+        assert full["text"] == third["choices"][0]["message"]["content"]
+        # the first new token's distribution: top-5 log-probabilities agree to 1e-4
+        first_top = [t["logprob"] for t in third["choices"][0]["logprobs"]["content"][0]["top_logprobs"]]
+        full_top = [logprob for logprob, _, _ in full["meta_info"]["output_top_logprobs"][0]]
+        assert len(first_top) == len(full_top) == 5
+        assert max(abs(a - b) for a, b in zip(first_top, full_top)) < 1e-4
+
+        # the same through restore-and-generate from turn 2's snapshot
+        continuation = prompt3[len(history):]
+        r = http.post("/restore_snapshot", json={"conversation_id": "conv", "turn_number": 2, "create_new_request": True,
+                                                 "continuation_ids": continuation, "max_new_tokens": 10,
+                                                 "sampling_params": {"temperature": 0}})
+        assert r.status_code == 200, r.text
+        restored = r.json()
+        assert restored["success"] and restored["output_ids"] == full["output_ids"]
+        assert restored["meta_info"]["cached_tokens"] == len(history) - 1
+
+
+def test_snapshot_routes_and_client(checkpoint_dir, tmp_path):
+    with serving(checkpoint_dir("nemotron"), tmp_path, snapshot_trigger_policy="manual_only") as (srv, http):
+        client = EngramClient(srv.url)
+        conv = client.conversation("c", temperature=0, max_tokens=6)
+        conv.chat("one")
+        conv.chat("two")
+        snaps = SnapshotManager(client)
+        assert snaps.list_conversation("c") == []  # manual_only: nothing saved yet
+        saved = snaps.save("c")
+        assert (saved["success"], saved["turn_number"]) == (True, 2)
+        listed = snaps.list_conversation("c")
+        assert [s["turn_number"] for s in listed] == [2]
+        info = snaps.get_info("c")
+        assert info["fill_ids"] == listed[0]["fill_ids"] and info["manifest"]["format"] == "engram-state/1"
+        assert len(info["fill_ids"]) == info["token_count"] == info["state_len"] + 1
+
+        # save by the rid of the request that made a turn
+        rid = conv.last_response["id"]
+        assert snaps.save(rid=rid)["turn_number"] == 2
+
+        # restore-only stages the state for /generate with that rid: only the new tokens are computed
+        staged = http.post("/restore_snapshot", json={"conversation_id": "c", "rid": "again"}).json()
+        assert staged["success"] and staged["state_len"] == info["state_len"]
+        before = stats(srv).prefill_tokens_computed_total
+        r = http.post("/generate", json={"rid": "again", "input_ids": info["fill_ids"] + [65, 66],
+                                         "sampling_params": {"temperature": 0, "max_new_tokens": 3}}).json()
+        assert r["meta_info"]["cached_tokens"] == info["state_len"]
+        assert stats(srv).prefill_tokens_computed_total - before == 3
+
+        snaps.delete("c")
+        assert snaps.list_conversation("c") == []
+        with pytest.raises(SnapshotNotFoundError):
+            snaps.get_info("c")
+
+        got = client.get_conversation("c")
+        assert got["branches"]["main"]["latest_turn"] == 2
+        assert [m["role"] for m in got["branches"]["main"]["messages"]] == ["user", "assistant", "user", "assistant"]
+        client.delete_conversation("c")
+        assert http.get("/v1/conversations/c").status_code == 404
+
+
+def test_branches_and_regeneration_over_http(checkpoint_dir, tmp_path):
+    with serving(checkpoint_dir("nemotron"), tmp_path) as (srv, http):
+        chat(http, "b", "first")
+        two = chat(http, "b", "second")
+        alt = chat(http, "b", "other second", branch="alt", from_turn=1)
+        assert (alt["branch"], alt["turn"]) == ("alt", 2)
+        regen = chat(http, "b", "second", from_turn=1)
+        assert regen["turn"] == 2
+        assert regen["choices"][0]["message"]["content"] == two["choices"][0]["message"]["content"]  # greedy: same reply
+        conv = http.get("/v1/conversations/b").json()
+        assert sorted(conv["branches"]) == ["alt", "main"]
+
+
+def test_honest_status_codes(checkpoint_dir, tmp_path):
+    with serving(checkpoint_dir("nemotron"), tmp_path) as (srv, http):
+        def post(path, body):
+            r = http.post(path, json=body)
+            return r.status_code, r.json()
+
+        assert post("/get_snapshot_info", {"conversation_id": "nope"})[0] == 404
+        code, body = post("/get_snapshot_info", {"conversation_id": "../etc"})
+        assert code == 422 and body["success"] is False and "invalid conversation_id" in body["error"]["message"]
+        assert post("/get_snapshot_info", {"conversation_id": 5})[0] == 422
+        assert post("/get_snapshot_info", {"conversation_id": "x", "snapshot_id": "main/abc"})[0] == 422
+        assert post("/save_snapshot", {})[0] == 422
+        assert post("/save_snapshot", {"rid": "unknown"})[0] == 404
+        code, body = post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                                   "conversation_id": "bad/id"})
+        assert code == 422
+        chat(http, "h", "hi")
+        code, body = post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                                   "conversation_id": "h", "from_turn": 7})
+        assert code == 404 and "no turn 7" in body["error"]["message"]
+        code, body = post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                                   "conversation_id": "h", "branch": "missing"})
+        assert code == 404 and "from_turn" in body["error"]["message"]
+
+
+def test_busy_conversation_gets_409(checkpoint_dir, tmp_path):
+    with serving(checkpoint_dir("nemotron"), tmp_path) as (srv, http):
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "long"}], "conversation_id": "busy",
+                "temperature": 0, "max_tokens": 600, "ignore_eos": True}
+        worker = threading.Thread(target=lambda: http.post("/v1/chat/completions", json=body))
+        worker.start()
+        try:
+            for _ in range(200):
+                if stats(srv).num_running:
+                    break
+                time.sleep(0.01)
+            r = http.post("/v1/chat/completions", json={**body, "max_tokens": 2})
+            assert r.status_code == 409 and "in flight" in r.json()["error"]["message"]
+        finally:
+            worker.join()
+        assert chat(http, "busy", "next")["turn"] == 2
+
+
+def test_snapshot_of_another_model_or_damaged_file_is_refused(checkpoint_dir, tmp_path):
+    with serving(checkpoint_dir("nemotron"), tmp_path) as (srv, http):
+        chat(http, "x", "hello")
+    snapshot = tmp_path / "x" / "main" / "000001.safetensors"
+    data = bytearray(snapshot.read_bytes())
+    data[-5] ^= 0xFF
+    snapshot.write_bytes(bytes(data))
+    with serving(checkpoint_dir("nemotron"), tmp_path) as (srv, http):
+        r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "conversation_id": "x"})
+        assert r.status_code == 409 and "checksum mismatch" in r.json()["error"]["message"]
+    snapshot.write_bytes(bytes(data[:-5]) + bytes([data[-5] ^ 0xFF]) + bytes(data[-4:]))  # repaired
+    with serving(checkpoint_dir("mamba2"), tmp_path) as (srv, http):  # another model, same folder
+        r = http.post("/restore_snapshot", json={"conversation_id": "x", "turn_number": 1})
+        assert r.status_code == 409 and "architecture" in r.json()["error"]["message"]
+    with serving(checkpoint_dir("nemotron"), tmp_path) as (srv, http):  # the right model again: it loads
+        r = http.post("/restore_snapshot", json={"conversation_id": "x", "turn_number": 1})
+        assert r.status_code == 200 and r.json()["success"]
