@@ -13,8 +13,9 @@ from engram.state.conversations import (
     ConversationNotFoundError,
     SnapshotPolicy,
     SnapshotTrigger,
-    WarmCache,
+    retain_key,
 )
+from engram.state.store import WarmCache
 from engram.state.identity import ModelIdentity, tokenizer_fingerprint
 
 
@@ -39,7 +40,8 @@ def take_turn(engine, manager, conv_id, new_tokens, branch="main", from_turn=Non
     plan = manager.begin(conv_id, branch, from_turn)
     prompt = plan.history_tokens + new_tokens
     before = engine.stats().prefill_tokens_computed_total
-    engine.add_request("t", prompt, greedy(max_tokens), initial_state=plan.state, capture_state=True)
+    engine.add_request("t", prompt, greedy(max_tokens), initial_state=plan.state, capture_state=True,
+                       retain_key=retain_key(conv_id, plan.ref), resume_key=plan.resume_key)
     out = run_to_end(engine)["t"]
     computed = engine.stats().prefill_tokens_computed_total - before
     turn = manager.finish(plan, prompt, out.token_ids, [{"role": "user", "content": str(new_tokens)}], out.state)
@@ -63,7 +65,7 @@ def test_three_turns_with_restart_equal_full_prefill_and_compute_only_new_tokens
         if i == 0:
             assert computed == len(new) and plan.state is None
         else:
-            assert plan.state_tier == ("cold" if i == 2 else "warm")
+            assert plan.state_tier == ("cold" if i == 2 else "active")
             assert computed == len(new) + 1  # the new turn plus the reply's last token, never the history
             assert out.num_cached_tokens == len(history) - 1
         history += new + out.token_ids

@@ -218,3 +218,38 @@ def test_dropping_attention_kv_from_a_hybrid_state_changes_the_output(checkpoint
     zero_kv = {name: torch.zeros_like(t) if name.endswith((".k", ".v")) else t for name, t in state.tensors.items()}
     engine.add_request("lossy", prompt, greedy(10), initial_state=SequenceState(state.tokens, state.state_len, zero_kv))
     assert run_to_end(engine)["lossy"].token_ids != exact
+
+
+def test_retained_slot_is_adopted_without_a_copy_and_reclaimed_under_pressure(checkpoint_dir, monkeypatch):
+    path = checkpoint_dir("nemotron")
+    engine = make_engine(path, max_running_requests=2)
+    prompt = random_prompt(30, seed=12)
+    engine.add_request("t1", prompt[:20], greedy(1), capture_state=True, retain_key="conv")
+    first = run_to_end(engine)["t1"]
+    assert engine.stats().retained_slots == 1 and engine.stats().state_slots_used == 1
+
+    restores = []
+    monkeypatch.setattr("engram.engine.engine.restore_state", lambda *a: restores.append(a))
+    history = first.prompt_token_ids + first.token_ids
+    engine.add_request("t2", history + prompt[20:], greedy(8), initial_state=first.state, resume_key="conv")
+    resumed = run_to_end(engine)["t2"]
+    assert restores == [] and resumed.num_cached_tokens == first.state.state_len
+    monkeypatch.undo()
+    engine.add_request("full", history + prompt[20:], greedy(8))
+    assert run_to_end(engine)["full"].token_ids == resumed.token_ids
+
+    # Two retained slots, then two new requests: the retained ones give way, nothing is preempted.
+    for key in ("a", "b"):
+        engine.add_request(key, random_prompt(10, seed=len(key)), greedy(2), retain_key=key)
+        run_to_end(engine)
+    assert engine.stats().retained_slots == 2
+    for i in range(2):
+        engine.add_request(f"n{i}", random_prompt(12, seed=i), greedy(2))
+    run_to_end(engine)
+    stats = engine.stats()
+    assert stats.retained_slots == 0 and stats.num_preemptions == 0 and stats.state_slots_used == 0
+
+    # A key whose slot was reclaimed falls back to the host copy, still exact.
+    engine.add_request("t3", history + prompt[20:], greedy(8), initial_state=first.state, resume_key="a")
+    assert run_to_end(engine)["t3"].token_ids == resumed.token_ids
+    assert engine.flush_cache() and engine.stats().kv_blocks_used == 0

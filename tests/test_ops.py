@@ -39,18 +39,44 @@ def test_chunk_scan_split_equals_whole():
     torch.testing.assert_close(final2, final, atol=1e-4, rtol=1e-4)
 
 
-def test_varlen_scan_equals_each_sequence():
+def test_varlen_scan_equals_each_sequence_and_updates_the_pool_by_slot():
     lens = [5, 1, 17]
     parts = [_ssd_inputs(n, seed=i) for i, n in enumerate(lens)]
-    A, D = parts[0][2], parts[0][5]
+    g = torch.Generator().manual_seed(9)
+    heads = parts[0][0].shape[1]
+    dt_raw = [torch.randn(n, heads, generator=g) for n in lens]
+    dt_bias, A_log, D = torch.randn(heads, generator=g), torch.randn(heads, generator=g), parts[0][5]
     cat = lambda k: torch.cat([p[k] for p in parts])  # noqa: E731
-    inits = torch.stack([p[6] for p in parts])
-    y, finals = ssd.ssd_varlen(cat(0), cat(1), A, cat(3), cat(4), D, 4, lens, inits)
+    slots = torch.tensor([3, 0, 2])
+    pool = torch.randn(4, *parts[0][6].shape, generator=g)
     for i, p in enumerate(parts):
-        y_ref, f_ref = ssd.ssd_sequential(p[0], p[1], A, p[3], p[4], D, p[6])
+        pool[slots[i]] = p[6]
+    untouched = pool[1].clone()
+    inits = pool.clone()
+    y = ssd.ssd_varlen(cat(0), torch.cat(dt_raw), dt_bias, (0.0, float("inf")), A_log, cat(3), cat(4), D, 4, lens, pool, slots)
+    for i, p in enumerate(parts):
+        dt, A = ssd.discretize(dt_raw[i], dt_bias, (0.0, float("inf")), A_log)
+        y_ref, f_ref = ssd.ssd_sequential(p[0], dt, A, p[3], p[4], D, inits[slots[i]])
         start = sum(lens[:i])
         torch.testing.assert_close(y[start : start + lens[i]], y_ref, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(finals[i], f_ref, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(pool[slots[i]], f_ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(pool[1], untouched, atol=0, rtol=0)
+
+
+def test_state_update_by_slot_equals_step():
+    x, dt, A, B, C, D, init = _ssd_inputs(2)
+    g = torch.Generator().manual_seed(4)
+    dt_raw, dt_bias, A_log = torch.randn(2, 4, generator=g), torch.randn(4, generator=g), torch.randn(4, generator=g)
+    pool = torch.randn(3, *init.shape, generator=g)
+    before = pool.clone()
+    slots = torch.tensor([2, 0])
+    y = ssd.ssd_state_update(pool, slots, x, dt_raw, dt_bias, (0.0, 0.5), A_log, B, C, D)
+    dt_d, A_d = ssd.discretize(dt_raw, dt_bias, (0.0, 0.5), A_log)
+    assert float(dt_d.max()) <= 0.5
+    y_ref, new = ssd.ssd_step(before[slots], x, dt_d, A_d, B, C, D)
+    torch.testing.assert_close(y, y_ref)
+    torch.testing.assert_close(pool[slots], new)
+    torch.testing.assert_close(pool[1], before[1], atol=0, rtol=0)
 
 
 def test_causal_conv_with_state_equals_step_by_step():
@@ -60,11 +86,19 @@ def test_causal_conv_with_state_equals_step_by_step():
     w, b = torch.randn(channels, k, generator=g), torch.randn(channels, generator=g)
     state0 = torch.randn(k - 1, channels, generator=g)
     y, state = conv.causal_conv1d(x, w, b, state0)
-    s = state0[None]
+    pool = torch.randn(3, k - 1, channels, generator=g)
+    pool[1] = state0
+    slot = torch.tensor([1])
     for t in range(length):
-        yt, s = conv.causal_conv1d_update(x[t : t + 1], w, b, s)
+        yt = conv.causal_conv1d_update(x[t : t + 1], w, b, pool, slot)
         torch.testing.assert_close(yt[0], y[t], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(s[0], state)
+    torch.testing.assert_close(pool[1], state)
+    # the varlen op over the pool: same outputs, same final state
+    pool2 = torch.randn(3, k - 1, channels, generator=g)
+    pool2[2] = state0
+    yv = conv.causal_conv1d_varlen(x, w, b, pool2, torch.tensor([2]), [length])
+    torch.testing.assert_close(yv, y)
+    torch.testing.assert_close(pool2[2], state)
     # zero state == zero padding (the convolution of a fresh sequence)
     y0, _ = conv.causal_conv1d(x, w, b, torch.zeros(k - 1, channels))
     dense = F.conv1d(x.t()[None], w[:, None], b, padding=k - 1, groups=channels)[0, :, :length].t()

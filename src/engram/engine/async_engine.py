@@ -98,6 +98,10 @@ class AsyncEngine:
     async def flush_cache(self) -> bool:
         return await self._call(self.engine.flush_cache)
 
+    async def release_retained(self, key: str) -> bool:
+        """Free a finished conversation's retained engine slot (ACTIVE -> WARM)."""
+        return await self._call(lambda: self.engine.release_retained(key))
+
     def stats(self) -> EngineStats:
         """The engine's stats as of the end of the last loop iteration."""
         return self._stats

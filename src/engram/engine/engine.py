@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,8 +15,8 @@ from engram.engine.detokenizer import detokenize_step, find_stop_string
 from engram.engine.pools import KVPool, StatePool, capture_state, restore_state
 from engram.engine.request import FinishReason, RequestOutput, SamplingParams
 from engram.engine.runner import ModelRunner
-from engram.engine.sampler import sample_row, token_logprob
-from engram.engine.scheduler import ScheduledChunk, Scheduler
+from engram.engine.sampler import sample_batch, token_logprob
+from engram.engine.scheduler import RetainedSlot, Scheduler
 from engram.engine.sequence import Sequence, SequenceStatus
 from engram.models.loader import load_model
 from engram.models.spec import load_model_spec
@@ -40,6 +41,7 @@ class EngineStats:
     prefill_tokens_computed_total: int
     cached_tokens_total: int
     num_preemptions: int
+    retained_slots: int
 
 
 def resolve_device(name: str) -> torch.device:
@@ -84,7 +86,10 @@ class LLMEngine:
         self.state_pool = StatePool(self.spec, args.max_running_requests, self.state_dtypes, self.device)
         self.kv_pool = KVPool(self.spec, self.plan.num_kv_blocks, args.kv_block_size, self.state_dtypes.kv, self.device)
         self.scheduler = Scheduler(self.state_pool, self.kv_pool, args.max_running_requests, args.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, self.state_pool, self.kv_pool, self.device)
+        self.runner = ModelRunner(
+            self.model, self.state_pool, self.kv_pool, self.device,
+            enable_cuda_graph=args.enable_cuda_graph, max_context_length=self.max_context_length,
+        )
         self.eos_token_ids = set(self.spec.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -113,7 +118,13 @@ class LLMEngine:
         *,
         initial_state: SequenceState | None = None,
         capture_state: bool = False,
+        retain_key: str | None = None,
+        resume_key: str | None = None,
     ) -> None:
+        """Queue a request. `initial_state` covers a prefix of the prompt (restored, not computed);
+        `resume_key` names a retained slot holding such a state (adopted without a copy when it is
+        still there, else `initial_state` is used). `capture_state` returns the final state in
+        the output; `retain_key` keeps the final state in its slot under that key."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids:
@@ -129,21 +140,42 @@ class LLMEngine:
                 f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context length {limit}"
             )
         if initial_state is not None:
-            self._check_initial_state(initial_state, prompt_token_ids)
+            self._check_prefix(initial_state.tokens, initial_state.state_len, prompt_token_ids)
+            check_state(self.spec, self.state_dtypes, initial_state)
         generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         seq = Sequence(request_id, list(prompt_token_ids), len(prompt_token_ids), params, generator, initial_state, capture_state)
+        seq.retain_key = retain_key
+        seq.adopted = self._adopt(resume_key, prompt_token_ids)
+        seq.num_cached_tokens = seq.adopted.state_len if seq.adopted else (initial_state.state_len if initial_state else 0)
         self._requests[request_id] = seq
         self.scheduler.add(seq)
         self._counters["prompt"] += len(prompt_token_ids)
         self._counters["cached"] += seq.num_cached_tokens
 
-    def _check_initial_state(self, state: SequenceState, prompt: list[int]) -> None:
-        n = state.state_len
-        if n >= len(prompt):
-            raise ValueError(f"the state covers {n} tokens but the prompt has only {len(prompt)}: nothing new to compute")
-        if list(state.tokens[:n]) != list(prompt[:n]):
+    def _adopt(self, key: str | None, prompt: list[int]) -> RetainedSlot | None:
+        adopted = self.scheduler.adopt(key) if key is not None else None
+        if adopted is None:
+            return None
+        try:
+            self._check_prefix(adopted.tokens, adopted.state_len, prompt)
+        except ValueError:  # not this prompt's state
+            self.scheduler.free_retained(adopted)
+            return None
+        return adopted
+
+    @staticmethod
+    def _check_prefix(tokens: list[int], state_len: int, prompt: list[int]) -> None:
+        if state_len >= len(prompt):
+            raise ValueError(f"the state covers {state_len} tokens but the prompt has only {len(prompt)}: nothing new to compute")
+        if list(tokens[:state_len]) != list(prompt[:state_len]):
             raise ValueError("the state's tokens are not a prefix of the prompt")
-        check_state(self.spec, self.state_dtypes, state)
+
+    def release_retained(self, key: str) -> bool:
+        """Free a retained slot (its state moves to the WARM tier through the captured copy)."""
+        return self.scheduler.drop_retained(key)
+
+    def retained_keys(self) -> list[str]:
+        return list(self.scheduler.retained)
 
     def abort_request(self, request_id: str) -> None:
         seq = self._requests.get(request_id)
@@ -164,10 +196,21 @@ class LLMEngine:
         chunks, admitted = self.scheduler.schedule()
         for seq in admitted:
             if seq.initial_state is not None:
+                started = time.perf_counter()
                 restore_state(self.state_pool, self.kv_pool, seq.slot, seq.blocks, seq.initial_state)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)  # a real load into the pool, not a queued copy
+                seq.restore_seconds = time.perf_counter() - started
         if not chunks:
             return outputs
         logits = self.runner.run(chunks)
+        completing = [c.seq for c in chunks if c.completes]
+        tokens = sample_batch(
+            logits,
+            [seq.params for seq in completing],
+            lambda i: (completing[i].token_ids[: completing[i].num_prompt_tokens], completing[i].output_token_ids),
+            [seq.generator or self._default_generator for seq in completing],
+        )
         row = 0
         for chunk in chunks:
             seq = chunk.seq
@@ -175,15 +218,13 @@ class LLMEngine:
             seq.num_computed += chunk.length
             if not chunk.completes:
                 continue
-            self._append_token(seq, logits[row])
+            self._append_token(seq, logits[row], tokens[row])
             row += 1
             outputs.append(self._output(seq))
         return outputs
 
-    def _append_token(self, seq: Sequence, logits: torch.Tensor) -> None:
+    def _append_token(self, seq: Sequence, logits: torch.Tensor, token: int) -> None:
         p = seq.params
-        prompt = seq.token_ids[: seq.num_prompt_tokens]
-        token = sample_row(logits, p, prompt, seq.output_token_ids, seq.generator or self._default_generator)
         if p.logprobs is not None:
             seq.pending_logprobs.append(token_logprob(logits, token, p.logprobs))
         seq.token_ids.append(token)
@@ -200,8 +241,11 @@ class LLMEngine:
             self._finish(seq, FinishReason.LENGTH)
 
     def _finish(self, seq: Sequence, reason: FinishReason, stop_reason: str | int | None = None) -> None:
-        if seq.capture_state and reason != FinishReason.ABORT and seq.slot is not None:
-            seq.captured_state = capture_state(self.state_pool, self.kv_pool, seq.slot, seq.blocks, seq.token_ids, seq.num_computed)
+        if reason != FinishReason.ABORT and seq.slot is not None:
+            if seq.capture_state:
+                seq.captured_state = capture_state(self.state_pool, self.kv_pool, seq.slot, seq.blocks, seq.token_ids, seq.num_computed)
+            if seq.retain_key is not None:
+                self.scheduler.retain(seq.retain_key, seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         self.scheduler.remove(seq)
@@ -220,6 +264,7 @@ class LLMEngine:
             stop_reason=seq.stop_reason,
             logprobs=seq.pending_logprobs if seq.params.logprobs is not None else None,
             num_cached_tokens=seq.num_cached_tokens,
+            restore_seconds=seq.restore_seconds,
             state=seq.captured_state,
         )
         seq.emitted_tokens += len(new_ids)
@@ -245,8 +290,13 @@ class LLMEngine:
             prefill_tokens_computed_total=c["prefill_computed"],
             cached_tokens_total=c["cached"],
             num_preemptions=self.scheduler.num_preemptions,
+            retained_slots=len(self.scheduler.retained),
         )
 
     def flush_cache(self) -> bool:
-        """No state is cached beyond running requests yet; flushing succeeds when idle."""
-        return not self.scheduler.has_work()
+        """Free every retained slot (the ACTIVE tier); refused while requests are running."""
+        if self.scheduler.has_work():
+            return False
+        for key in list(self.scheduler.retained):
+            self.scheduler.drop_retained(key)
+        return True

@@ -78,4 +78,5 @@ class RequestOutput:
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     logprobs: list[TokenLogprob] | None = None  # for new_token_ids, when requested
     num_cached_tokens: int = 0  # prompt tokens restored from state rather than computed
+    restore_seconds: float = 0.0  # time spent loading a restored state into the engine's pools
     state: SequenceState | None = None  # captured at finish when the request asked for it

@@ -1,52 +1,234 @@
-"""Turns scheduled chunks into one flat `ForwardBatch`, runs the model, returns logits rows."""
+"""Turns scheduled chunks into one flat `ForwardBatch`, runs the model, returns logits rows.
+
+On CUDA with graph-safe fast kernels, decode steps (every sequence feeds one token) replay a CUDA
+graph captured once per batch-size bucket: the step's inputs are packed on the host into one
+pinned buffer and copied in with a single asynchronous copy (plus the block tables, also from
+pinned memory), padding rows carry slot -1 / context -1 so that they read and write no state, and
+nothing inside the step waits for the host. Logits stay on the device; the sampler reads back
+only the chosen token ids.
+"""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from engram.engine.forward_batch import ForwardBatch
 from engram.engine.pools import KVPool, StatePool
 from engram.engine.scheduler import ScheduledChunk
 from engram.models.base import CausalLM
-from engram.ops.attention import token_slots
+from engram.ops.dispatch import kernels
+
+_GRAPH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, state_pool: StatePool, kv_pool: KVPool, device: torch.device):
+    def __init__(
+        self,
+        model: CausalLM,
+        state_pool: StatePool,
+        kv_pool: KVPool,
+        device: torch.device,
+        *,
+        enable_cuda_graph: bool = False,
+        max_context_length: int | None = None,
+    ):
         self.model = model
         self.state_pool = state_pool
         self.kv_pool = kv_pool
         self.device = device
+        self.enable_cuda_graph = enable_cuda_graph
+        self.max_context_length = max_context_length
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._static: dict[str, torch.Tensor] | None = None
+        self._graph_pool = None
+        self.num_graph_replays = 0
+        self.num_eager_steps = 0
+
+    # ---- eager batches (prefill, mixed steps, CPU) --------------------------------------------
 
     def build_batch(self, chunks: list[ScheduledChunk]) -> ForwardBatch:
         dev = self.device
-        input_ids, positions, slot_mapping, logits_indices = [], [], [], []
+        bs = self.kv_pool.block_size
+        n = len(chunks)
+        seq_lens = [c.length for c in chunks]
+        context_lens = [c.start for c in chunks]
+        total = sum(seq_lens)
+        input_ids = np.empty(total, dtype=np.int64)
+        positions = np.empty(total, dtype=np.int64)
+        slot_mapping = np.empty(total if self.kv_pool.needs_pages else 0, dtype=np.int64)
         max_blocks = max((len(c.seq.blocks) for c in chunks), default=0)
-        tables = torch.full((len(chunks), max(max_blocks, 1)), -1, dtype=torch.long)
+        tables = np.full((n, max(max_blocks, 1)), -1, dtype=np.int64)
+        cu = np.zeros(n + 1, dtype=np.int64)
+        logits_indices = []
         offset = 0
         for i, c in enumerate(chunks):
-            input_ids.extend(c.seq.token_ids[c.start : c.start + c.length])
-            positions.append(torch.arange(c.start, c.start + c.length))
+            end = offset + c.length
+            input_ids[offset:end] = c.seq.token_ids[c.start : c.start + c.length]
+            pos = np.arange(c.start, c.start + c.length, dtype=np.int64)
+            positions[offset:end] = pos
             if c.seq.blocks:
-                tables[i, : len(c.seq.blocks)] = torch.tensor(c.seq.blocks)
-                slot_mapping.append(token_slots(tables[i], c.start + c.length, self.kv_pool.block_size)[c.start :])
-            offset += c.length
+                blocks = np.asarray(c.seq.blocks, dtype=np.int64)
+                tables[i, : len(blocks)] = blocks
+                if self.kv_pool.needs_pages:
+                    slot_mapping[offset:end] = blocks[pos // bs] * bs + pos % bs
+            offset = end
+            cu[i + 1] = offset
             if c.completes:
                 logits_indices.append(offset - 1)
+
+        def put(a: np.ndarray) -> torch.Tensor:
+            t = torch.from_numpy(a)
+            if dev.type == "cuda":
+                t = t.pin_memory().to(dev, non_blocking=True)
+            return t.to(dev)
+
         return ForwardBatch(
-            input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
-            positions=torch.cat(positions).to(dev),
-            seq_lens=[c.length for c in chunks],
-            context_lens=[c.start for c in chunks],
-            state_slots=torch.tensor([c.seq.slot for c in chunks], dtype=torch.long, device=dev),
-            slot_mapping=(torch.cat(slot_mapping) if slot_mapping else torch.empty(0, dtype=torch.long)).to(dev),
-            block_tables=tables.to(dev),
-            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
+            input_ids=put(input_ids),
+            positions=put(positions),
+            seq_lens=seq_lens,
+            context_lens=context_lens,
+            state_slots=put(np.asarray([c.seq.slot for c in chunks], dtype=np.int64)),
+            slot_mapping=put(slot_mapping),
+            block_tables=put(tables),
+            logits_indices=put(np.asarray(logits_indices, dtype=np.int64)),
             state_pool=self.state_pool,
             kv_pool=self.kv_pool,
+            cu_seqlens=put(cu),
+            context_lens_t=put(np.asarray(context_lens, dtype=np.int64)),
         )
+
+    # ---- CUDA graphs for decode steps -----------------------------------------------------------
+
+    def _graphs_usable(self, chunks: list[ScheduledChunk]) -> bool:
+        if not (self.enable_cuda_graph and self.device.type == "cuda" and kernels().graph_safe_decode):
+            return False
+        if not chunks or len(chunks) > self._max_graph_batch():
+            return False
+        if not all(c.length == 1 and c.start > 0 and c.completes for c in chunks):
+            return False
+        return all(len(c.seq.blocks) <= self._max_pages() for c in chunks)
+
+    def _max_graph_batch(self) -> int:
+        return min(self.state_pool.num_slots, _GRAPH_BUCKETS[-1])
+
+    def _max_pages(self) -> int:
+        if not self.kv_pool.needs_pages:
+            return 1 << 62
+        ctx = self.max_context_length or self.kv_pool.num_blocks * self.kv_pool.block_size
+        return min(self.kv_pool.num_blocks, -(-ctx // self.kv_pool.block_size))
+
+    def _bucket(self, n: int) -> int:
+        for b in _GRAPH_BUCKETS:
+            if b >= n and b <= self._max_graph_batch():
+                return b
+        return self._max_graph_batch()
+
+    def _alloc_static(self) -> None:
+        bmax = self._max_graph_batch()
+        width = self._max_pages() if self.kv_pool.needs_pages else 1
+        dev = self.device
+        # rows: input_ids, positions, slots, slot_mapping, context
+        self._host = torch.zeros((5, bmax), dtype=torch.int64).pin_memory()
+        self._host_np = self._host.numpy()
+        self._host_tables = torch.zeros((width, bmax), dtype=torch.int32).pin_memory()  # column-major
+        self._host_tables_np = self._host_tables.numpy()
+        self._static = {
+            "packed": torch.zeros((5, bmax), dtype=torch.int64, device=dev),
+            "tables_t": torch.zeros((width, bmax), dtype=torch.int32, device=dev),
+            "cu": torch.arange(bmax + 1, dtype=torch.int64, device=dev),
+            "logits_indices": torch.arange(bmax, dtype=torch.int64, device=dev),
+        }
+        self._graph_pool = torch.cuda.graph_pool_handle()
+
+    def _graph_batch(self, b: int) -> ForwardBatch:
+        st = self._static
+        packed = st["packed"]
+        return ForwardBatch(
+            input_ids=packed[0, :b],
+            positions=packed[1, :b],
+            seq_lens=[1] * b,
+            context_lens=[1] * b,  # host placeholders: a decode step; kernels read the device tensors
+            state_slots=packed[2, :b],
+            slot_mapping=packed[3, :b],
+            block_tables=st["tables_t"][:, :b].t(),  # [b, width], column-major
+            logits_indices=st["logits_indices"][:b],
+            state_pool=self.state_pool,
+            kv_pool=self.kv_pool,
+            cu_seqlens=st["cu"][: b + 1],
+            context_lens_t=packed[4, :b],
+        )
+
+    def _fill_padding(self) -> None:
+        h = self._host_np
+        h[0:2] = 0
+        h[2:5] = -1
+        self._static["packed"].copy_(self._host, non_blocking=True)
+
+    def _capture(self, b: int) -> None:
+        if self._static is None:
+            self._alloc_static()
+        self._fill_padding()  # padding rows only: the warm-up and capture touch no state
+        batch = self._graph_batch(b)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self.model(batch)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool, stream=stream):
+            logits = self.model(batch)
+        self._graphs[b] = (graph, logits)
+
+    def capture_all(self, max_batch: int | None = None) -> None:
+        """Capture every bucket up to `max_batch` now (largest first, sharing one memory pool)."""
+        limit = min(max_batch or self._max_graph_batch(), self._max_graph_batch())
+        for b in sorted({self._bucket(n) for n in range(1, limit + 1)}, reverse=True):
+            if b not in self._graphs:
+                self._capture(b)
+
+    def _run_graph(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        n = len(chunks)
+        b = self._bucket(n)
+        if b not in self._graphs:
+            self._capture(b)
+        h = self._host_np
+        h[0:2, :b] = 0
+        h[2:5, :b] = -1
+        bs = self.kv_pool.block_size
+        width = 1
+        paged = self.kv_pool.needs_pages
+        tables = self._host_tables_np
+        for i, c in enumerate(chunks):
+            seq = c.seq
+            pos = c.start
+            h[0, i] = seq.token_ids[pos]
+            h[1, i] = pos
+            h[2, i] = seq.slot
+            h[4, i] = pos
+            if paged:
+                blocks = seq.blocks
+                h[3, i] = blocks[pos // bs] * bs + pos % bs
+                nb = len(blocks)
+                tables[:nb, i] = blocks
+                width = max(width, nb)
+        st = self._static
+        st["packed"].copy_(self._host, non_blocking=True)
+        if paged:
+            bmax = tables.shape[1]
+            st["tables_t"].view(-1)[: width * bmax].copy_(self._host_tables.view(-1)[: width * bmax], non_blocking=True)
+        graph, logits = self._graphs[b]
+        graph.replay()
+        self.num_graph_replays += 1
+        return logits[:n].clone()
+
+    # ---- entry point ---------------------------------------------------------------------------
 
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Logits [number of completing chunks, vocab] (float32, on the CPU)."""
-        return self.model(self.build_batch(chunks)).cpu()
+        """Logits [number of completing chunks, vocab] (float32, on the model's device)."""
+        if self._graphs_usable(chunks):
+            return self._run_graph(chunks)
+        self.num_eager_steps += 1
+        return self.model(self.build_batch(chunks))

@@ -1,7 +1,14 @@
 """Next-token choice from logits: penalties, temperature, top-k, top-p, min-p, seeded sampling,
-and logprobs of the model's own distribution."""
+and logprobs of the model's own distribution.
+
+Logits may live on the GPU. `sample_batch` takes the whole step at once: greedy rows without
+penalties are one argmax on the device and one read-back of the token ids; every other row goes
+through `sample_row`, which applies penalties and filters on the logits' device and draws from the
+request's (CPU) generator, so seeded sampling gives the same tokens as on the CPU."""
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
@@ -43,7 +50,34 @@ def sample_row(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[in
     if params.greedy:
         return int(logits.argmax())
     probs = torch.softmax(filter_logits(logits, params), dim=-1)
+    if generator is not None and probs.device != generator.device:
+        probs = probs.to(generator.device)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def _plain_greedy(params: SamplingParams) -> bool:
+    return params.greedy and params.repetition_penalty == 1.0 and not params.frequency_penalty and not params.presence_penalty
+
+
+def sample_batch(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    history: Callable[[int], tuple[list[int], list[int]]],
+    generators: list[torch.Generator | None],
+) -> list[int]:
+    """One token per row of `logits` [R, V]. `history(i)` gives row i's (prompt ids, output ids),
+    asked only for rows whose penalties need them."""
+    tokens = [0] * len(params)
+    plain = [i for i, p in enumerate(params) if _plain_greedy(p)]
+    if plain:
+        rows = logits if len(plain) == len(params) else logits[torch.tensor(plain, device=logits.device)]
+        for i, t in zip(plain, rows.argmax(dim=-1).tolist()):
+            tokens[i] = t
+    for i, p in enumerate(params):
+        if not _plain_greedy(p):
+            prompt_ids, output_ids = history(i) if (p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty) else ([], [])
+            tokens[i] = sample_row(logits[i], p, prompt_ids, output_ids, generators[i])
+    return tokens
 
 
 def token_logprob(logits: torch.Tensor, token_id: int, top: int) -> TokenLogprob:

@@ -4,12 +4,17 @@ Running sequences go first (a decode is a chunk of one token); waiting sequences
 while a state slot, KV pages for their first chunk and token budget remain. When KV pages run
 out mid-decode, the most recently admitted sequence is preempted: its slot and pages are freed
 and it is recomputed later (from its restored snapshot, if it came with one), exactly.
+
+A finished sequence may keep its slot and pages (the ACTIVE tier) so that the next turn of its
+conversation adopts them without copying any state. Retained slots only use what running work
+does not need: they are reclaimed, least recently used first, before anything is preempted.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
 
 from engram.engine.pools import KVPool, StatePool
 from engram.engine.sequence import Sequence, SequenceStatus
@@ -27,6 +32,17 @@ class ScheduledChunk:
         return self.start + self.length == len(self.seq.token_ids)
 
 
+@dataclass
+class RetainedSlot:
+    """A finished sequence's slot and KV pages, still holding its state after `state_len` tokens."""
+
+    slot: int
+    blocks: list[int]
+    tokens: list[int]
+    state_len: int
+    last_used: float = field(default_factory=time.monotonic)
+
+
 class Scheduler:
     def __init__(self, state_pool: StatePool, kv_pool: KVPool, max_running: int, max_batched_tokens: int):
         self.state_pool = state_pool
@@ -35,7 +51,9 @@ class Scheduler:
         self.max_batched_tokens = max_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.retained: OrderedDict[str, RetainedSlot] = OrderedDict()
         self.num_preemptions = 0
+        self.num_reclaimed = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -47,10 +65,39 @@ class Scheduler:
         need = self.kv_pool.blocks_for(num_tokens) - len(seq.blocks)
         if need <= 0:
             return True
+        while need > self.kv_pool.num_free and self.retained:
+            self.drop_retained(next(iter(self.retained)))
         if need > self.kv_pool.num_free:
             return False
         seq.blocks.extend(self.kv_pool.allocate(need))
         return True
+
+    # ---- the ACTIVE tier --------------------------------------------------------------------
+
+    def retain(self, key: str, seq: Sequence) -> None:
+        """Keep a finished sequence's slot and pages under `key` instead of freeing them."""
+        self.retained[key] = RetainedSlot(seq.slot, seq.blocks, list(seq.token_ids), seq.num_computed)
+        seq.slot, seq.blocks = None, []
+
+    def adopt(self, key: str) -> RetainedSlot | None:
+        """Take a retained slot out of the pool of reclaimable ones (it now belongs to a request)."""
+        return self.retained.pop(key, None)
+
+    def drop_retained(self, key: str) -> bool:
+        kept = self.retained.pop(key, None)
+        if kept is not None:
+            self.free_retained(kept)
+        return kept is not None
+
+    def free_retained(self, kept: RetainedSlot) -> None:
+        self.state_pool.free(kept.slot)
+        self.kv_pool.free(kept.blocks)
+        self.num_reclaimed += 1
+
+    def _free_slot_available(self) -> bool:
+        while not self.state_pool.num_free and self.retained:
+            self.drop_retained(next(iter(self.retained)))
+        return self.state_pool.num_free > 0
 
     def release(self, seq: Sequence) -> None:
         """Give back the sequence's slot and pages (finish, abort or preemption)."""
@@ -59,6 +106,9 @@ class Scheduler:
             seq.slot = None
         self.kv_pool.free(seq.blocks)
         seq.blocks = []
+        if seq.adopted is not None:  # never admitted: its adopted slot goes back
+            self.free_retained(seq.adopted)
+            seq.adopted = None
         if seq in self.running:
             self.running.remove(seq)
 
@@ -94,19 +144,30 @@ class Scheduler:
                 budget -= n
 
         admitted: list[Sequence] = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_running and self.state_pool.num_free:
+        while self.waiting and budget > 0 and len(self.running) < self.max_running:
             seq = self.waiting[0]
-            start = seq.num_cached_tokens if seq.initial_state is not None else 0
+            adopted = seq.adopted
+            start = adopted.state_len if adopted else (seq.initial_state.state_len if seq.initial_state else 0)
             n = min(len(seq.token_ids) - start, budget)
-            if self.kv_pool.blocks_for(start + n) > self.kv_pool.num_free:
+            if adopted is None and not (self._free_slot_available() and self._fits(start + n)):
                 break
             self.waiting.popleft()
-            seq.slot = self.state_pool.allocate()
-            self._grow(seq, start + n)
+            if adopted is not None:  # the state is already in this slot and these pages
+                seq.slot, seq.blocks, seq.adopted = adopted.slot, adopted.blocks, None
+            else:
+                seq.slot = self.state_pool.allocate()
+                admitted.append(seq)  # its state, if it has one, must be restored into the slot
+            if not self._grow(seq, start + n):  # only an adopted sequence can lack pages here
+                self._preempt(seq)
+                break
             seq.num_computed = start
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            admitted.append(seq)
             chunks.append(ScheduledChunk(seq, start, n))
             budget -= n
         return chunks, admitted
+
+    def _fits(self, num_tokens: int) -> bool:
+        """Whether pages for `num_tokens` are free or can be reclaimed from retained slots."""
+        reclaimable = sum(len(r.blocks) for r in self.retained.values())
+        return self.kv_pool.blocks_for(num_tokens) <= self.kv_pool.num_free + reclaimable

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
 import torch
 
 from engram.engine.request import FinishReason, SamplingParams, TokenLogprob
 from engram.state.sequence_state import SequenceState
+
+if TYPE_CHECKING:
+    from engram.engine.scheduler import RetainedSlot
 
 
 class SequenceStatus(Enum):
@@ -26,6 +30,10 @@ class Sequence:
     generator: torch.Generator | None = None
     initial_state: SequenceState | None = None  # restored on (re)admission
     capture_state: bool = False
+    retain_key: str | None = None  # keep the slot and pages under this key when finished
+    adopted: RetainedSlot | None = None  # a retained slot this request continues (until admitted)
+    num_cached_tokens: int = 0  # prompt tokens whose state was restored or adopted, not computed
+    restore_seconds: float = 0.0  # time to copy the restored state into the pools
     captured_state: SequenceState | None = None  # taken at finish when capture_state is set
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed: int = 0  # tokens[:num_computed] are in the recurrent state and the KV cache
@@ -40,10 +48,6 @@ class Sequence:
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     prefix_offset: int = 0  # incremental detokenization window over the output tokens
     read_offset: int = 0
-
-    @property
-    def num_cached_tokens(self) -> int:
-        return self.initial_state.state_len if self.initial_state is not None else 0
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable, Iterable, Mapping
 
 import torch
 from safetensors import safe_open
@@ -23,34 +24,37 @@ def safetensors_files(model_path: Path) -> list[Path]:
     return files
 
 
-def load_model(spec: ModelSpec, model_path: str | Path, dtype: torch.dtype, device: torch.device) -> CausalLM:
+def _empty_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> CausalLM:
     with torch.device("meta"):
         model = model_class(spec)(spec)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.tie_weights()
+    return model
+
+
+def _fill(model: CausalLM, spec: ModelSpec, tensors: Iterable[tuple[str, str, Callable[[], torch.Tensor]]]) -> CausalLM:
+    """Copy checkpoint tensors (source name, tensor name, getter) into the model's parameters."""
     params = dict(model.named_parameters(remove_duplicate=False))
     params.update(model.named_buffers(remove_duplicate=False))
     loaded: set[str] = set()
     rows_loaded: dict[str, set[int]] = {}
-    for file in safetensors_files(Path(model_path)):
-        with safe_open(file, framework="pt") as f:
-            for name in f.keys():
-                mapped = model.map_weight_name(name)
-                if mapped is None:
-                    continue
-                target, row = mapped
-                if target not in params:
-                    raise WeightLoadError(f"{file.name}: tensor {name!r} has no place in {spec.architecture} (mapped to {target!r})")
-                param = params[target]
-                dest = param.data if row is None else param.data[row]
-                tensor = f.get_tensor(name)
-                if tuple(tensor.shape) != tuple(dest.shape):
-                    raise WeightLoadError(f"{name}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(dest.shape)}")
-                dest.copy_(tensor)
-                if row is None:
-                    loaded.add(target)
-                else:
-                    rows_loaded.setdefault(target, set()).add(row)
+    for source, name, get in tensors:
+        mapped = model.map_weight_name(name)
+        if mapped is None:
+            continue
+        target, row = mapped
+        if target not in params:
+            raise WeightLoadError(f"{source}: tensor {name!r} has no place in {spec.architecture} (mapped to {target!r})")
+        param = params[target]
+        dest = param.data if row is None else param.data[row]
+        tensor = get()
+        if tuple(tensor.shape) != tuple(dest.shape):
+            raise WeightLoadError(f"{name}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(dest.shape)}")
+        dest.copy_(tensor)
+        if row is None:
+            loaded.add(target)
+        else:
+            rows_loaded.setdefault(target, set()).add(row)
     for target, rows in rows_loaded.items():
         if len(rows) == params[target].shape[0]:
             loaded.add(target)
@@ -60,3 +64,24 @@ def load_model(spec: ModelSpec, model_path: str | Path, dtype: torch.dtype, devi
     if missing:
         raise WeightLoadError(f"checkpoint lacks weights: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
     return model.eval()
+
+
+def load_model(spec: ModelSpec, model_path: str | Path, dtype: torch.dtype, device: torch.device) -> CausalLM:
+    model = _empty_model(spec, dtype, device)
+
+    def tensors():
+        for file in safetensors_files(Path(model_path)):
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    yield file.name, name, lambda f=f, name=name: f.get_tensor(name)
+
+    return _fill(model, spec, tensors())
+
+
+def load_model_from_state_dict(
+    spec: ModelSpec, state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype, device: torch.device
+) -> CausalLM:
+    """Build a model from tensors already in memory under checkpoint names (e.g. a `transformers`
+    model's `state_dict()`), so that both engines run on the same weights (benchmarks, tests)."""
+    model = _empty_model(spec, dtype, device)
+    return _fill(model, spec, (("state_dict", name, lambda t=t: t) for name, t in state_dict.items()))

@@ -15,22 +15,28 @@ from engram.args import ServerArgs
 from engram.engine.async_engine import AsyncEngine
 from engram.server import native_routes, openai_routes, snapshot_routes
 from engram.server.auth import AuthConfig, AuthMiddleware
-from engram.server.conversations import ConversationTurns, build_manager
+from engram.server.conversations import ConversationTurns, build_manager, run_maintenance
 from engram.server.errors import install_error_handlers
 from engram.server.serving import Serving
 
 
 def create_app(engine: AsyncEngine, args: ServerArgs) -> FastAPI:
+    manager = build_manager(engine.engine, args)
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         engine.start()
+        await asyncio.to_thread(manager.preload, args.snapshot_preload)
+        maintenance = asyncio.create_task(run_maintenance(manager, engine))
         try:
             yield
         finally:
+            maintenance.cancel()
+            await asyncio.to_thread(manager.close)  # flush snapshots written behind
             await asyncio.to_thread(engine.shutdown)
 
     app = FastAPI(title="Engram", lifespan=lifespan)
-    turns = ConversationTurns(build_manager(engine.engine, args), engine.engine.tokenizer)
+    turns = ConversationTurns(manager, engine.engine.tokenizer)
     app.state.serving = Serving(engine, args.served_model_name or engine.engine.model_path.name, turns)
     install_error_handlers(app)
     admin_routers = (native_routes.admin_router, snapshot_routes.admin_router)

@@ -8,6 +8,7 @@ ids, strings and the opaque state handle between it and the engine.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from collections import OrderedDict
 from collections.abc import AsyncIterator
@@ -19,12 +20,24 @@ from typing import Any
 import jinja2
 
 from engram.args import ServerArgs
+from engram.engine.async_engine import AsyncEngine
 from engram.engine.engine import LLMEngine
 from engram.engine.request import RequestOutput
 from engram.server.errors import APIError
-from engram.state.conversations import ConversationManager, SnapshotPolicy, SnapshotTrigger, Turn, TurnPlan, WarmCache
+from engram.state.conversations import (
+    ConversationManager,
+    SnapshotPolicy,
+    SnapshotTrigger,
+    TierConfig,
+    Turn,
+    TurnPlan,
+    retain_key,
+)
+from engram.state.health import HealthConfig, HealthMonitor, HealthPolicy
+from engram.state.store import WarmCache
 from engram.state.identity import ModelIdentity, tokenizer_fingerprint
 
+log = logging.getLogger(__name__)
 TOOL_CALL_MARKERS = ("<tool_call>", "<|tool_call|>", "[TOOL_CALLS]")
 
 
@@ -35,9 +48,18 @@ def default_snapshot_dir() -> Path:
 
 def build_manager(engine: LLMEngine, args: ServerArgs) -> ConversationManager:
     policy = SnapshotPolicy(SnapshotTrigger(args.snapshot_trigger_policy), args.snapshot_every_n_turns, args.snapshot_retention_count)
+    tiers = TierConfig(
+        enabled=args.enable_memory_tiers,
+        active_timeout=args.conversation_active_timeout,
+        warm_timeout=args.conversation_warm_timeout,
+        cold_retention=args.conversation_cold_retention,
+        durability=args.snapshot_durability,
+    )
     root = None
     if args.enable_snapshot_persistence:
         root = Path(args.snapshot_dir) if args.snapshot_dir else default_snapshot_dir()
+    warm_entries = args.max_warm_conversations if args.enable_memory_tiers else 0
+    health = HealthMonitor(HealthConfig(args.snapshot_health_check_interval, HealthPolicy(args.snapshot_health_failure_policy)))
     return ConversationManager(
         engine.spec,
         engine.state_dtypes,
@@ -45,7 +67,9 @@ def build_manager(engine: LLMEngine, args: ServerArgs) -> ConversationManager:
         tokenizer_fingerprint(engine.model_path),
         policy,
         root,
-        WarmCache(args.max_warm_conversations, int(args.max_warm_memory_gb * (1 << 30))),
+        WarmCache(warm_entries, int(args.max_warm_memory_gb * (1 << 30))),
+        tiers,
+        health=health,
     )
 
 
@@ -54,6 +78,18 @@ def has_tool_call(text: str) -> bool:
 
 
 RECENT_REQUESTS = 4096  # request ids remembered for /save_snapshot by rid
+MAINTENANCE_PERIOD_S = 1.0
+
+
+async def run_maintenance(manager: ConversationManager, engine: AsyncEngine, period: float = MAINTENANCE_PERIOD_S) -> None:
+    """Demote idle states and expire old conversations, releasing engine slots that went idle."""
+    while True:
+        await asyncio.sleep(period)
+        try:
+            for key in await asyncio.to_thread(manager.maintain):
+                await engine.release_retained(key)
+        except Exception:
+            log.exception("state maintenance failed")
 
 
 @dataclass
@@ -65,6 +101,14 @@ class ConversationTurns:
     async def begin(self, conversation_id: str, branch: str | None, from_turn: int | None) -> TurnPlan:
         # May read a snapshot file: off the event loop.
         return await asyncio.to_thread(self.manager.begin, conversation_id, branch or "main", from_turn)
+
+    def engine_kwargs(self, plan: TurnPlan) -> dict[str, Any]:
+        """How the engine should start the turn: the state to restore (or the slot to adopt), and
+        to capture the final state (and keep its slot, when the memory tiers are on)."""
+        kwargs: dict[str, Any] = {"initial_state": plan.state, "capture_state": True, "resume_key": plan.resume_key}
+        if self.manager.tiers.enabled:
+            kwargs["retain_key"] = retain_key(plan.conversation_id, plan.ref)
+        return kwargs
 
     def prompt(self, plan: TurnPlan, new_messages: list[dict]) -> list[int]:
         """The history's exact tokens followed by the template rendering of only the new messages."""
@@ -103,6 +147,8 @@ class ConversationTurns:
         try:
             async with aclosing(outputs):
                 async for out in outputs:
+                    if last is None and plan.state_tier is not None:
+                        self.manager.stats.restore_seconds[plan.state_tier].observe(plan.load_seconds + out.restore_seconds)
                     last = out
                     yield out
         finally:

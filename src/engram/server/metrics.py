@@ -7,11 +7,13 @@ import time
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from engram.engine.async_engine import AsyncEngine
 from engram.engine.request import RequestOutput
+from engram.state.conversations import ConversationManager
+from engram.state.store import Histogram as StoreHistogram
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
                     0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
@@ -52,12 +54,59 @@ class _EngineCollector(Collector):
         yield gauge("kv_pool_usage", "fraction of KV pages in use", s.kv_blocks_used / max(s.kv_blocks_total, 1))
 
 
+class _StateCollector(Collector):
+    """The conversation state tiers: usage, hits, moves, restore and write latencies, health."""
+
+    def __init__(self, manager: ConversationManager) -> None:
+        self.manager = manager
+
+    def collect(self) -> Iterator[Metric]:
+        st = self.manager.state_stats()
+        stats = self.manager.stats
+        tiers = GaugeMetricFamily("engram:state_tier_entries", "states held per tier", labels=["tier"])
+        tiers.add_metric(["active"], st["tiers"]["active"]["turns"])
+        tiers.add_metric(["warm"], st["tiers"]["warm"]["states"])
+        tiers.add_metric(["cold"], st["tiers"]["cold"]["snapshots_known"])
+        yield tiers
+        yield GaugeMetricFamily("engram:state_warm_bytes", "bytes of states in host memory", value=st["tiers"]["warm"]["bytes"])
+        hits = CounterMetricFamily("engram:state_tier_hits", "continuations served from each tier", labels=["tier"])
+        for tier, n in st["hits"].items():
+            hits.add_metric([tier], n)
+        yield hits
+        yield CounterMetricFamily("engram:state_misses", "continuations that recomputed the whole history", value=st["misses"])
+        moves = CounterMetricFamily("engram:state_tier_moves", "promotions and demotions between tiers", labels=["move"])
+        for move, n in {**st["promotions"], **st["demotions"]}.items():
+            moves.add_metric([move], n)
+        yield moves
+        restore = HistogramMetricFamily("engram:state_restore_seconds", "time to bring a state into the engine, per tier", labels=["tier"])
+        for tier, h in stats.restore_seconds.items():
+            restore.add_metric([tier], _buckets(h), h.total)
+        yield restore
+        write = HistogramMetricFamily("engram:snapshot_write_seconds", "time to write a snapshot file")
+        write.add_metric([], _buckets(stats.snapshot_write_seconds), stats.snapshot_write_seconds.total)
+        yield write
+        yield CounterMetricFamily("engram:snapshot_write_failures", "snapshot writes that failed", value=st["snapshot_write_failures"])
+        health = CounterMetricFamily("engram:state_health_events", "state health checks and failures", labels=["event"])
+        for event, n in st["health"].items():
+            health.add_metric([event], n)
+        yield health
+
+
+def _buckets(h: StoreHistogram) -> list[tuple[str, float]]:
+    cumulative, out = 0, []
+    for bound, count in zip((*h.buckets, float("inf")), h.counts):
+        cumulative += count
+        out.append(("+Inf" if bound == float("inf") else str(bound), cumulative))
+    return out
+
+
 class Metrics:
     """One registry per app, so several servers can live in one process (tests)."""
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: AsyncEngine, manager: ConversationManager) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(engine))
+        self.registry.register(_StateCollector(manager))
         self.ttft = Histogram("engram:time_to_first_token_seconds", "time from arrival to the first token",
                               buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.itl = Histogram("engram:inter_token_latency_seconds", "time between consecutive output tokens",

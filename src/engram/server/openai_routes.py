@@ -75,7 +75,7 @@ async def _conversation_turn(
     turns = s.conversations
     plan = await turns.begin(request.conversation_id, request.branch, request.from_turn)
     try:
-        outputs = await s.generate(rid, turns.prompt(plan, messages), params, initial_state=plan.state, capture_state=True)
+        outputs = await s.generate(rid, turns.prompt(plan, messages), params, **turns.engine_kwargs(plan))
     except BaseException:
         turns.manager.release(plan.conversation_id)
         raise

@@ -29,7 +29,7 @@ class Serving:
     def __init__(self, engine: AsyncEngine, model_name: str, conversations: ConversationTurns) -> None:
         self.engine = engine
         self.model_name = model_name
-        self.metrics = Metrics(engine)
+        self.metrics = Metrics(engine, conversations.manager)
         self.tokenizer = engine.engine.tokenizer
         self.conversations = conversations
         self.staged_states: OrderedDict[str, Any] = OrderedDict()  # rid -> state from /restore_snapshot

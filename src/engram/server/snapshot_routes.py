@@ -22,7 +22,7 @@ from engram.server.protocol import (
 )
 from engram.server.serving import Serving, collect, get_serving
 from engram.server.streaming import cancel_on_disconnect, sse_response
-from engram.state.conversations import Conversation, Turn
+from engram.state.conversations import Conversation, ConversationManager, Turn
 
 admin_router = APIRouter(tags=[SNAPSHOT_TAG])  # guarded by --admin-api-key
 router = APIRouter()
@@ -38,8 +38,10 @@ def _turn_of(s: Serving, selector: SnapshotSelector) -> tuple[Conversation, Turn
     return conv, found
 
 
-def _snapshot_entry(manifest: dict, tokens: list[int]) -> dict[str, Any]:
+def _snapshot_entry(manifest: dict, tokens: list[int], quarantine: dict | None) -> dict[str, Any]:
     return {
+        "quarantined": quarantine is not None,
+        "quarantine_reason": quarantine["reason"] if quarantine else None,
         "conversation_id": manifest["conversation_id"],
         "branch_name": manifest["branch"],
         "turn_number": manifest["turn"],
@@ -50,6 +52,12 @@ def _snapshot_entry(manifest: dict, tokens: list[int]) -> dict[str, Any]:
         "manifest": manifest,
         "fill_ids": tokens,
     }
+
+
+def _entry(manager: ConversationManager, manifest: dict) -> dict[str, Any]:
+    ref = f"{manifest['branch']}/{manifest['turn']:06d}"
+    held = [q for q in manager.quarantine.list(manifest["conversation_id"]) if q["ref"] == ref]
+    return _snapshot_entry(manifest, manager.snapshot_tokens(manifest), held[0] if held else None)
 
 
 @admin_router.post("/save_snapshot")
@@ -73,7 +81,7 @@ async def save_snapshot(body: SaveSnapshotRequest, raw_request: Request) -> dict
 async def list_snapshots(body: ListSnapshotsRequest, raw_request: Request) -> dict[str, Any]:
     manager = get_serving(raw_request).conversations.manager
     entries = await asyncio.to_thread(manager.snapshots, body.conversation_id)
-    return {"success": True, "snapshots": [_snapshot_entry(m, manager.snapshot_tokens(m)) for m in entries]}
+    return {"success": True, "snapshots": [_entry(manager, m) for m in entries]}
 
 
 @admin_router.post("/get_snapshot_info")
@@ -82,7 +90,7 @@ async def get_snapshot_info(body: SnapshotSelector, raw_request: Request) -> dic
     _, turn = _turn_of(s, body)
     manager = s.conversations.manager
     manifest = await asyncio.to_thread(manager.snapshot_manifest, body.conversation_id, turn)
-    return {"success": True, **_snapshot_entry(manifest, manager.snapshot_tokens(manifest))}
+    return {"success": True, **_entry(manager, manifest)}
 
 
 @admin_router.post("/delete_snapshot")
@@ -147,3 +155,14 @@ async def get_conversation(conversation_id: str, raw_request: Request) -> dict[s
 async def delete_conversation(conversation_id: str, raw_request: Request) -> dict[str, Any]:
     await asyncio.to_thread(get_serving(raw_request).conversations.manager.delete_conversation, conversation_id)
     return {"id": conversation_id, "object": "conversation.deleted", "deleted": True}
+
+
+@router.get("/v1/state/stats")
+async def state_stats(raw_request: Request) -> dict[str, Any]:
+    s = get_serving(raw_request)
+    stats = s.conversations.manager.state_stats()
+    engine = s.engine.stats()
+    stats["tiers"]["active"]["engine_slots"] = engine.retained_slots
+    stats["engine"] = {"state_slots_used": engine.state_slots_used, "state_slots_total": engine.state_slots_total,
+                       "kv_blocks_used": engine.kv_blocks_used, "kv_blocks_total": engine.kv_blocks_total}
+    return stats

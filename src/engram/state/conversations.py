@@ -10,6 +10,7 @@ trigger policy, in snapshot files; a continuation restores the nearest turn that
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -18,8 +19,10 @@ from enum import Enum
 from pathlib import Path
 
 from engram.models.spec import ModelSpec
+from engram.state.health import HealthMonitor, Quarantine
 from engram.state.identity import ModelIdentity
 from engram.state.sequence_state import SequenceState, StateDtypes
+from engram.state.store import Clock, SnapshotWriter, TierStats, WarmCache
 from engram.state.snapshot import (
     SnapshotError,
     SnapshotMeta,
@@ -36,6 +39,7 @@ from engram.state.snapshot import (
 )
 
 RECORD_NAME = "conversation.json"
+log = logging.getLogger(__name__)
 
 
 class ConversationError(Exception):
@@ -59,6 +63,19 @@ class SnapshotTrigger(str, Enum):
     EVERY_N_TURNS = "every_n_turns"
     ON_TOOL_CALL = "on_tool_call"
     MANUAL_ONLY = "manual_only"
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    enabled: bool = True  # ACTIVE and WARM tiers; off: every continuation restores from its snapshot file
+    active_timeout: float = 60.0  # seconds idle before a retained engine slot is released
+    warm_timeout: float = 1800.0  # seconds idle before a host copy is dropped (the snapshot file stays)
+    cold_retention: float = 0.0  # seconds idle before a conversation and its files expire; 0: never
+    durability: str = "sync"  # sync: a turn is answered after its snapshot is on disk; async: written behind
+
+    def __post_init__(self) -> None:
+        if self.durability not in ("sync", "async"):
+            raise ValueError(f"--snapshot-durability must be sync or async, got {self.durability!r}")
 
 
 @dataclass(frozen=True)
@@ -145,39 +162,18 @@ class TurnPlan:
     history_tokens: list[int]
     history_messages: list[dict]
     state: SequenceState | None
-    state_tier: str | None  # "warm" or "cold" (snapshot file); None: full prefill
-
-
-class WarmCache:
-    """Host-memory states of recent turns, least recently used evicted first."""
-
-    def __init__(self, max_entries: int, max_bytes: int):
-        self.max_entries = max_entries
-        self.max_bytes = max_bytes
-        self._states: OrderedDict[tuple[str, str], SequenceState] = OrderedDict()
+    state_tier: str | None  # "active", "warm" or "cold"; None: the whole history is prefilled
+    resume_key: str | None = None  # the engine slot still holding the base turn's state, if any
+    load_seconds: float = 0.0  # time spent reading and verifying a snapshot file
 
     @property
-    def nbytes(self) -> int:
-        return sum(s.nbytes for s in self._states.values())
+    def ref(self) -> str:
+        return ref_name(self.branch, self.turn)
 
-    def __len__(self) -> int:
-        return len(self._states)
 
-    def get(self, conversation_id: str, ref: str) -> SequenceState | None:
-        state = self._states.get((conversation_id, ref))
-        if state is not None:
-            self._states.move_to_end((conversation_id, ref))
-        return state
-
-    def put(self, conversation_id: str, ref: str, state: SequenceState) -> None:
-        self._states[(conversation_id, ref)] = state
-        self._states.move_to_end((conversation_id, ref))
-        while self._states and (len(self._states) > self.max_entries or self.nbytes > self.max_bytes):
-            self._states.popitem(last=False)
-
-    def drop(self, conversation_id: str, ref: str | None = None) -> None:
-        for key in [k for k in self._states if k[0] == conversation_id and (ref is None or k[1] == ref)]:
-            del self._states[key]
+def retain_key(conversation_id: str, ref: str) -> str:
+    """The engine's name for the slot that holds a turn's state (the ACTIVE tier)."""
+    return f"{conversation_id}@{ref}"
 
 
 class ConversationManager:
@@ -192,14 +188,30 @@ class ConversationManager:
         policy: SnapshotPolicy,
         snapshot_dir: str | Path | None,
         warm: WarmCache,
+        tiers: TierConfig = TierConfig(),
+        clock: Clock = time.time,
+        health: HealthMonitor | None = None,
     ):
         self.spec, self.dtypes, self.model, self.tokenizer_sha256 = spec, dtypes, model, tokenizer_sha256
         self.policy = policy
         self.root = Path(snapshot_dir) if snapshot_dir is not None else None
+        self.tiers = tiers
+        self.clock = clock
         self.warm = warm
+        self.warm.clock = clock
+        self.warm.on_evict = lambda cid, ref: self._count("demotions", "warm_evicted")
+        self.stats = TierStats()
+        self.active: OrderedDict[tuple[str, str], float] = OrderedDict()  # (conversation, ref) -> last use
+        self.last_used: dict[str, float] = {}  # conversation -> last use (for cold expiry)
+        self.writer = SnapshotWriter() if tiers.durability == "async" and self.root is not None else None
+        self.health = health or HealthMonitor(clock=clock)
+        self.quarantine = Quarantine(self.root / "quarantine.json" if self.root is not None else None, clock=clock)
         self._conversations: dict[str, Conversation] = {}
         self._busy: set[str] = set()
         self._lock = threading.RLock()
+
+    def _count(self, family: str, key: str) -> None:
+        getattr(self.stats, family)[key] += 1
 
     @property
     def persistent(self) -> bool:
@@ -262,9 +274,20 @@ class ConversationManager:
             base = self.find_turn(conv, branch, from_turn)
             if base is not None and base.branch == branch:
                 self._check_regenerable(conv, base)
+            started = time.perf_counter()
             state, tier = self._nearest_state(conv, base)
+            load_seconds = time.perf_counter() - started if tier == "cold" else 0.0
+            resume_key = None
+            if base is not None and self.active.pop((conversation_id, base.ref), None) is not None:
+                resume_key, tier = retain_key(conversation_id, base.ref), "active"  # the new request adopts it
+            if base is not None:
+                if tier is None:
+                    self.stats.misses += 1
+                else:
+                    self._count("hits", tier)
             self._conversations.setdefault(conversation_id, conv)
             self._busy.add(conversation_id)
+            self.last_used[conversation_id] = self.clock()
             return TurnPlan(
                 conversation_id=conversation_id,
                 branch=branch,
@@ -274,6 +297,8 @@ class ConversationManager:
                 history_messages=conv.messages(base),
                 state=state,
                 state_tier=tier,
+                resume_key=resume_key,
+                load_seconds=load_seconds,
             )
 
     def _check_regenerable(self, conv: Conversation, base: Turn) -> None:
@@ -287,6 +312,8 @@ class ConversationManager:
     def _nearest_state(self, conv: Conversation, base: Turn | None) -> tuple[SequenceState | None, str | None]:
         """The state of the latest turn in the base's chain that still has one, and its tier."""
         for turn in reversed(conv.chain(base)):
+            if not self.health.restore_allowed(self.quarantine, conv.conversation_id, turn.ref):
+                continue  # quarantined under refuse_restore: an earlier state, or recomputation
             tier = "warm" if self.warm.get(conv.conversation_id, turn.ref) is not None else "cold"
             try:
                 return self.load_into_warm(conv.conversation_id, turn), tier
@@ -303,7 +330,8 @@ class ConversationManager:
         state: SequenceState | None,
         tool_calls: bool = False,
     ) -> Turn:
-        """Record the turn, keep its state warm, snapshot it per the policy, release the conversation."""
+        """Record the turn, keep its state warm (and its engine slot active), snapshot it per the
+        policy (now, or written behind with async durability), release the conversation."""
         try:
             with self._lock:
                 conv = self._conversations[plan.conversation_id]
@@ -319,14 +347,40 @@ class ConversationManager:
                     tool_calls=tool_calls,
                 )
                 conv.turns[turn.ref] = turn
-                if state is not None:
+                now = self.clock()
+                self.last_used[plan.conversation_id] = now
+                if state is not None and self.tiers.enabled:
                     self.warm.put(plan.conversation_id, turn.ref, state)
-                    if self.persistent and self.policy.wants_snapshot(turn.turn, tool_calls):
-                        self._write_snapshot(conv, turn, state)
-                self._persist(conv)
-                return turn
+                    self.active[(plan.conversation_id, turn.ref)] = now
+                wanted = state is not None and self.persistent and self.policy.wants_snapshot(turn.turn, tool_calls)
+                if state is not None and not self._healthy(plan.conversation_id, turn, state):
+                    wanted = False
+            job = lambda: self._commit(conv, turn, state if wanted else None)  # noqa: E731
+            if self.writer is not None:
+                self.writer.submit(job)
+            else:
+                job()
+            return turn
         finally:
             self.release(plan.conversation_id)
+
+    def _healthy(self, conversation_id: str, turn: Turn, state: SequenceState) -> bool:
+        """Check the state's norms against the conversation's history; quarantine per the policy.
+        Returns whether the state may be written as a snapshot."""
+        report = self.health.check(conversation_id, turn.turn, state)
+        decision = self.health.decide(report)
+        if decision.quarantine:
+            self.quarantine.add(conversation_id, turn.ref, report.describe())
+        return decision.save
+
+    def _commit(self, conv: Conversation, turn: Turn, state: SequenceState | None) -> None:
+        """Write the turn's snapshot (if any) and then the record that points at it."""
+        with self._lock:
+            if turn.ref not in conv.turns:  # forgotten meanwhile (regenerated or deleted)
+                return
+            if state is not None:
+                self._write_snapshot(conv, turn, state)
+            self._persist(conv)
 
     def release(self, conversation_id: str) -> None:
         with self._lock:
@@ -336,7 +390,13 @@ class ConversationManager:
 
     def _write_snapshot(self, conv: Conversation, turn: Turn, state: SequenceState) -> None:
         meta = SnapshotMeta(conversation_id=conv.conversation_id, branch=turn.branch, turn=turn.turn, parent=turn.parent)
-        save_snapshot(self.root, state, meta, self.spec, self.dtypes, self.model, self.tokenizer_sha256)
+        started = time.perf_counter()
+        try:
+            save_snapshot(self.root, state, meta, self.spec, self.dtypes, self.model, self.tokenizer_sha256)
+        except Exception:
+            self.stats.snapshot_write_failures += 1
+            raise
+        self.stats.snapshot_write_seconds.observe(time.perf_counter() - started)
         turn.snapshot = True
         self._apply_retention(conv, turn.branch)
 
@@ -393,7 +453,9 @@ class ConversationManager:
             if not turn.snapshot:
                 raise SnapshotNotFoundError(f"turn {turn.ref} of conversation {conversation_id!r} has no snapshot and no state in memory")
             state = self.load(conversation_id, turn.branch, turn.turn)
-            self.warm.put(conversation_id, turn.ref, state)
+            if self.tiers.enabled:
+                self.warm.put(conversation_id, turn.ref, state)
+                self._count("promotions", "cold_to_warm")
         return state
 
     def delete_snapshot(self, conversation_id: str, branch: str, turn: int) -> None:
@@ -422,15 +484,101 @@ class ConversationManager:
                 if folder.is_dir() and not any(folder.iterdir()):
                     folder.rmdir()
             self._conversations.pop(conversation_id, None)
+            self.health.forget(conversation_id)
+            self.last_used.pop(conversation_id, None)
 
     def _forget_turn(self, conv: Conversation, turn: Turn) -> None:
         self.warm.drop(conv.conversation_id, turn.ref)
+        self.active.pop((conv.conversation_id, turn.ref), None)
+        self.quarantine.release(conv.conversation_id, turn.ref)
         if turn.snapshot and self.persistent:
             try:
                 delete_snapshot(snapshot_path(self.root, conv.conversation_id, turn.branch, turn.turn))
             except SnapshotNotFoundError:
                 pass
         del conv.turns[turn.ref]
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+
+    def maintain(self) -> list[str]:
+        """Demote by idle time: ACTIVE -> WARM (returns the engine slots to release), WARM -> COLD
+        (the snapshot is written first unless the policy is manual_only), and expire conversations
+        idle past the cold retention. Run periodically."""
+        now = self.clock()
+        with self._lock:
+            release = []
+            for (cid, ref), used in list(self.active.items()):
+                if now - used > self.tiers.active_timeout:
+                    del self.active[(cid, ref)]
+                    release.append(retain_key(cid, ref))
+                    self._count("demotions", "active_to_warm")
+            for cid, ref in self.warm.idle(now - self.tiers.warm_timeout):
+                if cid in self._busy:
+                    continue
+                turn = self._conversations[cid].turns.get(ref) if cid in self._conversations else None
+                if turn is not None and not turn.snapshot and self.persistent and self.policy.trigger != SnapshotTrigger.MANUAL_ONLY:
+                    self._write_snapshot(self._conversations[cid], turn, self.warm.get(cid, ref))
+                    self._persist(self._conversations[cid])
+                self.warm.drop(cid, ref)
+                self._count("demotions", "warm_to_cold")
+            if self.tiers.cold_retention > 0:
+                for cid in self.list_ids():
+                    if cid not in self._busy and now - self._last_use(cid) > self.tiers.cold_retention:
+                        self.delete_conversation(cid)
+                        self.stats.expired_conversations += 1
+            return release
+
+    def _last_use(self, conversation_id: str) -> float:
+        if conversation_id in self.last_used:
+            return self.last_used[conversation_id]
+        record = self._record_path(conversation_id)
+        return record.stat().st_mtime if record.is_file() else self.clock()
+
+    def preload(self, count: int) -> int:
+        """Warm the latest snapshot of each branch of the `count` most recently used conversations."""
+        if count <= 0 or not self.persistent or not self.root.is_dir():
+            return 0
+        records = sorted(self.root.glob(f"*/{RECORD_NAME}"), key=lambda p: p.stat().st_mtime, reverse=True)[:count]
+        loaded = 0
+        for record in records:
+            conv = self.get(record.parent.name)
+            for branch in conv.branches():
+                turn = conv.latest(branch)
+                if turn.snapshot:
+                    try:
+                        self.load_into_warm(conv.conversation_id, turn)
+                        loaded += 1
+                    except SnapshotError as e:
+                        log.warning("preload skipped %s %s: %s", conv.conversation_id, turn.ref, e)
+        return loaded
+
+    def state_stats(self) -> dict:
+        """Conversations and bytes per tier, tier hits, moves, latencies and health, as plain data."""
+        with self._lock:
+            st = self.stats
+            snapshots = sum(t.snapshot for c in self._conversations.values() for t in c.turns.values())
+            return {
+                "tiers": {
+                    "active": {"turns": len(self.active)},
+                    "warm": {"states": len(self.warm), "bytes": self.warm.nbytes},
+                    "cold": {"snapshots_known": snapshots, "conversations_loaded": len(self._conversations)},
+                },
+                "hits": dict(st.hits),
+                "misses": st.misses,
+                "promotions": dict(st.promotions),
+                "demotions": dict(st.demotions),
+                "expired_conversations": st.expired_conversations,
+                "restore_seconds": {tier: h.summary() for tier, h in st.restore_seconds.items()},
+                "snapshot_write_seconds": st.snapshot_write_seconds.summary(),
+                "snapshot_write_failures": st.snapshot_write_failures,
+                "health": asdict(self.health.stats),
+                "quarantined": self.quarantine.list(),
+            }
+
+    def close(self) -> None:
+        """Finish every write still queued (graceful shutdown)."""
+        if self.writer is not None:
+            self.writer.close()
 
     def _require_persistence(self) -> None:
         if not self.persistent:

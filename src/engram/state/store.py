@@ -1,0 +1,142 @@
+"""The WARM tier (host-memory states under count and byte budgets), the snapshot writer that
+keeps disk I/O off the request path, and the per-tier counters.
+
+Tiers: ACTIVE (the state still sits in an engine slot), WARM (a host copy, pinned when the engine
+runs on CUDA), COLD (a snapshot file). Promotion happens on access, demotion by idle time and by
+pressure; each move keeps the turn's metadata and token history, which live in the conversation
+record, not in the state.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engram.state.sequence_state import SequenceState
+
+log = logging.getLogger(__name__)
+
+Clock = Callable[[], float]
+TIERS = ("active", "warm", "cold")
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+@dataclass
+class Histogram:
+    """Cumulative-bucket histogram (Prometheus semantics) with count and sum."""
+
+    buckets: tuple[float, ...] = LATENCY_BUCKETS
+    counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
+    total: float = 0.0
+
+    def observe(self, value: float) -> None:
+        index = next((i for i, b in enumerate(self.buckets) if value <= b), len(self.buckets))
+        self.counts[index] += 1
+        self.total += value
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def summary(self) -> dict:
+        return {"count": self.count, "sum": self.total, "mean": self.total / self.count if self.count else None}
+
+
+@dataclass
+class TierStats:
+    hits: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
+    misses: int = 0  # continuations that found no state and prefilled the whole history
+    promotions: dict[str, int] = field(default_factory=lambda: {"cold_to_warm": 0})
+    demotions: dict[str, int] = field(default_factory=lambda: {"active_to_warm": 0, "warm_to_cold": 0, "warm_evicted": 0})
+    expired_conversations: int = 0
+    restore_seconds: dict[str, Histogram] = field(default_factory=lambda: {t: Histogram() for t in TIERS})
+    snapshot_write_seconds: Histogram = field(default_factory=Histogram)
+    snapshot_write_failures: int = 0
+
+
+class WarmCache:
+    """Host-memory states of recent turns, least recently used first out.
+
+    Bounded by entry count and bytes; `on_evict` hears of states pushed out by pressure."""
+
+    def __init__(self, max_entries: int, max_bytes: int, clock: Clock = time.time):
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.clock = clock
+        self.nbytes = 0
+        self._states: OrderedDict[tuple[str, str], tuple[SequenceState, float]] = OrderedDict()
+        self.on_evict: Callable[[str, str], None] = lambda conversation_id, ref: None
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def __contains__(self, key: tuple[str, str]) -> bool:
+        return key in self._states
+
+    def get(self, conversation_id: str, ref: str) -> SequenceState | None:
+        entry = self._states.get((conversation_id, ref))
+        if entry is None:
+            return None
+        self._states[(conversation_id, ref)] = (entry[0], self.clock())
+        self._states.move_to_end((conversation_id, ref))
+        return entry[0]
+
+    def put(self, conversation_id: str, ref: str, state: SequenceState) -> None:
+        if self.max_entries <= 0:
+            return
+        self.drop(conversation_id, ref)
+        self._states[(conversation_id, ref)] = (state, self.clock())
+        self.nbytes += state.nbytes
+        while self._states and (len(self._states) > self.max_entries or self.nbytes > self.max_bytes):
+            (cid, old_ref), _ = next(iter(self._states.items()))
+            self.drop(cid, old_ref)
+            self.on_evict(cid, old_ref)
+
+    def drop(self, conversation_id: str, ref: str | None = None) -> None:
+        for key in [k for k in self._states if k[0] == conversation_id and (ref is None or k[1] == ref)]:
+            self.nbytes -= self._states.pop(key)[0].nbytes
+
+    def idle(self, older_than: float) -> list[tuple[str, str]]:
+        """Keys not used since `older_than` (a clock reading)."""
+        return [key for key, (_, used) in self._states.items() if used < older_than]
+
+    def bytes_of(self, conversation_id: str) -> int:
+        return sum(s.nbytes for (cid, _), (s, _) in self._states.items() if cid == conversation_id)
+
+
+class SnapshotWriter:
+    """One background thread that runs snapshot writes in order (`async` durability).
+
+    With `sync` durability the caller runs the write itself and this class is not used. A crash
+    loses only writes still queued; every file it did write is complete (atomic commit)."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="engram-snapshot-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self._jobs.put(job)
+
+    def flush(self) -> None:
+        """Wait until every job submitted so far has run."""
+        done = threading.Event()
+        self._jobs.put(done.set)
+        done.wait()
+
+    def close(self) -> None:
+        self.flush()
+        self._jobs.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            try:
+                job()
+            except Exception:
+                log.exception("background snapshot write failed")
