@@ -1,0 +1,215 @@
+"""The state tiers with an injectable clock: every transition, budgets, exact resume from each tier."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_utils import greedy, make_engine, random_prompt, run_to_end
+from engram.state.conversations import ConversationManager, SnapshotPolicy, SnapshotTrigger, TierConfig, retain_key
+from engram.state.health import HealthConfig, HealthMonitor, HealthPolicy
+from engram.state.identity import ModelIdentity, tokenizer_fingerprint
+from engram.state.sequence_state import SequenceState
+from engram.state.store import WarmCache
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint_dir):
+    return make_engine(checkpoint_dir("nemotron"), max_running_requests=4)
+
+
+def manager_for(engine, root, clock, policy=SnapshotPolicy(), tiers=TierConfig(active_timeout=10, warm_timeout=100), warm=(64, 1 << 30), health=None):
+    return ConversationManager(
+        engine.spec, engine.state_dtypes, ModelIdentity.of(engine.spec, engine.model_path), tokenizer_fingerprint(engine.model_path),
+        policy, root, WarmCache(*warm), tiers, clock=clock, health=health,
+    )
+
+
+def turn(engine, manager, conv_id, new, max_tokens=6, state_edit=None):
+    plan = manager.begin(conv_id)
+    prompt = plan.history_tokens + new
+    kwargs = {"retain_key": retain_key(conv_id, plan.ref)} if manager.tiers.enabled else {}
+    engine.add_request("t", prompt, greedy(max_tokens), initial_state=plan.state, capture_state=True, resume_key=plan.resume_key, **kwargs)
+    out = run_to_end(engine)["t"]
+    state = state_edit(out.state) if state_edit else out.state
+    manager.finish(plan, prompt, out.token_ids, [{"role": "user", "content": "x"}], state)
+    return plan, out
+
+
+def full(engine, tokens, max_tokens=6):
+    engine.add_request("full", tokens, greedy(max_tokens))
+    return run_to_end(engine)["full"].token_ids
+
+
+def history(manager, conv_id):
+    conv = manager.require(conv_id)
+    return conv.tokens(conv.latest("main"))
+
+
+def release(engine, keys):
+    for key in keys:
+        engine.release_retained(key)
+
+
+def test_every_transition_keeps_resume_exact(engine, tmp_path):
+    clock = Clock()
+    m = manager_for(engine, tmp_path, clock)
+    turn(engine, m, "c", random_prompt(12, 1))
+    assert m.state_stats()["tiers"]["active"]["turns"] == 1 and engine.stats().retained_slots == 1
+
+    def continue_and_check(expected_tier: str) -> None:
+        new = random_prompt(5, int(clock.now))
+        before = history(m, "c")
+        plan, out = turn(engine, m, "c", new)
+        assert plan.state_tier == expected_tier
+        assert out.token_ids == full(engine, before + new)
+        assert out.num_cached_tokens == len(before) - 1
+
+    continue_and_check("active")  # the slot is adopted as it is
+
+    clock.now += 11  # ACTIVE -> WARM
+    keys = m.maintain()
+    assert keys == [retain_key("c", "main/000002")]
+    release(engine, keys)
+    assert engine.stats().retained_slots == 0
+    continue_and_check("warm")
+
+    clock.now += 101  # ACTIVE -> WARM -> COLD (the snapshot file stays)
+    release(engine, m.maintain())
+    assert len(m.warm) == 0 and m.stats.demotions["warm_to_cold"] >= 1
+    continue_and_check("cold")
+    assert m.stats.promotions["cold_to_warm"] == 1
+
+    stats = m.state_stats()
+    assert stats["hits"] == {"active": 1, "warm": 1, "cold": 1} and stats["misses"] == 0
+    assert m.stats.restore_seconds["cold"].count == 0  # observed by the server, per first output
+
+
+def test_warm_to_cold_writes_the_snapshot_first_unless_manual_only(engine, tmp_path):
+    clock = Clock()
+    m = manager_for(engine, tmp_path, clock, policy=SnapshotPolicy(SnapshotTrigger.EVERY_N_TURNS, every_n_turns=5))
+    turn(engine, m, "d", random_prompt(8, 2))
+    assert m.snapshots("d") == []
+    clock.now += 200
+    release(engine, m.maintain())
+    assert [s["turn"] for s in m.snapshots("d")] == [1]  # demotion wrote it: nothing lost
+
+    m2 = manager_for(engine, tmp_path / "manual", clock, policy=SnapshotPolicy(SnapshotTrigger.MANUAL_ONLY))
+    turn(engine, m2, "e", random_prompt(8, 3))
+    clock.now += 200
+    release(engine, m2.maintain())
+    new = random_prompt(4, 4)
+    before = history(m2, "e")
+    plan, out = turn(engine, m2, "e", new)
+    assert plan.state is None and plan.state_tier is None  # the state is gone; the tokens are not
+    assert out.token_ids == full(engine, before + new) and m2.stats.misses == 1
+
+
+def test_cold_retention_expires_idle_conversations(engine, tmp_path):
+    clock = Clock()
+    m = manager_for(engine, tmp_path, clock, tiers=TierConfig(active_timeout=10, warm_timeout=100, cold_retention=1000))
+    turn(engine, m, "old", random_prompt(6, 5))
+    clock.now += 500
+    turn(engine, m, "young", random_prompt(6, 6))
+    clock.now += 600
+    release(engine, m.maintain())
+    assert m.get("old") is None and not (tmp_path / "old").exists()
+    assert m.get("young") is not None and m.stats.expired_conversations == 1
+
+
+def test_warm_budgets_are_never_exceeded(engine, tmp_path):
+    clock = Clock()
+    one_state = None
+
+    def remember(state):
+        nonlocal one_state
+        one_state = state
+        return state
+
+    probe = manager_for(engine, None, clock)
+    turn(engine, probe, "p", random_prompt(10, 7), state_edit=remember)
+    budget = int(one_state.nbytes * 2.5)
+    m = manager_for(engine, tmp_path, clock, warm=(3, budget))
+    for i in range(6):
+        turn(engine, m, f"w{i}", random_prompt(10, 10 + i))
+        assert len(m.warm) <= 3 and m.warm.nbytes <= budget
+    assert len(m.warm) == 2 and m.stats.demotions["warm_evicted"] == 4
+    # the evicted ones resume exactly from their files
+    before = history(m, "w0")
+    new = random_prompt(3, 99)
+    plan, out = turn(engine, m, "w0", new)
+    assert plan.state_tier in ("active", "cold") and out.token_ids == full(engine, before + new)
+
+
+def test_tiers_off_restores_every_turn_from_its_file(engine, tmp_path):
+    clock = Clock()
+    m = manager_for(engine, tmp_path, clock, tiers=TierConfig(enabled=False), warm=(0, 0))
+    engine.flush_cache()  # slots other tests retained
+    turn(engine, m, "f", random_prompt(7, 8))
+    assert len(m.warm) == 0 and engine.stats().retained_slots == 0
+    before = history(m, "f")
+    new = random_prompt(4, 9)
+    plan, out = turn(engine, m, "f", new)
+    assert plan.state_tier == "cold" and out.token_ids == full(engine, before + new)
+
+
+def test_async_durability_writes_behind_and_flushes(engine, tmp_path):
+    m = manager_for(engine, tmp_path, Clock(), tiers=TierConfig(durability="async"))
+    for i in range(3):
+        turn(engine, m, "g", random_prompt(5, 20 + i))
+    m.close()
+    assert [s["turn"] for s in m.snapshots("g")] == [1, 2, 3]
+    restarted = manager_for(engine, tmp_path, Clock())
+    assert restarted.require("g").latest("main").turn == 3
+
+
+def test_preload_warms_the_most_recent_conversations(engine, tmp_path):
+    clock = Clock()
+    m = manager_for(engine, tmp_path, clock)
+    for name in ("a", "b", "c"):
+        turn(engine, m, name, random_prompt(5, ord(name)))
+    release(engine, m.maintain())
+    fresh = manager_for(engine, tmp_path, clock)
+    assert fresh.preload(2) == 2 and len(fresh.warm) == 2
+    assert fresh.begin("c").state_tier == "warm"
+
+
+def test_anomalous_state_is_quarantined_and_not_restored(engine, tmp_path):
+    clock = Clock()
+    health = HealthMonitor(HealthConfig(check_interval=1, policy=HealthPolicy.REFUSE_RESTORE, warmup=2), clock=clock)
+    m = manager_for(engine, tmp_path, clock, health=health)
+    for i in range(3):
+        turn(engine, m, "h", random_prompt(5, 30 + i))
+
+    def blow_up(state: SequenceState) -> SequenceState:
+        tensors = {k: v * 1e4 if k.endswith(".ssm") else v for k, v in state.tensors.items()}
+        return SequenceState(state.tokens, state.state_len, tensors)
+
+    turn(engine, m, "h", random_prompt(5, 40), state_edit=blow_up)
+    quarantined = m.quarantine.list("h")
+    assert [q["ref"] for q in quarantined] == ["main/000004"] and "layers.0.ssm" in quarantined[0]["reason"]
+    m.active.clear()  # make the next turn look for a host or disk state
+    engine.flush_cache()
+    plan = m.begin("h")
+    assert plan.state is not None and plan.state.state_len < len(history(m, "h")) - 1  # turn 3's state, not turn 4's
+    assert health.stats.refused_restores >= 1
+    m.release("h")
+    assert manager_for(engine, tmp_path, clock).quarantine.is_quarantined("h", "main/000004")  # survives a restart
+
+
+def test_warm_copy_is_independent_of_the_engine_pool(engine, tmp_path):
+    """A captured state is a copy: later steps in the slot it came from do not change it."""
+    m = manager_for(engine, None, Clock())
+    plan, out = turn(engine, m, "i", random_prompt(6, 50))
+    saved = {k: v.clone() for k, v in out.state.tensors.items()}
+    turn(engine, m, "other", random_prompt(30, 51))
+    for name, tensor in out.state.tensors.items():
+        assert torch.equal(tensor, saved[name])
