@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from engram.engine.runner import ModelRunner
 from engram.engine.sampler import sample_batch, token_logprob
 from engram.engine.scheduler import RetainedSlot, Scheduler
 from engram.engine.sequence import Sequence, SequenceStatus
-from engram.models.loader import load_model
+from engram.models.loader import load_model, load_model_from_state_dict
 from engram.models.spec import load_model_spec
 from engram.ops.dispatch import select_kernels, use_kernels
 from engram.state.sequence_state import SequenceState, check_state
@@ -68,7 +69,9 @@ def load_tokenizer(model_path: Path):
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs):
+    def __init__(self, args: EngineArgs, weights: Mapping[str, torch.Tensor] | None = None):
+        """`weights`: tensors under checkpoint names to use instead of the folder's safetensors
+        (benchmarks run the engine on the weights of a `transformers` model already in memory)."""
         if args.model_path is None:
             raise ValueError("EngineArgs.model_path is required")
         self.args = args
@@ -79,7 +82,10 @@ class LLMEngine:
         self.state_dtypes = memory_planner.state_dtypes(self.spec, self.dtype, args.mamba_ssm_dtype, args.kv_cache_dtype)
         use_kernels(select_kernels(self.device.type, args.enable_fast_ops))
         self.tokenizer = load_tokenizer(self.model_path)
-        self.model = load_model(self.spec, self.model_path, self.dtype, self.device)
+        if weights is None:
+            self.model = load_model(self.spec, self.model_path, self.dtype, self.device)
+        else:
+            self.model = load_model_from_state_dict(self.spec, weights, self.dtype, self.device)
 
         self.plan = self._plan_memory()
         self.max_context_length = self.plan.context_length
