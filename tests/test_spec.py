@@ -1,0 +1,76 @@
+"""ModelSpec from config.json: layer kinds in every spelling, state shapes, refusals naming the field."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from engram import LLM, SamplingParams
+from engram.models.spec import ConfigError, LayerKind, load_model_spec, parse_model_spec
+
+CONFIGS = Path(__file__).parent / "data" / "configs"
+
+
+def config(name: str) -> dict:
+    return json.loads((CONFIGS / f"{name}.json").read_text())
+
+
+def test_shared_configs_parse_to_the_published_layouts():
+    granite = load_model_spec(CONFIGS / "granite-4.0-h-tiny.json")
+    assert (len(granite.mamba_layers), len(granite.attention_layers)) == (36, 4)
+    assert granite.mamba.conv_state_shape == (3, 48 * 64 + 2 * 1 * 128)
+    assert granite.mamba.ssm_state_shape == (48, 64, 128)
+    nemotron = load_model_spec(CONFIGS / "nemotron-3-nano-30b-a3b.json")
+    assert nemotron.layout().count("mamba") == 23 and nemotron.layout().count("attention") == 6
+    assert nemotron.layout().count("moe") == 23 and nemotron.attention.num_kv_heads == 2
+    codestral = load_model_spec(CONFIGS / "mamba-codestral-7b.json")
+    assert codestral.layer_kinds == (LayerKind.MAMBA,) * 64 and codestral.attention is None
+    assert codestral.mamba.conv_dim == 8192 + 2 * 8 * 128
+
+
+def test_old_and_new_layer_type_spellings_are_the_same_model():
+    old = config("granite-4.0-h-tiny")
+    new = dict(old, layer_types=["linear_attention" if t == "mamba" else "full_attention" for t in old["layer_types"]])
+    assert parse_model_spec(old).layer_kinds == parse_model_spec(new).layer_kinds
+    pattern = config("nemotron-3-nano-30b-a3b")
+    listed = dict(pattern)
+    del listed["hybrid_override_pattern"]
+    names = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
+    listed["layers_block_type"] = [names[c] for c in pattern["hybrid_override_pattern"]]
+    assert parse_model_spec(pattern).layer_kinds == parse_model_spec(listed).layer_kinds
+
+
+@pytest.mark.parametrize(
+    "name,field",
+    [("granite-4.0-h-tiny", "mamba_d_state"), ("granite-4.0-h-tiny", "mamba_n_heads"),
+     ("nemotron-3-nano-30b-a3b", "ssm_state_size"), ("mamba-codestral-7b", "head_dim"), ("mamba-codestral-7b", "conv_kernel")],
+)
+def test_a_recurrent_layer_missing_a_dimension_is_refused_naming_the_field(name, field):
+    missing = config(name)
+    del missing[field]
+    with pytest.raises(ConfigError, match=field):
+        parse_model_spec(missing)
+    zero = dict(config(name), **{field: 0})
+    with pytest.raises(ConfigError, match=field):
+        parse_model_spec(zero)
+
+
+def test_unknown_model_type_and_layer_type_are_refused():
+    with pytest.raises(ConfigError, match="unsupported model_type"):
+        parse_model_spec({"model_type": "llama"})
+    bad = dict(config("granite-4.0-h-tiny"), layer_types=["mamba", "conv"])
+    with pytest.raises(ConfigError, match="unknown layer type 'conv'"):
+        parse_model_spec(bad)
+
+
+def test_offline_llm_api(checkpoint_dir):
+    llm = LLM(checkpoint_dir("bamba"), max_total_tokens=2048)
+    outs = llm.generate(["Hello", {"prompt_token_ids": [72, 105]}], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    assert [len(o.token_ids) for o in outs] == [5, 5]
+    assert all(o.finish_reason.value == "length" and isinstance(o.text, str) for o in outs)
+    # a string prompt is the tokenizer's encoding of it
+    again = llm.generate({"prompt_token_ids": llm.get_tokenizer().encode("Hello", add_special_tokens=False)},
+                         SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    assert again[0].token_ids == outs[0].token_ids
