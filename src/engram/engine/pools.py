@@ -9,6 +9,14 @@ from engram.ops.attention import token_slots
 from engram.state.sequence_state import SequenceState, StateDtypes
 
 
+def host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A host-memory copy that shares nothing with the pool; page-locked when the pool is on CUDA,
+    so the copy (and a later restore) runs at full DMA speed."""
+    if t.device.type == "cuda":
+        return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
+    return t.clone()
+
+
 class StatePool:
     """Conv and SSM state of every Mamba2 layer for `num_slots` sequences.
 
@@ -45,8 +53,8 @@ class StatePool:
     def read(self, slot: int) -> dict[str, torch.Tensor]:
         out = {}
         for i in self.conv:
-            out[f"layers.{i}.conv"] = self.conv[i][slot].to("cpu", copy=True)
-            out[f"layers.{i}.ssm"] = self.ssm[i][slot].to("cpu", copy=True)
+            out[f"layers.{i}.conv"] = host_copy(self.conv[i][slot])
+            out[f"layers.{i}.ssm"] = host_copy(self.ssm[i][slot])
         return out
 
     def write(self, slot: int, tensors: dict[str, torch.Tensor]) -> None:
@@ -103,8 +111,8 @@ class KVPool:
         slots = self._slots(blocks, length)
         out = {}
         for i in self.k:
-            out[f"layers.{i}.k"] = self.k[i][slots].to("cpu")
-            out[f"layers.{i}.v"] = self.v[i][slots].to("cpu")
+            out[f"layers.{i}.k"] = host_copy(self.k[i][slots])
+            out[f"layers.{i}.v"] = host_copy(self.v[i][slots])
         return out
 
     def write(self, blocks: list[int], length: int, tensors: dict[str, torch.Tensor]) -> None:
