@@ -6,12 +6,10 @@ import torch
 from torch import nn
 
 from engram.engine.forward_batch import ForwardBatch
-from engram.layers.attention import Attention
-from engram.layers.mamba2 import Mamba2Mixer
 from engram.layers.mlp import GatedMLP
 from engram.layers.norm import RMSNorm
-from engram.models.base import CausalLM
-from engram.models.spec import LayerKind, ModelSpec
+from engram.models.base import CausalLM, sequence_mixer
+from engram.models.spec import ModelSpec
 
 
 class BambaBlock(nn.Module):
@@ -21,10 +19,7 @@ class BambaBlock(nn.Module):
         eps = float(cfg.get("rms_norm_eps", 1e-5))
         self.input_norm = RMSNorm(spec.hidden_size, eps)
         self.post_norm = RMSNorm(spec.hidden_size, eps)
-        if spec.layer_kinds[index] == LayerKind.MAMBA:
-            self.mixer = Mamba2Mixer(spec.mamba, spec.hidden_size, index)
-        else:
-            self.mixer = Attention(spec.attention, spec.hidden_size, index)
+        self.mixer = sequence_mixer(spec, index)
         self.ffn = GatedMLP(spec.hidden_size, cfg["intermediate_size"], cfg.get("mlp_bias", False))
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:

@@ -12,11 +12,20 @@ import torch
 from torch import nn
 
 from engram.engine.forward_batch import ForwardBatch
-from engram.models.spec import ModelSpec
+from engram.layers.attention import Attention
+from engram.layers.mamba2 import Mamba2Mixer
+from engram.models.spec import LayerKind, ModelSpec
 
 # (checkpoint-name pattern, internal name template). A template ending in "[i]" names a stacked
 # [experts, ...] parameter; the tensor is its row given by the pattern's group `expert`.
 RenameRules = list[tuple[str, str]]
+
+
+def sequence_mixer(spec: ModelSpec, index: int) -> nn.Module:
+    """The token mixer of a recurrent or attention layer: Mamba2 or attention."""
+    if spec.layer_kinds[index] == LayerKind.MAMBA:
+        return Mamba2Mixer(spec.mamba, spec.hidden_size, index)
+    return Attention(spec.attention, spec.hidden_size, index)
 
 
 class CausalLM(nn.Module):

@@ -7,12 +7,10 @@ import torch
 from torch import nn
 
 from engram.engine.forward_batch import ForwardBatch
-from engram.layers.attention import Attention
-from engram.layers.mamba2 import Mamba2Mixer
 from engram.layers.mlp import FusedGatedMLP, SoftmaxTopKMoE
 from engram.layers.norm import RMSNorm
-from engram.models.base import CausalLM
-from engram.models.spec import LayerKind, ModelSpec
+from engram.models.base import CausalLM, sequence_mixer
+from engram.models.spec import ModelSpec
 
 
 class GraniteHybridBlock(nn.Module):
@@ -22,10 +20,7 @@ class GraniteHybridBlock(nn.Module):
         eps = float(cfg.get("rms_norm_eps", 1e-6))
         self.input_norm = RMSNorm(spec.hidden_size, eps)
         self.post_norm = RMSNorm(spec.hidden_size, eps)
-        if spec.layer_kinds[index] == LayerKind.MAMBA:
-            self.mixer = Mamba2Mixer(spec.mamba, spec.hidden_size, index)
-        else:
-            self.mixer = Attention(spec.attention, spec.hidden_size, index)
+        self.mixer = sequence_mixer(spec, index)
         experts = int(cfg.get("num_local_experts", 0) or 0)
         self.moe = SoftmaxTopKMoE(spec.hidden_size, cfg["intermediate_size"], experts, cfg["num_experts_per_tok"]) if experts else None
         self.shared_mlp = FusedGatedMLP(spec.hidden_size, cfg["shared_intermediate_size"])

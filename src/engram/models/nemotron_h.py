@@ -7,11 +7,9 @@ import torch
 from torch import nn
 
 from engram.engine.forward_batch import ForwardBatch
-from engram.layers.attention import Attention
-from engram.layers.mamba2 import Mamba2Mixer
 from engram.layers.mlp import PlainMLP, SigmoidGroupedMoE
 from engram.layers.norm import RMSNorm
-from engram.models.base import CausalLM
+from engram.models.base import CausalLM, sequence_mixer
 from engram.models.spec import LayerKind, ModelSpec
 from engram.ops.moe import relu2
 
@@ -26,10 +24,8 @@ class NemotronHBlock(nn.Module):
         self.kind = kind
         self.input_norm = RMSNorm(spec.hidden_size, float(cfg.get("layer_norm_epsilon", 1e-5)), weight_in_fp32=True)
         act = _ACTIVATIONS[cfg.get("mlp_hidden_act", "relu2")]
-        if kind == LayerKind.MAMBA:
-            self.mixer = Mamba2Mixer(spec.mamba, spec.hidden_size, index)
-        elif kind == LayerKind.ATTENTION:
-            self.mixer = Attention(spec.attention, spec.hidden_size, index)
+        if kind in (LayerKind.MAMBA, LayerKind.ATTENTION):
+            self.mixer = sequence_mixer(spec, index)
         elif kind == LayerKind.MLP:
             self.mixer = PlainMLP(spec.hidden_size, cfg["intermediate_size"], act, cfg.get("mlp_bias", False))
         else:
