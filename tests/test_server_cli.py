@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 import os
 import signal
 import socket
@@ -72,12 +73,13 @@ def test_serve_embedded_model(served):
 
 def test_chat_client(served, monkeypatch, capsys):
     url, _ = served
-    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n/reset\nagain\n/exit\n"))
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\nmore\n/reset\nagain\n/exit\n"))
     cli.main(["chat", "--url", url, "--max-tokens", "4", "--temperature", "0"])
     out = capsys.readouterr().out
     assert f"chatting with {EMBEDDED_MODEL_NAME}" in out
-    assert out.count("assistant> ") == 2 and "(conversation reset)" in out
-    assert out.count("generated]") == 2
+    assert out.count("assistant> ") == 3 and "(conversation reset)" in out
+    cached = [int(n) for n in re.findall(r"\((\d+) restored from saved state\)", out)]
+    assert len(cached) == 3 and cached[0] == 0 and cached[1] > 0 and cached[2] == 0  # the second turn continues the first
 
 
 def test_chat_client_reports_unreachable_server(monkeypatch):

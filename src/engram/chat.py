@@ -1,10 +1,14 @@
-"""`engram chat`: a terminal chat with a running server, streamed from `/v1/chat/completions`."""
+"""`engram chat`: a terminal chat with a running server, streamed from `/v1/chat/completions`.
+
+The conversation lives on the server (`conversation_id`): each turn sends only the new message,
+and the server continues from the saved state of the previous turn."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import uuid
 from collections.abc import Iterator
 
 import httpx
@@ -32,7 +36,7 @@ def run(ns: argparse.Namespace) -> None:
             sys.exit(f"cannot reach the server at {ns.url}: {e}")
         print(f"chatting with {model} at {ns.url}; /reset starts over, /exit or Ctrl-D quits")
         system = [{"role": "system", "content": ns.system}] if ns.system else []
-        history = list(system)
+        conversation_id, pending = _new_conversation(), list(system)
         while True:
             try:
                 line = input("you> ").strip()
@@ -42,19 +46,22 @@ def run(ns: argparse.Namespace) -> None:
             if line in ("/exit", "/quit"):
                 return
             if line == "/reset":
-                history = list(system)
+                conversation_id, pending = _new_conversation(), list(system)
                 print("(conversation reset)")
                 continue
             if not line:
                 continue
-            history.append({"role": "user", "content": line})
-            body = {"model": model, "messages": history, "max_tokens": ns.max_tokens, "temperature": ns.temperature,
-                    "stream": True, "stream_options": {"include_usage": True}}
+            body = {"model": model, "messages": pending + [{"role": "user", "content": line}], "conversation_id": conversation_id,
+                    "max_tokens": ns.max_tokens, "temperature": ns.temperature, "stream": True, "stream_options": {"include_usage": True}}
             try:
-                history.append({"role": "assistant", "content": _stream_reply(client, body)})
+                if _stream_reply(client, body):
+                    pending = []  # the server holds them now
             except (httpx.HTTPError, ChatError) as e:
-                history.pop()
                 print(f"\n[error] {e}", file=sys.stderr)
+
+
+def _new_conversation() -> str:
+    return f"chat-{uuid.uuid4().hex[:16]}"
 
 
 def _server_model(client: httpx.Client) -> str:
@@ -64,9 +71,9 @@ def _server_model(client: httpx.Client) -> str:
     return response.json()["data"][0]["id"]
 
 
-def _stream_reply(client: httpx.Client, body: dict) -> str:
-    """Print the reply as it streams; Ctrl-C stops it (the server then aborts the request)."""
-    pieces: list[str] = []
+def _stream_reply(client: httpx.Client, body: dict) -> bool:
+    """Print the reply as it streams; Ctrl-C stops it (the server then aborts the request and
+    records no turn). Returns whether the turn completed."""
     usage = None
     print("assistant> ", end="", flush=True)
     try:
@@ -76,17 +83,16 @@ def _stream_reply(client: httpx.Client, body: dict) -> str:
                 raise ChatError(_error_message(response))
             for event in _events(response):
                 for choice in event["choices"]:
-                    piece = choice["delta"].get("content") or ""
-                    print(piece, end="", flush=True)
-                    pieces.append(piece)
+                    print(choice["delta"].get("content") or "", end="", flush=True)
                 usage = event.get("usage") or usage
     except KeyboardInterrupt:
-        print(" [interrupted]", end="")
+        print(" [interrupted]")
+        return False
     print()
     if usage:
         cached = usage["prompt_tokens_details"]["cached_tokens"]
-        print(f"  [{usage['prompt_tokens']} prompt tokens ({cached} cached), {usage['completion_tokens']} generated]")
-    return "".join(pieces)
+        print(f"  [{usage['prompt_tokens']} prompt tokens ({cached} restored from saved state), {usage['completion_tokens']} generated]")
+    return True
 
 
 def _events(response: httpx.Response) -> Iterator[dict]:
