@@ -26,9 +26,6 @@ from engram.state.sequence_state import SequenceState, check_state
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 @dataclass
 class EngineStats:
     num_running: int
@@ -52,11 +49,8 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if name not in _DTYPES:
-        raise ValueError(f"--dtype must be auto|float32|bfloat16|float16, got {name!r}")
-    return _DTYPES[name]
+    """`auto`: bfloat16 on CUDA, float32 on CPU."""
+    return memory_planner.resolve_dtype(name, "--dtype", torch.bfloat16 if device.type == "cuda" else torch.float32)
 
 
 def load_tokenizer(model_path: Path):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import torch
 
 from engram.args import EngineArgs
 from engram.models.spec import ModelSpec, load_model_spec
+from engram.state.identity import safetensors_header
 from engram.state.sequence_state import StateDtypes, expected_tensors
 
 GiB = 1 << 30
@@ -114,8 +114,7 @@ def _safetensors_numel(files: list[Path], skip: set[str]) -> int:
     total = 0
     for file in files:
         with file.open("rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(length))
+            header = json.loads(safetensors_header(f))
         total += sum(math.prod(t["shape"]) for name, t in header.items() if name != "__metadata__" and name not in skip)
     return total
 
