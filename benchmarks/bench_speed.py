@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import json
 import math
 import os
@@ -226,7 +227,9 @@ def engine_resume(eng, history: int, new: int, vocab: int) -> dict:
     hist = rand_tokens(history, vocab, 5000 + history)
     new_tokens = rand_tokens(new, vocab, 6000 + history)
     full_s, _, full_out = engine_ttft(eng, hist + new_tokens)
-    _, _, snap = engine_ttft(eng, hist, capture_state=True)
+    active = "retain_key" in inspect.signature(eng.add_request).parameters
+    key = uid("conv")
+    _, _, snap = engine_ttft(eng, hist, capture_state=True, **({"retain_key": key} if active else {}))
     state = snap.state
     assert state is not None and state.state_len == history
     res = {"history": history, "new_tokens": new, "full_prefill_s": full_s}
@@ -240,12 +243,53 @@ def engine_resume(eng, history: int, new: int, vocab: int) -> dict:
     host_state = type(state)(state.tokens, state.state_len, {k: v.pin_memory() for k, v in state.tensors.items()})
     s, s_add, out = engine_ttft(eng, hist + new_tokens, initial_state=host_state)
     res.update(resumed_host_s=s, resumed_host_validation_s=s_add, same_first_token_host=out.token_ids == full_out.token_ids)
+    if active:  # the ACTIVE tier: the slot and KV pages kept on the GPU are adopted, nothing copied
+        s, s_add, out = engine_ttft(eng, hist + new_tokens, resume_key=key)
+        res.update(resumed_active_s=s, same_first_token_active=out.token_ids == full_out.token_ids,
+                   resumed_active_cached_tokens=out.num_cached_tokens)
+        res["speedup_active"] = full_s / s
     res["state_bytes"] = sum(v.numel() * v.element_size() for v in state.tensors.values())
     res["speedup_gpu"] = full_s / res["resumed_gpu_s"]
     res["speedup_host"] = full_s / res["resumed_host_s"]
     del host_state, state, snap
     torch.cuda.empty_cache()
     return res
+
+
+def engine_profile(eng, vocab: int, batches: list[int], prompt_len: int) -> None:
+    """Where the time goes: host (cProfile) and device kernels (torch.profiler) of a 2K prefill,
+    a resumed 64-token turn on a 2K history, and one eager decode forward per batch size."""
+    import cProfile
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    def kernels_table(prof, rows=25):
+        return prof.key_averages().table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=70)
+
+    prompt = rand_tokens(2048, vocab, 77)
+    engine_ttft(eng, prompt)
+    pr = cProfile.Profile()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        pr.enable()
+        ttft, _, _ = engine_ttft(eng, rand_tokens(2048, vocab, 78))
+        pr.disable()
+    log(f"PROFILE prefill 2048: ttft {ttft * 1e3:.1f} ms")
+    print(kernels_table(prof), flush=True)
+    pstats.Stats(pr).sort_stats("cumulative").print_stats(30)
+    for b in batches:
+        bucket = eng.runner._bucket(b)
+        if bucket not in eng.runner._graphs:
+            continue
+        batch = eng.runner._graph_batch(bucket)
+        with torch.inference_mode():
+            eng.runner.model(batch)
+            sync()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                eng.runner.model(batch)
+                sync()
+        log(f"PROFILE eager decode forward, batch {bucket}")
+        print(kernels_table(prof, 30), flush=True)
 
 
 # ---- transformers measurements ------------------------------------------------------------------------
@@ -337,6 +381,7 @@ def main() -> None:
     ap.add_argument("--reference-ops", action="store_true", help="engine with the torch reference ops")
     ap.add_argument("--no-cuda-graph", action="store_true")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--profile", action="store_true", help="print where the engine's time goes (after the decode runs)")
     args = ap.parse_args()
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     args.decode_batches = ints(args.decode_batches)
@@ -346,7 +391,8 @@ def main() -> None:
     args.hf_prefill_lens = ints(args.hf_prefill_lens)
     longest = max(args.resume_histories + args.prefill_lens) + args.new_tokens
     if args.max_total_tokens is None:
-        args.max_total_tokens = longest + max(args.decode_batches) * (args.prompt_len + args.decode_steps + 8) + 4096
+        # room for a retained (ACTIVE) history next to a running one of the same length
+        args.max_total_tokens = 2 * longest + max(args.decode_batches) * (args.prompt_len + args.decode_steps + 8) + 4096
     OUT_PATH = Path(args.out) if args.out else None
 
     config_path = find_config(args.config)
@@ -407,6 +453,8 @@ def main() -> None:
                 if "gpu_tok_s" in r:
                     r["roofline_fraction_gpu"] = r["gpu_tok_s"] / roof
             R[f"decode_bs{b}"] = r
+        if args.profile:
+            phase("engine profile", lambda: engine_profile(eng, vocab, args.decode_batches, args.prompt_len) or {})
         for n in args.prefill_lens:
             R[f"prefill_{n}"] = phase(f"engine prefill {n}", lambda n=n: engine_prefill(eng, n, vocab))
         for h in args.resume_histories:
@@ -452,13 +500,16 @@ def print_table() -> None:
             print(f"| {key[9:]} | {e['tok_s']:,.0f} | {f(e, 'gpu_tok_s')} | {e['roofline_tok_s']:,.0f} | {e['roofline_fraction']:.1%} | "
                   f"{f(e, 'roofline_fraction_gpu', '{:.1%}')} | {e['roofline_bytes']['total'] / 1e9:.2f} GB |")
     print()
-    print("| history tokens | full prefill TTFT | resumed TTFT (state in GPU memory) | ratio | resumed TTFT (state in pinned host memory) | ratio | same first token |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| history tokens | full prefill TTFT | resumed TTFT, ACTIVE slot adopted | ratio | resumed TTFT, state restored from GPU memory | ratio "
+          "| resumed TTFT, state restored from pinned host memory | ratio | same first token |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for key in sorted((k for k in E if k.startswith("resume")), key=lambda k: int(k[7:])):
         e = E[key]
         if "full_prefill_s" in e:
-            print(f"| {e['history']:,} | {e['full_prefill_s'] * 1e3:,.1f} ms | {e['resumed_gpu_s'] * 1e3:,.1f} ms | {e['speedup_gpu']:,.0f}x | "
-                  f"{e['resumed_host_s'] * 1e3:,.1f} ms | {e['speedup_host']:,.0f}x | {e['same_first_token_gpu'] and e['same_first_token_host']} |")
+            act = f"{e['resumed_active_s'] * 1e3:,.1f} ms | {e['speedup_active']:,.0f}x" if "resumed_active_s" in e else "- | -"
+            same = all(e.get(k, True) for k in ("same_first_token_gpu", "same_first_token_host", "same_first_token_active"))
+            print(f"| {e['history']:,} | {e['full_prefill_s'] * 1e3:,.1f} ms | {act} | {e['resumed_gpu_s'] * 1e3:,.1f} ms | {e['speedup_gpu']:,.0f}x | "
+                  f"{e['resumed_host_s'] * 1e3:,.1f} ms | {e['speedup_host']:,.0f}x | {same} |")
 
 
 if __name__ == "__main__":

@@ -87,9 +87,10 @@ def _conv_inputs(g, dtype, C=144, K=4, slots_total=6):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_causal_conv1d_update_in_place_by_slot(dtype):
+@pytest.mark.parametrize("K", [2, 3, 4])
+def test_causal_conv1d_update_in_place_by_slot(dtype, K):
     g = _gen(3)
-    w, b, pool = _conv_inputs(g, dtype)
+    w, b, pool = _conv_inputs(g, dtype, K=K)
     slots = torch.tensor([4, 0, -1, 2], device=DEV)  # -1: a CUDA-graph padding row
     xbc = _randn(4, 200, g=g, dtype=dtype)[:, 10:154]  # a column slice of the projection
     pool_ref = pool.clone()
@@ -101,9 +102,10 @@ def test_causal_conv1d_update_in_place_by_slot(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_causal_conv1d_varlen_in_place_by_slot(dtype):
+@pytest.mark.parametrize("K", [2, 3, 4])
+def test_causal_conv1d_varlen_in_place_by_slot(dtype, K):
     g = _gen(4)
-    w, b, pool = _conv_inputs(g, dtype)
+    w, b, pool = _conv_inputs(g, dtype, K=K)
     lens = [1, 2, 70, 5, 3]
     slots = torch.tensor([5, 1, 3, 0, 2], device=DEV)
     xbc = _randn(sum(lens), 160, g=g, dtype=dtype)[:, 8:152]
@@ -169,6 +171,27 @@ def test_ssd_varlen_fla_matches_reference(dtype, shape):
     assert _rel(pool, pool_ref) < limit, _rel(pool, pool_ref)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(6, 2, 16, 12), (48, 1, 64, 128)])
+def test_ssd_varlen_scan_matches_reference(dtype, shape):
+    H, G, P, N = shape
+    g = _gen(16)
+    dt_bias, A_log, D, pool = _ssd_params(g, H, G, P, N, 6)
+    lens = [1, 37, 9, 64]
+    slots = torch.tensor([2, 5, 0, 3], device=DEV)
+    T = sum(lens)
+    proj = _randn(T, H * P + 2 * G * N + 5, g=g, dtype=dtype)  # strided views, as the layer passes them
+    x = proj[:, : H * P].reshape(T, H, P)
+    B = proj[:, H * P : H * P + G * N].reshape(T, G, N)
+    C = proj[:, H * P + G * N : H * P + 2 * G * N].reshape(T, G, N)
+    dt = _randn(T, H, g=g, dtype=dtype) - 1
+    pool_ref = pool.clone()
+    y = triton_ops.ssd_varlen_scan(x, dt, dt_bias, (0.0, float("inf")), A_log, B, C, D, 8, lens, pool, slots)
+    y_ref = ssd.ssd_varlen(x, dt, dt_bias, (0.0, float("inf")), A_log, B, C, D, 8, lens, pool_ref, slots)
+    torch.testing.assert_close(y, y_ref, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(pool, pool_ref, atol=2e-3, rtol=2e-3)
+
+
 def _kv_setup(g, dtype, hq, hkv, d, bs, ctx, n):
     num_pages = sum(-(-(c + m) // bs) for c, m in zip(ctx, n)) + 5
     k_cache = _randn(num_pages * bs, hkv, d, g=g, dtype=dtype)
@@ -198,6 +221,19 @@ def test_store_kv_and_paged_attention_prefill(dtype, hq, hkv, d, bs):
     q = _randn(T, hq, d, g=g, dtype=dtype)
     out = triton_ops.paged_attention(q, k_cache, v_cache, n, ctx, tables, bs, d**-0.5)
     ref = attention.paged_attention(q, k_cache, v_cache, n, ctx, tables, bs, d**-0.5)
+    torch.testing.assert_close(out, ref, **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_attention_split_keys_for_a_short_turn_on_a_long_history(dtype, monkeypatch):
+    monkeypatch.setattr(triton_ops, "ATTENTION_SPLIT_MIN_KEYS", 64)
+    g = _gen(17)
+    hq, hkv, d, bs = 12, 4, 32, 16
+    ctx, n = [700, 300], [5, 30]
+    k_cache, v_cache, tables = _kv_setup(g, dtype, hq, hkv, d, bs, ctx, n)
+    q = _randn(sum(n), hq, d, g=g, dtype=dtype)
+    out = triton_ops.paged_attention(q, k_cache, v_cache, n, ctx, tables, bs, 0.2)
+    ref = attention.paged_attention(q, k_cache, v_cache, n, ctx, tables, bs, 0.2)
     torch.testing.assert_close(out, ref, **_tol(dtype))
 
 
@@ -253,10 +289,14 @@ def test_moe_experts(dtype, tokens, gated):
         assert _rel(out, ref) < 1e-2
 
 
-def test_moe_align_blocks_cover_every_pair_once():
+@pytest.mark.parametrize("align", ["torch", "triton"])
+def test_moe_align_blocks_cover_every_pair_once(align):
     g = _gen(11)
     ids = torch.stack([torch.randperm(16, generator=torch.Generator().manual_seed(i))[:4] for i in range(50)]).to(DEV)
-    sorted_ids, block_expert = triton_ops.moe_align(ids, 16, 16)
+    fn = triton_ops.moe_align if align == "torch" else triton_ops.moe_align_triton
+    sorted_ids, block_expert = fn(ids, 16, 16)
+    ref_sorted, ref_blocks = triton_ops.moe_align(ids, 16, 16)
+    assert torch.equal(sorted_ids, ref_sorted) and torch.equal(block_expert, ref_blocks)
     flat = ids.reshape(-1)
     real = sorted_ids < flat.numel()
     assert sorted(sorted_ids[real].tolist()) == list(range(flat.numel()))
@@ -299,5 +339,32 @@ def test_greedy_tokens_fast_path_equal_reference(kind, checkpoint_dir):
         ref_bf, _, _ = _greedy_run(path, False, False, "bfloat16", prompts, 12)
         same = sum(a == b for x, y in zip(bf_tokens, ref_bf) for a, b in zip(x, y)) / sum(len(x) for x in ref_bf)
         print(f"{kind}: bfloat16 greedy tokens equal fast vs reference: {same:.1%}")
+    finally:
+        use_kernels(REFERENCE)
+
+
+@needs_cuda
+@pytest.mark.parametrize("kind", ["granite", "nemotron"])
+def test_resumed_turn_through_prefill_graphs_equals_reference(kind, checkpoint_dir):
+    """A short turn on top of a captured state runs as one single-sequence prefill (a prefill CUDA
+    graph on the fast path): same tokens as the reference path, which recomputes nothing either."""
+    from engine_utils import greedy, make_engine, random_prompt, run_to_end
+
+    from engram.ops.dispatch import REFERENCE, use_kernels
+
+    path = checkpoint_dir(kind)
+    prompt = random_prompt(90, seed=11)
+    results = []
+    try:
+        for fast in (False, True):
+            engine = make_engine(path, device="cuda", dtype="float32", enable_fast_ops=fast, enable_cuda_graph=fast)
+            engine.add_request("head", prompt[:60], greedy(1), capture_state=True)
+            state = run_to_end(engine)["head"].state
+            replays = engine.runner.num_graph_replays
+            engine.add_request("turn", prompt, greedy(6), initial_state=state)
+            results.append(run_to_end(engine)["turn"].token_ids)
+            if fast:
+                assert engine.runner.num_graph_replays > replays
+        assert results[0] == results[1]
     finally:
         use_kernels(REFERENCE)

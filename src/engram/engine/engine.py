@@ -141,7 +141,9 @@ class LLMEngine:
             )
         if initial_state is not None:
             self._check_prefix(initial_state.tokens, initial_state.state_len, prompt_token_ids)
-            check_state(self.spec, self.state_dtypes, initial_state)
+            # Structure only: values were checked where the state came from (a verified snapshot
+            # load, or this engine's own capture, which the health monitor also watches).
+            check_state(self.spec, self.state_dtypes, initial_state, check_finite=False)
         generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         seq = Sequence(request_id, list(prompt_token_ids), len(prompt_token_ids), params, generator, initial_state, capture_state)
         seq.retain_key = retain_key

@@ -20,6 +20,9 @@ from engram.models.base import CausalLM
 from engram.ops.dispatch import kernels
 
 _GRAPH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)
+# Short prefills of one sequence (a new turn on top of a kept state) also replay graphs, per
+# token-count bucket; the kernels read the true length from device tensors.
+_PREFILL_BUCKETS = (16, 32, 64, 128)
 
 
 class ModelRunner:
@@ -40,6 +43,9 @@ class ModelRunner:
         self.enable_cuda_graph = enable_cuda_graph
         self.max_context_length = max_context_length
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pf: dict[str, torch.Tensor] | None = None
+        self.enable_prefill_graphs = True
         self._static: dict[str, torch.Tensor] | None = None
         self._graph_pool = None
         self.num_graph_replays = 0
@@ -180,6 +186,7 @@ class ModelRunner:
         with torch.cuda.graph(graph, pool=self._graph_pool, stream=stream):
             logits = self.model(batch)
         self._graphs[b] = (graph, logits)
+        torch.cuda.synchronize(self.device)  # the pinned input buffer is refilled right after
 
     def capture_all(self, max_batch: int | None = None) -> None:
         """Capture every bucket up to `max_batch` now (largest first, sharing one memory pool)."""
@@ -223,6 +230,105 @@ class ModelRunner:
         self.num_graph_replays += 1
         return logits[:n].clone()
 
+    # ---- CUDA graphs for short single-sequence prefills -------------------------------------------
+
+    def _prefill_graph_usable(self, chunks: list[ScheduledChunk]) -> bool:
+        if not (self.enable_cuda_graph and self.enable_prefill_graphs and self.device.type == "cuda" and kernels().graph_safe_decode):
+            return False
+        if len(chunks) != 1:
+            return False
+        c = chunks[0]
+        if not c.completes or c.length > _PREFILL_BUCKETS[-1] or (c.length == 1 and c.start > 0):
+            return False
+        return not self.kv_pool.needs_pages or len(c.seq.blocks) <= self._max_pages()
+
+    def _alloc_prefill_static(self) -> None:
+        tmax = _PREFILL_BUCKETS[-1]
+        width = self._max_pages() if self.kv_pool.needs_pages else 1
+        dev = self.device
+        n = 3 * tmax + 5  # ids | positions | slot mapping | slot, cu[0], cu[1], context, logits row
+        self._pf_host = torch.zeros(n, dtype=torch.int64).pin_memory()
+        self._pf_host_np = self._pf_host.numpy()
+        self._pf_host_table = torch.zeros(width, dtype=torch.int32).pin_memory()
+        self._pf_host_table_np = self._pf_host_table.numpy()
+        self._pf = {"packed": torch.zeros(n, dtype=torch.int64, device=dev), "table": torch.zeros((1, width), dtype=torch.int32, device=dev)}
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+
+    def _prefill_batch(self, tb: int) -> ForwardBatch:
+        tmax = _PREFILL_BUCKETS[-1]
+        p = self._pf["packed"]
+        o = 3 * tmax
+        # Host placeholders: a prefill of tb tokens on a long context, so that every choice made on
+        # the host (grids, key splits) covers any real length up to tb and any context.
+        placeholder_ctx = max(self._max_pages() * self.kv_pool.block_size if self.kv_pool.needs_pages else 0, 1 << 16)
+        return ForwardBatch(
+            input_ids=p[:tb],
+            positions=p[tmax : tmax + tb],
+            seq_lens=[tb],
+            context_lens=[placeholder_ctx],
+            state_slots=p[o : o + 1],
+            slot_mapping=p[2 * tmax : 2 * tmax + tb],
+            block_tables=self._pf["table"],
+            logits_indices=p[o + 4 : o + 5],
+            state_pool=self.state_pool,
+            kv_pool=self.kv_pool,
+            cu_seqlens=p[o + 1 : o + 3],
+            context_lens_t=p[o + 3 : o + 4],
+        )
+
+    def _capture_prefill(self, tb: int) -> None:
+        if self._pf is None:
+            self._alloc_prefill_static()
+        h = self._pf_host_np
+        h[:] = 0
+        tmax = _PREFILL_BUCKETS[-1]
+        h[2 * tmax : 3 * tmax] = -1
+        h[3 * tmax] = -1  # no slot: the warm-up and capture touch no state (and cu = [0, 0])
+        self._pf["packed"].copy_(self._pf_host, non_blocking=True)
+        batch = self._prefill_batch(tb)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self.model(batch)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool, stream=stream):
+            logits = self.model(batch)
+        self._prefill_graphs[tb] = (graph, logits)
+        torch.cuda.synchronize(self.device)
+
+    def _run_prefill_graph(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        c = chunks[0]
+        n = c.length
+        tb = next(b for b in _PREFILL_BUCKETS if b >= n)
+        if tb not in self._prefill_graphs:
+            self._capture_prefill(tb)
+        tmax = _PREFILL_BUCKETS[-1]
+        h = self._pf_host_np
+        seq = c.seq
+        pos = np.arange(c.start, c.start + n, dtype=np.int64)
+        h[:tb] = 0
+        h[:n] = seq.token_ids[c.start : c.start + n]
+        h[tmax : tmax + n] = pos
+        h[2 * tmax : 2 * tmax + tb] = -1
+        if self.kv_pool.needs_pages:
+            bs = self.kv_pool.block_size
+            blocks = np.asarray(seq.blocks, dtype=np.int64)
+            h[2 * tmax : 2 * tmax + n] = blocks[pos // bs] * bs + pos % bs
+            self._pf_host_table_np[: len(blocks)] = blocks
+        o = 3 * tmax
+        h[o : o + 5] = (seq.slot, 0, n, c.start, n - 1)
+        self._pf["packed"].copy_(self._pf_host, non_blocking=True)
+        if self.kv_pool.needs_pages:
+            nb = len(seq.blocks)
+            self._pf["table"][0, :nb].copy_(self._pf_host_table[:nb], non_blocking=True)
+        graph, logits = self._prefill_graphs[tb]
+        graph.replay()
+        self.num_graph_replays += 1
+        return logits.clone()
+
     # ---- entry point ---------------------------------------------------------------------------
 
     @torch.inference_mode()
@@ -230,5 +336,7 @@ class ModelRunner:
         """Logits [number of completing chunks, vocab] (float32, on the model's device)."""
         if self._graphs_usable(chunks):
             return self._run_graph(chunks)
+        if self._prefill_graph_usable(chunks):
+            return self._run_prefill_graph(chunks)
         self.num_eager_steps += 1
         return self.model(self.build_batch(chunks))

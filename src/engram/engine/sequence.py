@@ -21,7 +21,7 @@ class SequenceStatus(Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself: identity equality (list membership in the scheduler stays O(1) per item)
 class Sequence:
     request_id: str
     token_ids: list[int]

@@ -7,8 +7,9 @@
   routed tokens above).
 - fla-core (optional, the `cuda` extra): Mamba2 chunked prefill through `chunk_simple_gla`, which
   computes SSD exactly with q=C, k=B, v=x*dt, g=A*dt, scale=1 and the groups repeated to heads,
-  over `cu_seqlens` with initial states read from the state pool. Without fla-core the prefill
-  scan stays on the torch reference.
+  over `cu_seqlens` with initial states read from the state pool. Short sequences (up to
+  SSD_SCAN_MAX_LEN tokens: a resumed turn, small chunks) take a token-by-token Triton scan instead
+  (one launch, no host work); without fla-core every prefill takes that scan.
 
 Importing this module raises ImportError when Triton is missing; `dispatch.select_kernels`
 then keeps the references.
@@ -62,10 +63,19 @@ def ssd_varlen_fla(x, dt, dt_bias, dt_limit, A_log, B, C, D, chunk_size, seq_len
     return o[0].float() + x.float() * D.float()[:, None]
 
 
+def ssd_varlen(x, dt, dt_bias, dt_limit, A_log, B, C, D, chunk_size, seq_lens, ssm_pool, slots, cu_seqlens=None):
+    """Short sequences (a resumed turn, small prefill chunks): the token-by-token Triton scan, one
+    launch. Long ones: fla-core's chunked kernels (the scan when fla-core is missing)."""
+    if not has_fla() or max(seq_lens, default=0) <= triton_ops.SSD_SCAN_MAX_LEN:
+        return triton_ops.ssd_varlen_scan(x, dt, dt_bias, dt_limit, A_log, B, C, D, chunk_size, seq_lens, ssm_pool, slots, cu_seqlens)
+    return ssd_varlen_fla(x, dt, dt_bias, dt_limit, A_log, B, C, D, chunk_size, seq_lens, ssm_pool, slots, cu_seqlens)
+
+
 def available() -> dict:
     """Fields of a KernelSet: the name and the fast ops."""
     ops = dict(
         name="cuda-triton" + ("+fla" if has_fla() else ""),
+        ssd_varlen=ssd_varlen,
         causal_conv1d_varlen=triton_ops.causal_conv1d_varlen,
         causal_conv1d_update=triton_ops.causal_conv1d_update,
         ssd_state_update=triton_ops.ssd_state_update,
@@ -78,6 +88,4 @@ def available() -> dict:
         moe_experts=triton_ops.moe_experts,
         graph_safe_decode=True,
     )
-    if has_fla():
-        ops["ssd_varlen"] = ssd_varlen_fla
     return ops

@@ -130,45 +130,68 @@ def silu_and_mul(h: torch.Tensor) -> torch.Tensor:
 # causal conv1d (Mamba2's short convolution), state in the pool [slots, K-1, C]
 
 
+# Each thread owns whole channels: every state row is a 1-D vector over the same channels, loaded
+# before any row is stored, so the in-place shift has no cross-thread hazard. K <= 4 (Mamba2 uses 4).
+
+
+@triton.jit
+def _load_row(base, row, stride_pk, c, m):
+    return tl.load(base + row * stride_pk + c, mask=m, other=0.0).to(tl.float32)
+
+
 @triton.jit
 def _conv_update_kernel(
     X, W, Bias, Pool, Slots, Y,
     stride_x, stride_wc, stride_wk, stride_ps, stride_pk, stride_y, C,
-    K: tl.constexpr, KPAD: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_C: tl.constexpr,
+    K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     s = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     cm = c < C
     slot = tl.load(Slots + s).to(tl.int64)
-    valid = slot >= 0
-    r = tl.arange(0, KPAD)
-    x = tl.load(X + s * stride_x + c, mask=cm, other=0.0)
-    xf = x.to(tl.float32)
+    sm = cm & (slot >= 0)
     base = Pool + slot * stride_ps
-    st = tl.load(base + r[:, None] * stride_pk + c[None, :], mask=(r[:, None] < K - 1) & cm[None, :] & valid, other=0.0)
-    win = tl.where(r[:, None] == K - 1, xf[None, :], st.to(x.dtype).to(tl.float32))
-    w = tl.load(W + c[None, :] * stride_wc + r[:, None] * stride_wk, mask=(r[:, None] < K) & cm[None, :], other=0.0).to(tl.float32)
-    acc = tl.sum(win * w, axis=0)
+    x = tl.load(X + s * stride_x + c, mask=cm, other=0.0)
+    xdt = x.dtype
+    xf = x.to(tl.float32)
+    wb = W + c * stride_wc
+    s0 = _load_row(base, 0, stride_pk, c, sm).to(xdt).to(tl.float32)
+    acc = s0 * tl.load(wb, mask=cm, other=0.0).to(tl.float32)
+    if K >= 3:
+        s1 = _load_row(base, 1, stride_pk, c, sm).to(xdt).to(tl.float32)
+        acc += s1 * tl.load(wb + stride_wk, mask=cm, other=0.0).to(tl.float32)
+    if K >= 4:
+        s2 = _load_row(base, 2, stride_pk, c, sm).to(xdt).to(tl.float32)
+        acc += s2 * tl.load(wb + 2 * stride_wk, mask=cm, other=0.0).to(tl.float32)
+    acc += xf * tl.load(wb + (K - 1) * stride_wk, mask=cm, other=0.0).to(tl.float32)
     if HAS_BIAS:
         acc += tl.load(Bias + c, mask=cm, other=0.0).to(tl.float32)
     y = acc * tl.sigmoid(acc)
     tl.store(Y + s * stride_y + c, y.to(Y.dtype.element_ty), mask=cm)
-    # new state row i = window row i + 1: old rows 1..K-2, then x
-    shifted = tl.load(base + (r[:, None] + 1) * stride_pk + c[None, :], mask=(r[:, None] + 1 < K - 1) & cm[None, :] & valid, other=0.0)
-    new = tl.where(r[:, None] == K - 2, xf[None, :], shifted.to(tl.float32))
-    tl.store(base + r[:, None] * stride_pk + c[None, :], new.to(Pool.dtype.element_ty), mask=(r[:, None] < K - 1) & cm[None, :] & valid)
+    pt = Pool.dtype.element_ty
+    # shift: new rows = old rows 1..K-2, then x
+    if K == 2:
+        tl.store(base + c, x.to(pt), mask=sm)
+    elif K == 3:
+        tl.store(base + c, s1.to(pt), mask=sm)
+        tl.store(base + stride_pk + c, x.to(pt), mask=sm)
+    else:
+        tl.store(base + c, s1.to(pt), mask=sm)
+        tl.store(base + stride_pk + c, s2.to(pt), mask=sm)
+        tl.store(base + 2 * stride_pk + c, x.to(pt), mask=sm)
 
 
 def causal_conv1d_update(x, weight, bias, conv_pool, slots):
     S, C = x.shape
     K = weight.shape[1]
+    assert 2 <= K <= 4, "the fused conv update handles kernel widths 2..4"
     y = torch.empty((S, C), dtype=x.dtype, device=x.device)
     if S:
         block = 256
         _conv_update_kernel[(S, triton.cdiv(C, block))](
             x, weight, bias if bias is not None else weight, conv_pool, slots, y,
             x.stride(0), weight.stride(0), weight.stride(1), conv_pool.stride(0), conv_pool.stride(1), y.stride(0), C,
-            K=K, KPAD=_np2(K), HAS_BIAS=bias is not None, BLOCK_C=block, num_warps=4,
+            K=K, HAS_BIAS=bias is not None, BLOCK_C=block, num_warps=4,
         )
     return y
 
@@ -205,26 +228,36 @@ def _conv_varlen_kernel(
 
 
 @triton.jit
-def _conv_state_kernel(
-    X, Pool, Slots, Cu, stride_x, stride_ps, stride_pk, C, K: tl.constexpr, KPAD: tl.constexpr, BLOCK_C: tl.constexpr
-):
-    """New state = the last K-1 rows of [old state; x] (after the outputs are computed)."""
+def _window_row(X, base, start, n, i, stride_x, stride_pk, c, m, K: tl.constexpr):
+    """Row n + i of the window [old state (K-1 rows); x (n rows)], as float32."""
+    idx = n + i
+    from_state = idx < K - 1
+    sv = tl.load(base + idx * stride_pk + c, mask=m & from_state, other=0.0).to(tl.float32)
+    xv = tl.load(X + (start + idx - (K - 1)) * stride_x + c, mask=m & (idx >= K - 1), other=0.0).to(tl.float32)
+    return tl.where(from_state, sv, xv)
+
+
+@triton.jit
+def _conv_state_kernel(X, Pool, Slots, Cu, stride_x, stride_ps, stride_pk, C, K: tl.constexpr, BLOCK_C: tl.constexpr):
+    """New state = the last K-1 rows of [old state; x], all rows read before any is written."""
     s = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    cm = c < C
     start = tl.load(Cu + s).to(tl.int64)
     n = tl.load(Cu + s + 1).to(tl.int64) - start
     slot = tl.load(Slots + s).to(tl.int64)
-    valid = slot >= 0
-    r = tl.arange(0, KPAD)
-    rm = r < K - 1
-    idx = n + r  # row of the window [old state (K-1); x (n)]
-    from_state = idx < K - 1
+    m = (c < C) & (slot >= 0)
     base = Pool + slot * stride_ps
-    sv = tl.load(base + idx[:, None] * stride_pk + c[None, :], mask=(rm & from_state)[:, None] & cm[None, :] & valid, other=0.0)
-    xv = tl.load(X + (start + idx - (K - 1))[:, None] * stride_x + c[None, :], mask=(rm & ~from_state)[:, None] & cm[None, :] & valid, other=0.0)
-    new = tl.where(from_state[:, None], sv.to(tl.float32), xv.to(tl.float32))
-    tl.store(base + r[:, None] * stride_pk + c[None, :], new.to(Pool.dtype.element_ty), mask=rm[:, None] & cm[None, :] & valid)
+    pt = Pool.dtype.element_ty
+    r0 = _window_row(X, base, start, n, 0, stride_x, stride_pk, c, m, K)
+    if K >= 3:
+        r1 = _window_row(X, base, start, n, 1, stride_x, stride_pk, c, m, K)
+    if K >= 4:
+        r2 = _window_row(X, base, start, n, 2, stride_x, stride_pk, c, m, K)
+    tl.store(base + c, r0.to(pt), mask=m)
+    if K >= 3:
+        tl.store(base + stride_pk + c, r1.to(pt), mask=m)
+    if K >= 4:
+        tl.store(base + 2 * stride_pk + c, r2.to(pt), mask=m)
 
 
 def _cu_seqlens(seq_lens: list[int], device: torch.device) -> torch.Tensor:
@@ -237,6 +270,7 @@ def _cu_seqlens(seq_lens: list[int], device: torch.device) -> torch.Tensor:
 def causal_conv1d_varlen(x, weight, bias, conv_pool, slots, seq_lens, cu_seqlens=None):
     T, C = x.shape
     K = weight.shape[1]
+    assert 2 <= K <= 4, "the fused conv handles kernel widths 2..4"
     S = len(seq_lens)
     if cu_seqlens is None:
         cu_seqlens = _cu_seqlens(seq_lens, x.device)
@@ -251,7 +285,7 @@ def causal_conv1d_varlen(x, weight, bias, conv_pool, slots, seq_lens, cu_seqlens
         K=K, HAS_BIAS=bias is not None, BLOCK_T=bt, BLOCK_C=bc, num_warps=4,
     )
     _conv_state_kernel[(S, triton.cdiv(C, 256))](
-        x, conv_pool, slots, cu_seqlens, x.stride(0), conv_pool.stride(0), conv_pool.stride(1), C, K=K, KPAD=_np2(K), BLOCK_C=256, num_warps=4
+        x, conv_pool, slots, cu_seqlens, x.stride(0), conv_pool.stride(0), conv_pool.stride(1), C, K=K, BLOCK_C=256, num_warps=4
     )
     return y
 
@@ -309,6 +343,71 @@ def ssd_state_update(ssm_pool, slots, x, dt, dt_bias, dt_limit, A_log, B, C, D):
     return y
 
 
+@triton.jit
+def _ssd_scan_kernel(
+    Pool, Slots, Cu, X, DT, DtBias, ALog, Bm, Cm, Dp, Y,
+    stride_ps, stride_ph, stride_pp, stride_xt, stride_xh, stride_dtt, stride_bt, stride_bg, stride_ct, stride_cg,
+    stride_yt, stride_yh, P, N, HPG, dt_min, dt_max,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """The SSD recurrence token by token over each sequence of a flat batch, state in registers
+    (read from and written back to the pool by slot). For short prefill chunks: one launch, exact."""
+    s = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
+    n = tl.arange(0, BLOCK_N)
+    pm = p < P
+    nm = n < N
+    g = h // HPG
+    slot = tl.load(Slots + s).to(tl.int64)
+    valid = slot >= 0
+    start = tl.load(Cu + s)
+    end = tl.load(Cu + s + 1)
+    ptr = Pool + slot * stride_ps + h * stride_ph + p[:, None] * stride_pp + n[None, :]
+    m2 = pm[:, None] & nm[None, :] & valid
+    st = tl.load(ptr, mask=m2, other=0.0).to(tl.float32)
+    dtb = tl.load(DtBias + h).to(tl.float32)
+    A = -tl.exp(tl.load(ALog + h).to(tl.float32))
+    Dh = tl.load(Dp + h).to(tl.float32)
+    for t in range(start, end):
+        dt = tl.load(DT + t * stride_dtt + h).to(tl.float32) + dtb
+        dt = tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(dt)))
+        dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
+        x = tl.load(X + t * stride_xt + h * stride_xh + p, mask=pm, other=0.0).to(tl.float32)
+        b = tl.load(Bm + t * stride_bt + g * stride_bg + n, mask=nm, other=0.0).to(tl.float32)
+        c = tl.load(Cm + t * stride_ct + g * stride_cg + n, mask=nm, other=0.0).to(tl.float32)
+        st = st * tl.exp(dt * A) + (x * dt)[:, None] * b[None, :]
+        y = tl.sum(st * c[None, :], axis=1) + x * Dh
+        tl.store(Y + t * stride_yt + h * stride_yh + p, y, mask=pm)
+    tl.store(ptr, st.to(Pool.dtype.element_ty), mask=m2)
+
+
+# Sequences up to this long take the token-by-token scan (one launch, little host work); longer
+# prefills take the chunked kernels (fla-core).
+SSD_SCAN_MAX_LEN = 128
+
+
+def ssd_varlen_scan(x, dt, dt_bias, dt_limit, A_log, B, C, D, chunk_size, seq_lens, ssm_pool, slots, cu_seqlens=None):
+    """`ssd.ssd_varlen` by the recurrence itself (fast for short sequences)."""
+    T, H, P = x.shape
+    G, N = B.shape[1], B.shape[2]
+    S = len(seq_lens)
+    y = torch.empty((T, H, P), dtype=torch.float32, device=x.device)
+    if S == 0 or T == 0:
+        return y
+    if cu_seqlens is None:
+        cu_seqlens = _cu_seqlens(seq_lens, x.device)
+    assert x.stride(2) == 1 and B.stride(2) == 1 and C.stride(2) == 1 and ssm_pool.stride(3) == 1
+    bp = min(16, _np2(P))
+    _ssd_scan_kernel[(S, H, triton.cdiv(P, bp))](
+        ssm_pool, slots, cu_seqlens, x, dt, dt_bias, A_log, B, C, D, y,
+        ssm_pool.stride(0), ssm_pool.stride(1), ssm_pool.stride(2), x.stride(0), x.stride(1), dt.stride(0),
+        B.stride(0), B.stride(1), C.stride(0), C.stride(1), y.stride(0), y.stride(1), P, N, H // G,
+        float(dt_limit[0]), float(dt_limit[1]), BLOCK_P=bp, BLOCK_N=_np2(N), num_warps=4,
+    )
+    return y
+
+
 # ---------------------------------------------------------------------------------------------
 # paged attention (prefill chunks with context, and decode), GQA folded into the row dimension
 
@@ -319,7 +418,7 @@ def _paged_attention_kernel(
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_bs, stride_bp,
     scale, D,
     G: tl.constexpr, TPB: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, DECODE: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_D: tl.constexpr, DECODE: tl.constexpr, PREC: tl.constexpr, NSPLIT: tl.constexpr, Part, PartML, Hq,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -341,10 +440,16 @@ def _paged_attention_kernel(
     q = tl.load(Q + (q0 + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=rv[:, None] & dm[None, :], other=0.0)
     qpos = ctx + tok
     hi = tl.minimum(ctx + n, ctx + qs + TPB)
+    lo = 0
+    if NSPLIT > 1:  # this program takes one of NSPLIT consecutive ranges of the keys
+        split = tl.program_id(2)
+        per = tl.cdiv(tl.cdiv(hi, NSPLIT), BLOCK_N) * BLOCK_N
+        lo = split * per
+        hi = tl.minimum(hi, lo + per)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for start in range(0, hi, BLOCK_N):
+    for start in range(lo, hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         pv = pos < hi
         page = tl.load(BT + seq * stride_bs + (pos // PAGE) * stride_bp, mask=pv, other=0).to(tl.int64)
@@ -361,9 +466,58 @@ def _paged_attention_kernel(
         v = tl.load(Vc + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :], mask=pv[:, None] & dm[None, :], other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PREC)
         m_i = m_new
-    l_i = tl.where(l_i == 0.0, 1.0, l_i)
-    out = acc / l_i[:, None]
-    tl.store(O + (q0 + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :], out.to(O.dtype.element_ty), mask=rv[:, None] & dm[None, :])
+    if NSPLIT > 1:  # partial results: unnormalized acc, running max and sum, per (split, token, head)
+        row = (q0 + tok).to(tl.int64) * Hq + head
+        base = tl.program_id(2).to(tl.int64) * stride_ot  # stride_ot = rows of a split (T * Hq)
+        tl.store(Part + (base + row)[:, None] * BLOCK_D + d[None, :], acc, mask=rv[:, None])
+        tl.store(PartML + (base + row) * 2, m_i, mask=rv)
+        tl.store(PartML + (base + row) * 2 + 1, l_i, mask=rv)
+    else:
+        l_i = tl.where(l_i == 0.0, 1.0, l_i)
+        out = acc / l_i[:, None]
+        tl.store(O + (q0 + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :], out.to(O.dtype.element_ty), mask=rv[:, None] & dm[None, :])
+
+
+@triton.jit
+def _attention_combine_kernel(Part, PartML, O, rows_per_split, Hq, stride_ot, stride_oh, D,
+                              NSPLIT: tl.constexpr, BLOCK_D: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    sp = tl.arange(0, NSPLIT)
+    d = tl.arange(0, BLOCK_D)
+    idx = sp.to(tl.int64) * rows_per_split + row
+    m = tl.load(PartML + idx * 2)
+    l = tl.load(PartML + idx * 2 + 1)
+    mx = tl.max(m, axis=0)
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    w = tl.exp(m - mx)
+    acc = tl.load(Part + idx[:, None] * BLOCK_D + d[None, :])
+    num = tl.sum(tl.where(w[:, None] > 0.0, acc * w[:, None], 0.0), axis=0)
+    den = tl.sum(l * w, axis=0)
+    den = tl.where(den == 0.0, 1.0, den)
+    t = row // Hq
+    h = row % Hq
+    tl.store(O + t * stride_ot + h * stride_oh + d, (num / den).to(O.dtype.element_ty), mask=d < D)
+
+
+_PROGRAMS: dict = {}
+
+
+def _prefill_programs(seq_lens: tuple[int, ...], tpb: int, dev: torch.device) -> torch.Tensor:
+    """(sequence, first query token) of every query-block program; cached per batch shape, so that
+    a CUDA-graph capture (after its warm-up) makes no host-to-device copy."""
+    key = (seq_lens, tpb, str(dev))
+    progs = _PROGRAMS.get(key)
+    if progs is None:
+        prog_seq, prog_qs = [], []
+        for i, n in enumerate(seq_lens):
+            for qs in range(0, n, tpb):
+                prog_seq.append(i)
+                prog_qs.append(qs)
+        progs = torch.tensor([prog_seq, prog_qs], dtype=torch.int32).to(dev)
+        if len(_PROGRAMS) > 512:
+            _PROGRAMS.clear()
+        _PROGRAMS[key] = progs
+    return progs
 
 
 def paged_attention(q, k_cache, v_cache, seq_lens, context_lens, block_tables, block_size, scaling, cu_seqlens=None, context_lens_t=None):
@@ -390,23 +544,44 @@ def paged_attention(q, k_cache, v_cache, seq_lens, context_lens, block_tables, b
     else:
         block_m = 64 if G <= 64 else _np2(G)
         tpb = block_m // G
-        prog_seq, prog_qs = [], []
-        for i, n in enumerate(seq_lens):
-            for qs in range(0, n, tpb):
-                prog_seq.append(i)
-                prog_qs.append(qs)
-        progs = torch.tensor([prog_seq, prog_qs], dtype=torch.int32).to(dev, non_blocking=True)
+        progs = _prefill_programs(tuple(seq_lens), tpb, dev)
         pseq, pqs = progs[0], progs[1]
-        grid = (len(prog_seq), Hkv)
+        grid = (progs.shape[1], Hkv)
         block_n = 64
+    nsplit = 1
+    if not decode:
+        longest = max(c + n for c, n in zip(context_lens, seq_lens))
+        if longest >= ATTENTION_SPLIT_MIN_KEYS:  # few programs over long keys: split the keys too
+            nsplit = min(64, _np2(max(1, ATTENTION_TARGET_PROGRAMS // (grid[0] * Hkv))) if grid[0] * Hkv < ATTENTION_TARGET_PROGRAMS else 1)
+    if nsplit > 1:
+        part = torch.empty((nsplit * T * Hq, block_d), dtype=torch.float32, device=dev)
+        part_ml = torch.full((nsplit * T * Hq, 2), float("-inf"), dtype=torch.float32, device=dev)
+        part_ml[:, 1] = 0.0
+        _paged_attention_kernel[(grid[0], Hkv, nsplit)](
+            q, k_cache, v_cache, out, block_tables, cu_seqlens, context_lens_t, pseq, pqs,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+            T * Hq, 0, block_tables.stride(0), block_tables.stride(1), float(scaling), D,
+            G=G, TPB=tpb, PAGE=block_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, DECODE=decode,
+            PREC=_precision(q), NSPLIT=nsplit, Part=part, PartML=part_ml, Hq=Hq, num_warps=4, num_stages=2,
+        )
+        _attention_combine_kernel[(T * Hq,)](
+            part, part_ml, out, T * Hq, Hq, out.stride(0), out.stride(1), D, NSPLIT=nsplit, BLOCK_D=block_d, num_warps=4
+        )
+        return out
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, block_tables, cu_seqlens, context_lens_t, pseq, pqs,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), block_tables.stride(0), block_tables.stride(1), float(scaling), D,
         G=G, TPB=tpb, PAGE=block_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, DECODE=decode,
-        PREC=_precision(q), num_warps=4, num_stages=2,
+        PREC=_precision(q), NSPLIT=1, Part=out, PartML=out, Hq=Hq, num_warps=4, num_stages=2,
     )
     return out
+
+
+# Prefill programs whose keys reach this far are split along the keys when there are too few
+# (query block, KV head) programs to fill the GPU (a short turn on top of a long history).
+ATTENTION_SPLIT_MIN_KEYS = 4096
+ATTENTION_TARGET_PROGRAMS = 264
 
 
 @triton.jit
@@ -448,12 +623,15 @@ def _topk_softmax_kernel(L, Wt, Ids, stride_l, E, TOPK: tl.constexpr, BLOCK_E: t
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     x = tl.load(L + t * stride_l + e, mask=e < E, other=float("-inf")).to(tl.float32)
+    # NaN (a CUDA-graph padding row holds whatever was in memory) must still pick valid experts
+    x = tl.where(x == x, x, float("-inf"))
+    x = tl.where(e < E, x, float("-inf"))
     kk = tl.arange(0, BLOCK_K)
     vals = tl.full([BLOCK_K], float("-inf"), dtype=tl.float32)
     idxs = tl.zeros([BLOCK_K], dtype=tl.int32)
     for j in tl.static_range(TOPK):
         m = tl.max(x, axis=0)
-        i = tl.min(tl.where(x == m, e, BLOCK_E), axis=0)
+        i = tl.minimum(tl.min(tl.where(x == m, e, BLOCK_E), axis=0), E - 1)
         vals = tl.where(kk == j, m, vals)
         idxs = tl.where(kk == j, i, idxs)
         x = tl.where(e == i, float("-inf"), x)
@@ -487,10 +665,12 @@ def _act(g, ACT: tl.constexpr):
 
 @triton.jit
 def _moe_up_gemv_kernel(
-    X, Win, Ids, H1, stride_x, stride_we, stride_wn, stride_h, Hdim, I,
-    TOPK: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    X, Win, Ids, H1, stride_x, stride_we, stride_wn, stride_h,
+    HDIM: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """One routed (token, expert) pair per program row: h = act(W_gate x) * (W_up x)."""
+    """One routed (token, expert) pair per program row: h = act(W_gate x) * (W_up x). The K loop is
+    unrolled so that every weight load of the program is in flight at once."""
     a = tl.program_id(0).to(tl.int64)
     t = a // TOPK
     e = tl.load(Ids + a).to(tl.int64)
@@ -499,9 +679,9 @@ def _moe_up_gemv_kernel(
     wbase = Win + e * stride_we
     accg = tl.zeros([BLOCK_N], dtype=tl.float32)
     accu = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, Hdim, BLOCK_K):
+    for k0 in tl.static_range(0, HDIM, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
-        km = kk < Hdim
+        km = kk < HDIM
         xv = tl.load(X + t * stride_x + kk, mask=km, other=0.0).to(tl.float32)
         wg = tl.load(wbase + n[:, None] * stride_wn + kk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
         accg += tl.sum(wg.to(tl.float32) * xv[None, :], axis=1)
@@ -518,13 +698,13 @@ def _moe_up_gemv_kernel(
 
 @triton.jit
 def _moe_down_gemv_kernel(
-    H1, Wout, Ids, Wts, Out, stride_h, stride_we, stride_wn, stride_o, Hdim, I,
-    TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    H1, Wout, Ids, Wts, Out, stride_h, stride_we, stride_wn, stride_o,
+    HDIM: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """out[t] = sum over the token's experts of weight * (W_down h): no atomics, one program per rows block."""
+    """out[t] = sum over the token's experts of weight * (W_down h): no atomics; loops unrolled."""
     t = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    nm = n < Hdim
+    nm = n < HDIM
     dt = Out.dtype.element_ty
     out = tl.zeros([BLOCK_N], dtype=tl.float32)
     for j in tl.static_range(TOPK):
@@ -532,7 +712,7 @@ def _moe_down_gemv_kernel(
         e = tl.load(Ids + a).to(tl.int64)
         wt = tl.load(Wts + a).to(dt).to(tl.float32)
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, I, BLOCK_K):
+        for k0 in tl.static_range(0, I, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
             km = kk < I
             hv = tl.load(H1 + a * stride_h + kk, mask=km, other=0.0).to(tl.float32)
@@ -639,6 +819,57 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.
     return sorted_ids, block_expert
 
 
+@triton.jit
+def _moe_align_kernel(Ids, SortedIds, BlockExpert, Tk, NB, MAXP,
+                      BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+    """`moe_align` in one program: counts, padded offsets, block experts, and the stable scatter
+    of pair indices to their expert's padded run (ranks by a cumulative sum of one-hot rows)."""
+    e_off = tl.arange(0, BLOCK_E)
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for c0 in range(0, Tk, CHUNK):
+        a = c0 + tl.arange(0, CHUNK)
+        ids = tl.load(Ids + a, mask=a < Tk, other=BLOCK_E).to(tl.int32)
+        counts += tl.sum((ids[:, None] == e_off[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    pad_end = tl.cumsum(padded, axis=0)
+    pad_start = pad_end - padded
+    for b0 in range(0, NB, CHUNK):
+        b = b0 + tl.arange(0, CHUNK)
+        be = tl.sum((pad_end[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+        tl.store(BlockExpert + b, be.to(tl.int64), mask=b < NB)
+    for p0 in range(0, MAXP, CHUNK):
+        p = p0 + tl.arange(0, CHUNK)
+        tl.store(SortedIds + p, tl.zeros([CHUNK], dtype=tl.int64) + Tk, mask=p < MAXP)
+    tl.debug_barrier()
+    running = pad_start
+    for c0 in range(0, Tk, CHUNK):
+        a = c0 + tl.arange(0, CHUNK)
+        am = a < Tk
+        ids = tl.load(Ids + a, mask=am, other=BLOCK_E).to(tl.int32)
+        oh = (ids[:, None] == e_off[None, :]).to(tl.int32)
+        before = tl.cumsum(oh, axis=0) - oh
+        dest = tl.sum((before + running[None, :]) * oh, axis=1)
+        tl.store(SortedIds + dest, a.to(tl.int64), mask=am)
+        running += tl.sum(oh, axis=0)
+
+
+MOE_ALIGN_KERNEL_MAX_PAIRS = 4096
+
+
+def moe_align_triton(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`moe_align` as one launch (small batches: decode steps, short prefill chunks)."""
+    flat = ids.reshape(-1).contiguous()
+    tk = flat.numel()
+    max_padded = tk + min(num_experts, tk) * (block_m - 1)
+    max_padded = (max_padded + block_m - 1) // block_m * block_m
+    nb = max_padded // block_m
+    sorted_ids = torch.empty(max_padded, dtype=torch.int64, device=ids.device)
+    block_expert = torch.empty(nb, dtype=torch.int64, device=ids.device)
+    _moe_align_kernel[(1,)](flat, sorted_ids, block_expert, tk, nb, max_padded,
+                            BLOCK_M=block_m, BLOCK_E=_np2(num_experts), CHUNK=128, num_warps=8)
+    return sorted_ids, block_expert
+
+
 # Up to this many routed (token, expert) pairs, each pair is its own GEMV (decode at small batch:
 # fewer launches, each expert's weights read once per pair); above it, the grouped GEMM.
 MOE_GEMV_MAX_PAIRS = 32
@@ -660,22 +891,25 @@ def moe_experts(x, w_in, w_out, weights, ids, act, gated):
     ids = ids.contiguous()
     weights = weights.contiguous()
     h1 = torch.empty((tk, I), dtype=x.dtype, device=x.device)
-    if tk <= MOE_GEMV_MAX_PAIRS:
-        bn, bk = 16, 256
+    if tk <= MOE_GEMV_MAX_PAIRS and Hdim <= 8192 and I <= 8192:
+        bn = 8
         _moe_up_gemv_kernel[(tk, triton.cdiv(I, bn))](
-            x, w_in, ids, h1, x.stride(0), w_in.stride(0), w_in.stride(1), h1.stride(0), Hdim, I,
-            TOPK=top_k, GATED=gated, ACT=code, BLOCK_N=bn, BLOCK_K=bk, num_warps=4,
+            x, w_in, ids, h1, x.stride(0), w_in.stride(0), w_in.stride(1), h1.stride(0),
+            HDIM=Hdim, I=I, TOPK=top_k, GATED=gated, ACT=code, BLOCK_N=bn, BLOCK_K=min(512, _np2(Hdim)), num_warps=4,
         )
         _moe_down_gemv_kernel[(T, triton.cdiv(Hdim, bn))](
-            h1, w_out, ids, weights, out, h1.stride(0), w_out.stride(0), w_out.stride(1), out.stride(0), Hdim, I,
-            TOPK=top_k, BLOCK_N=bn, BLOCK_K=min(256, _np2(I)), num_warps=4,
+            h1, w_out, ids, weights, out, h1.stride(0), w_out.stride(0), w_out.stride(1), out.stride(0),
+            HDIM=Hdim, I=I, TOPK=top_k, BLOCK_N=bn, BLOCK_K=min(1024, _np2(I)), num_warps=4,
         )
         return out
     if tk <= 2048:
         bm, bn, bk, warps, stages = 16, 64, 128, 4, 3
     else:
         bm, bn, bk, warps, stages = 64, 128, 64, 8, 3
-    sorted_ids, block_expert = moe_align(ids, E, bm)
+    if tk <= MOE_ALIGN_KERNEL_MAX_PAIRS and E <= 512:
+        sorted_ids, block_expert = moe_align_triton(ids, E, bm)
+    else:
+        sorted_ids, block_expert = moe_align(ids, E, bm)
     nblocks = block_expert.numel()
     prec = _precision(x)
     _moe_up_grouped_kernel[(nblocks, triton.cdiv(I, bn))](
