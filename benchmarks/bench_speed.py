@@ -230,7 +230,7 @@ def engine_resume(eng, history: int, new: int, vocab: int) -> dict:
     active = "retain_key" in inspect.signature(eng.add_request).parameters
     key = uid("conv")
     _, _, snap = engine_ttft(eng, hist, capture_state=True, **({"retain_key": key} if active else {}))
-    state = snap.state
+    state = snap.state.wait()  # its device-to-host copy may still be in flight
     assert state is not None and state.state_len == history
     res = {"history": history, "new_tokens": new, "full_prefill_s": full_s}
     # state in GPU memory (the ACTIVE tier keeps it there)

@@ -13,7 +13,7 @@ import torch
 from engram.args import EngineArgs
 from engram.engine import memory_planner
 from engram.engine.detokenizer import detokenize_step, find_stop_string
-from engram.engine.pools import KVPool, StatePool, capture_state, restore_state
+from engram.engine.pools import HostCopier, KVPool, StatePool, capture_state, restore_state
 from engram.engine.request import FinishReason, RequestOutput, SamplingParams
 from engram.engine.runner import ModelRunner
 from engram.engine.sampler import sample_batch, token_logprob
@@ -86,6 +86,7 @@ class LLMEngine:
         self.state_pool = StatePool(self.spec, args.max_running_requests, self.state_dtypes, self.device)
         self.kv_pool = KVPool(self.spec, self.plan.num_kv_blocks, args.kv_block_size, self.state_dtypes.kv, self.device)
         self.scheduler = Scheduler(self.state_pool, self.kv_pool, args.max_running_requests, args.max_num_batched_tokens)
+        self.copier = HostCopier(self.device)
         self.runner = ModelRunner(
             self.model, self.state_pool, self.kv_pool, self.device,
             enable_cuda_graph=args.enable_cuda_graph, max_context_length=self.max_context_length,
@@ -245,7 +246,9 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: FinishReason, stop_reason: str | int | None = None) -> None:
         if reason != FinishReason.ABORT and seq.slot is not None:
             if seq.capture_state:
-                seq.captured_state = capture_state(self.state_pool, self.kv_pool, seq.slot, seq.blocks, seq.token_ids, seq.num_computed)
+                seq.captured_state = capture_state(
+                    self.state_pool, self.kv_pool, self.copier, seq.slot, seq.blocks, seq.token_ids, seq.num_computed
+                )
             if seq.retain_key is not None:
                 self.scheduler.retain(seq.retain_key, seq)
         seq.status = SequenceStatus.FINISHED

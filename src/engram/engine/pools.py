@@ -9,12 +9,44 @@ from engram.ops.attention import token_slots
 from engram.state.sequence_state import SequenceState, StateDtypes
 
 
-def host_copy(t: torch.Tensor) -> torch.Tensor:
-    """A host-memory copy that shares nothing with the pool; page-locked when the pool is on CUDA,
-    so the copy (and a later restore) runs at full DMA speed."""
-    if t.device.type == "cuda":
-        return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
-    return t.clone()
+class PendingCopies:
+    """Which pool entries (slots or pages) a device-to-host copy may still be reading.
+
+    An entry is handed out again only after the compute stream waits for that copy (a wait on
+    the GPU, not on the host)."""
+
+    def __init__(self) -> None:
+        self._events: dict[int, torch.cuda.Event] = {}
+
+    def mark(self, entries: list[int], event: torch.cuda.Event) -> None:
+        for entry in entries:
+            self._events[entry] = event
+
+    def settle(self, entries: list[int]) -> None:
+        for entry in entries:
+            event = self._events.pop(entry, None)
+            if event is not None and not event.query():
+                torch.cuda.current_stream().wait_event(event)
+
+
+class HostCopier:
+    """Copies captured state to host memory. On CUDA the copies go to page-locked memory on a side
+    stream, so the engine loop does not wait for them; the returned event marks their end."""
+
+    def __init__(self, device: torch.device):
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def copy(self, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.cuda.Event | None]:
+        if self.stream is None:
+            return {name: t.clone() for name, t in tensors.items()}, None
+        self.stream.wait_stream(torch.cuda.current_stream())
+        out = {}
+        with torch.cuda.stream(self.stream):
+            for name, t in tensors.items():
+                out[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                out[name].copy_(t, non_blocking=True)
+                t.record_stream(self.stream)  # gathered KV temporaries live until the copy is done
+        return out, self.stream.record_event()
 
 
 class StatePool:
@@ -32,6 +64,7 @@ class StatePool:
                 self.conv[i] = torch.zeros(num_slots, *spec.mamba.conv_state_shape, dtype=dtypes.conv, device=device)
                 self.ssm[i] = torch.zeros(num_slots, *spec.mamba.ssm_state_shape, dtype=dtypes.ssm, device=device)
         self._free = list(range(num_slots - 1, -1, -1))
+        self.pending = PendingCopies()
 
     @property
     def num_free(self) -> int:
@@ -43,6 +76,7 @@ class StatePool:
 
     def allocate(self) -> int:
         slot = self._free.pop()
+        self.pending.settle([slot])
         for t in (*self.conv.values(), *self.ssm.values()):
             t[slot].zero_()
         return slot
@@ -50,11 +84,11 @@ class StatePool:
     def free(self, slot: int) -> None:
         self._free.append(slot)
 
-    def read(self, slot: int) -> dict[str, torch.Tensor]:
+    def views(self, slot: int) -> dict[str, torch.Tensor]:
         out = {}
         for i in self.conv:
-            out[f"layers.{i}.conv"] = host_copy(self.conv[i][slot])
-            out[f"layers.{i}.ssm"] = host_copy(self.ssm[i][slot])
+            out[f"layers.{i}.conv"] = self.conv[i][slot]
+            out[f"layers.{i}.ssm"] = self.ssm[i][slot]
         return out
 
     def write(self, slot: int, tensors: dict[str, torch.Tensor]) -> None:
@@ -77,6 +111,7 @@ class KVPool:
                 self.k[i] = torch.zeros(shape, dtype=dtype, device=device)
                 self.v[i] = torch.zeros(shape, dtype=dtype, device=device)
         self._free = list(range(num_blocks - 1, -1, -1))
+        self.pending = PendingCopies()
 
     @property
     def needs_pages(self) -> bool:
@@ -96,7 +131,9 @@ class KVPool:
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
             raise MemoryError(f"KV pool exhausted: {n} pages asked, {len(self._free)} free")
-        return [self._free.pop() for _ in range(n)]
+        blocks = [self._free.pop() for _ in range(n)]
+        self.pending.settle(blocks)
+        return blocks
 
     def free(self, blocks: list[int]) -> None:
         self._free.extend(reversed(blocks))
@@ -105,14 +142,15 @@ class KVPool:
         table = torch.tensor(blocks, dtype=torch.long, device=next(iter(self.k.values())).device)
         return token_slots(table, length, self.block_size)
 
-    def read(self, blocks: list[int], length: int) -> dict[str, torch.Tensor]:
+    def gather(self, blocks: list[int], length: int) -> dict[str, torch.Tensor]:
+        """The KV of positions 0..length-1 (fresh tensors, gathered from the pages)."""
         if not self.k:
             return {}
         slots = self._slots(blocks, length)
         out = {}
         for i in self.k:
-            out[f"layers.{i}.k"] = host_copy(self.k[i][slots])
-            out[f"layers.{i}.v"] = host_copy(self.v[i][slots])
+            out[f"layers.{i}.k"] = self.k[i][slots]
+            out[f"layers.{i}.v"] = self.v[i][slots]
         return out
 
     def write(self, blocks: list[int], length: int, tensors: dict[str, torch.Tensor]) -> None:
@@ -124,10 +162,19 @@ class KVPool:
             self.v[i][slots] = tensors[f"layers.{i}.v"].to(self.v[i].device)
 
 
-def capture_state(state_pool: StatePool, kv_pool: KVPool, slot: int, blocks: list[int], tokens: list[int], state_len: int) -> SequenceState:
-    return SequenceState(list(tokens), state_len, {**state_pool.read(slot), **kv_pool.read(blocks, state_len)})
+def capture_state(
+    state_pool: StatePool, kv_pool: KVPool, copier: HostCopier, slot: int, blocks: list[int], tokens: list[int], state_len: int
+) -> SequenceState:
+    """A host copy of a sequence's state; on CUDA still in flight (`SequenceState.ready`)."""
+    tensors, ready = copier.copy({**state_pool.views(slot), **kv_pool.gather(blocks, state_len)})
+    if ready is not None:
+        state_pool.pending.mark([slot], ready)
+        kv_pool.pending.mark(blocks, ready)
+    return SequenceState(list(tokens), state_len, tensors, ready)
 
 
 def restore_state(state_pool: StatePool, kv_pool: KVPool, slot: int, blocks: list[int], state: SequenceState) -> None:
+    if state.ready is not None:  # a capture still being copied: order the restore after it, on the GPU
+        torch.cuda.current_stream().wait_event(state.ready)
     state_pool.write(slot, state.tensors)
     kv_pool.write(blocks, state.state_len, state.tensors)

@@ -367,7 +367,7 @@ class ConversationManager:
     def _healthy(self, conversation_id: str, turn: Turn, state: SequenceState) -> bool:
         """Check the state's norms against the conversation's history; quarantine per the policy.
         Returns whether the state may be written as a snapshot."""
-        report = self.health.check(conversation_id, turn.turn, state)
+        report = self.health.check(conversation_id, turn.turn, state.wait())
         decision = self.health.decide(report)
         if decision.quarantine:
             self.quarantine.add(conversation_id, turn.ref, report.describe())

@@ -8,7 +8,7 @@ attention layers. `expected_tensors` is the one place that derives those names a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,11 +24,21 @@ class StateDtypes:
 
 @dataclass
 class SequenceState:
-    """State after consuming `tokens[:state_len]`; `tokens` may run past it (the last sampled token)."""
+    """State after consuming `tokens[:state_len]`; `tokens` may run past it (the last sampled token).
+
+    `ready`, when set, is the CUDA event of the device-to-host copy still filling `tensors`: call
+    `wait()` before reading them on the host."""
 
     tokens: list[int]
     state_len: int
     tensors: dict[str, torch.Tensor]
+    ready: torch.cuda.Event | None = field(default=None, repr=False, compare=False)
+
+    def wait(self) -> "SequenceState":
+        if self.ready is not None:
+            self.ready.synchronize()
+            self.ready = None
+        return self
 
     def __post_init__(self) -> None:
         if not 0 <= self.state_len <= len(self.tokens):

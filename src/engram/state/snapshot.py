@@ -179,6 +179,7 @@ def save_snapshot(
     tokenizer_sha256: str,
 ) -> Path:
     """Write `state` as snapshot `meta.turn` of `meta.branch`, replacing any earlier file of that turn."""
+    state.wait()
     try:
         check_state(spec, dtypes, state)
         tokens = torch.tensor(state.tokens, dtype=torch.int32)
