@@ -171,11 +171,8 @@ class ModelRunner:
         h[2:5] = -1
         self._static["packed"].copy_(self._host, non_blocking=True)
 
-    def _capture(self, b: int) -> None:
-        if self._static is None:
-            self._alloc_static()
-        self._fill_padding()  # padding rows only: the warm-up and capture touch no state
-        batch = self._graph_batch(b)
+    def _record(self, batch: ForwardBatch) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Warm up on a side stream, then capture one forward of `batch` (static buffers) as a graph."""
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -185,8 +182,14 @@ class ModelRunner:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._graph_pool, stream=stream):
             logits = self.model(batch)
-        self._graphs[b] = (graph, logits)
-        torch.cuda.synchronize(self.device)  # the pinned input buffer is refilled right after
+        torch.cuda.synchronize(self.device)  # the pinned input buffers are refilled right after
+        return graph, logits
+
+    def _capture(self, b: int) -> None:
+        if self._static is None:
+            self._alloc_static()
+        self._fill_padding()  # padding rows only: the warm-up and capture touch no state
+        self._graphs[b] = self._record(self._graph_batch(b))
 
     def capture_all(self, max_batch: int | None = None) -> None:
         """Capture every bucket up to `max_batch` now (largest first, sharing one memory pool)."""
@@ -286,18 +289,7 @@ class ModelRunner:
         h[2 * tmax : 3 * tmax] = -1
         h[3 * tmax] = -1  # no slot: the warm-up and capture touch no state (and cu = [0, 0])
         self._pf["packed"].copy_(self._pf_host, non_blocking=True)
-        batch = self._prefill_batch(tb)
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self.model(batch)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool, stream=stream):
-            logits = self.model(batch)
-        self._prefill_graphs[tb] = (graph, logits)
-        torch.cuda.synchronize(self.device)
+        self._prefill_graphs[tb] = self._record(self._prefill_batch(tb))
 
     def _run_prefill_graph(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         c = chunks[0]
