@@ -213,3 +213,25 @@ def test_warm_copy_is_independent_of_the_engine_pool(engine, tmp_path):
     turn(engine, m, "other", random_prompt(30, 51))
     for name, tensor in out.state.tensors.items():
         assert torch.equal(tensor, saved[name])
+
+
+def test_startup_reads_no_conversation_until_it_is_used(engine, tmp_path, monkeypatch):
+    """Lazy indexing: a server over many saved conversations opens none of them at start-up."""
+    m = manager_for(engine, tmp_path, Clock())
+    for i in range(5):
+        turn(engine, m, f"s{i}", random_prompt(4, 60 + i), max_tokens=2)
+    opened = []
+    real = ConversationManager.get
+
+    def counting_get(self, conversation_id):
+        opened.append(conversation_id)
+        return real(self, conversation_id)
+
+    monkeypatch.setattr(ConversationManager, "get", counting_get)
+    reads = []
+    monkeypatch.setattr("engram.state.conversations.load_snapshot", lambda *a, **k: reads.append(a) or (_ for _ in ()).throw(AssertionError))
+    restarted = manager_for(engine, tmp_path, Clock())
+    restarted.maintain()
+    assert opened == [] and reads == []
+    monkeypatch.undo()
+    assert restarted.begin("s3").state_tier == "cold"  # and the first use finds it

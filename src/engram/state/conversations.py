@@ -203,6 +203,7 @@ class ConversationManager:
         self.stats = TierStats()
         self.active: OrderedDict[tuple[str, str], float] = OrderedDict()  # (conversation, ref) -> last use
         self.last_used: dict[str, float] = {}  # conversation -> last use (for cold expiry)
+        self._next_expiry_scan = 0.0
         self.writer = SnapshotWriter() if tiers.durability == "async" and self.root is not None else None
         self.health = health or HealthMonitor(clock=clock)
         self.quarantine = Quarantine(self.root / "quarantine.json" if self.root is not None else None, clock=clock)
@@ -521,7 +522,9 @@ class ConversationManager:
                     self._persist(self._conversations[cid])
                 self.warm.drop(cid, ref)
                 self._count("demotions", "warm_to_cold")
-            if self.tiers.cold_retention > 0:
+            if self.tiers.cold_retention > 0 and now >= self._next_expiry_scan:
+                # Scanning every record on disk is the one costly step here: at most every minute.
+                self._next_expiry_scan = now + min(60.0, self.tiers.cold_retention / 10)
                 for cid in self.list_ids():
                     if cid not in self._busy and now - self._last_use(cid) > self.tiers.cold_retention:
                         self.delete_conversation(cid)
