@@ -177,9 +177,6 @@ class LLMEngine:
         """Free a retained slot (its state moves to the WARM tier through the captured copy)."""
         return self.scheduler.drop_retained(key)
 
-    def retained_keys(self) -> list[str]:
-        return list(self.scheduler.retained)
-
     def abort_request(self, request_id: str) -> None:
         seq = self._requests.get(request_id)
         if seq is None or seq.is_finished:

@@ -45,11 +45,9 @@ class ModelRunner:
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pf: dict[str, torch.Tensor] | None = None
-        self.enable_prefill_graphs = True
         self._static: dict[str, torch.Tensor] | None = None
         self._graph_pool = None
         self.num_graph_replays = 0
-        self.num_eager_steps = 0
 
     # ---- eager batches (prefill, mixed steps, CPU) --------------------------------------------
 
@@ -191,13 +189,6 @@ class ModelRunner:
         self._fill_padding()  # padding rows only: the warm-up and capture touch no state
         self._graphs[b] = self._record(self._graph_batch(b))
 
-    def capture_all(self, max_batch: int | None = None) -> None:
-        """Capture every bucket up to `max_batch` now (largest first, sharing one memory pool)."""
-        limit = min(max_batch or self._max_graph_batch(), self._max_graph_batch())
-        for b in sorted({self._bucket(n) for n in range(1, limit + 1)}, reverse=True):
-            if b not in self._graphs:
-                self._capture(b)
-
     def _run_graph(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         n = len(chunks)
         b = self._bucket(n)
@@ -236,7 +227,7 @@ class ModelRunner:
     # ---- CUDA graphs for short single-sequence prefills -------------------------------------------
 
     def _prefill_graph_usable(self, chunks: list[ScheduledChunk]) -> bool:
-        if not (self.enable_cuda_graph and self.enable_prefill_graphs and self.device.type == "cuda" and kernels().graph_safe_decode):
+        if not (self.enable_cuda_graph and self.device.type == "cuda" and kernels().graph_safe_decode):
             return False
         if len(chunks) != 1:
             return False
@@ -330,5 +321,4 @@ class ModelRunner:
             return self._run_graph(chunks)
         if self._prefill_graph_usable(chunks):
             return self._run_prefill_graph(chunks)
-        self.num_eager_steps += 1
         return self.model(self.build_batch(chunks))

@@ -75,9 +75,6 @@ class WarmCache:
     def __len__(self) -> int:
         return len(self._states)
 
-    def __contains__(self, key: tuple[str, str]) -> bool:
-        return key in self._states
-
     def get(self, conversation_id: str, ref: str) -> SequenceState | None:
         entry = self._states.get((conversation_id, ref))
         if entry is None:
@@ -104,9 +101,6 @@ class WarmCache:
     def idle(self, older_than: float) -> list[tuple[str, str]]:
         """Keys not used since `older_than` (a clock reading)."""
         return [key for key, (_, used) in self._states.items() if used < older_than]
-
-    def bytes_of(self, conversation_id: str) -> int:
-        return sum(s.nbytes for (cid, _), (s, _) in self._states.items() if cid == conversation_id)
 
 
 class SnapshotWriter:
