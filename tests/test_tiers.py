@@ -196,9 +196,8 @@ def test_anomalous_state_is_quarantined_and_not_restored(engine, tmp_path):
     turn(engine, m, "h", random_prompt(5, 40), state_edit=blow_up)
     quarantined = m.quarantine.list("h")
     assert [q["ref"] for q in quarantined] == ["main/000004"] and "layers.0.ssm" in quarantined[0]["reason"]
-    m.active.clear()  # make the next turn look for a host or disk state
-    engine.flush_cache()
-    plan = m.begin("h")
+    plan = m.begin("h")  # turn 4's engine slot is still kept, but it holds the quarantined state
+    assert plan.resume_key is None and plan.state_tier in ("warm", "cold")
     assert plan.state is not None and plan.state.state_len < len(history(m, "h")) - 1  # turn 3's state, not turn 4's
     assert health.stats.refused_restores >= 1
     m.release("h")

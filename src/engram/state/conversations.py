@@ -279,7 +279,8 @@ class ConversationManager:
             state, tier = self._nearest_state(conv, base)
             load_seconds = time.perf_counter() - started if tier == "cold" else 0.0
             resume_key = None
-            if base is not None and self.active.pop((conversation_id, base.ref), None) is not None:
+            adoptable = base is not None and not self.health.refuses(self.quarantine, conversation_id, base.ref)
+            if adoptable and self.active.pop((conversation_id, base.ref), None) is not None:
                 resume_key, tier = retain_key(conversation_id, base.ref), "active"  # the new request adopts it
             if base is not None:
                 if tier is None:

@@ -212,12 +212,16 @@ class HealthMonitor:
             self.stats.quarantined += quarantine
         return Decision(save=save, restore=restore, quarantine=quarantine, log=line)
 
+    def refuses(self, quarantine: Quarantine, conversation_id: str, ref: str) -> bool:
+        """Whether the policy forbids restoring this state (quarantined under refuse_restore)."""
+        return self.config.policy == HealthPolicy.REFUSE_RESTORE and quarantine.is_quarantined(conversation_id, ref)
+
     def restore_allowed(self, quarantine: Quarantine, conversation_id: str, ref: str) -> bool:
         """False (counted, logged) for a quarantined snapshot under refuse_restore; a quarantined
         snapshot restored under another policy is logged, never restored silently."""
         if not quarantine.is_quarantined(conversation_id, ref):
             return True
-        refuse = self.config.policy == HealthPolicy.REFUSE_RESTORE
+        refuse = self.refuses(quarantine, conversation_id, ref)
         log.warning(
             "state health: conversation %r snapshot %s is quarantined; %s (policy %s)",
             conversation_id, ref, "refusing to restore it" if refuse else "restoring it anyway", self.config.policy.value,
