@@ -234,3 +234,22 @@ def test_startup_reads_no_conversation_until_it_is_used(engine, tmp_path, monkey
     assert opened == [] and reads == []
     monkeypatch.undo()
     assert restarted.begin("s3").state_tier == "cold"  # and the first use finds it
+
+
+def test_a_snapshot_whose_record_was_never_written_is_not_listed_and_is_removed(engine, tmp_path, monkeypatch):
+    """A crash after a snapshot's commit but before its record's: the turn was never recorded."""
+    m = manager_for(engine, tmp_path, Clock())
+    turn(engine, m, "o", random_prompt(5, 70), max_tokens=2)
+
+    def crash(self, conv):
+        raise SystemExit("killed between the snapshot and the record")
+
+    monkeypatch.setattr(ConversationManager, "_persist", crash)
+    with pytest.raises(SystemExit):
+        turn(engine, m, "o", random_prompt(5, 71), max_tokens=2)
+    monkeypatch.undo()
+    orphan = tmp_path / "o" / "main" / "000002.safetensors"
+    assert orphan.is_file()
+    restarted = manager_for(engine, tmp_path, Clock())
+    assert [s["turn"] for s in restarted.snapshots("o")] == [1] and not orphan.exists()
+    assert restarted.require("o").latest("main").turn == 1

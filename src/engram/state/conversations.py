@@ -231,7 +231,18 @@ class ConversationManager:
             if conv is None and self.persistent and self._record_path(conversation_id).is_file():
                 conv = Conversation.from_json(json.loads(self._record_path(conversation_id).read_text()))
                 self._conversations[conversation_id] = conv
+                self._remove_orphans(conv)
             return conv
+
+    def _remove_orphans(self, conv: Conversation) -> None:
+        """Delete snapshot files the record does not point at: a crash between a snapshot's commit
+        and its record's leaves one, for a turn that was never recorded (so never answered under
+        sync durability)."""
+        recorded = {snapshot_path(self.root, conv.conversation_id, t.branch, t.turn) for t in conv.turns.values() if t.snapshot}
+        for entry in list_snapshots(self.root, conv.conversation_id):
+            if Path(entry["path"]) not in recorded:
+                log.warning("removing snapshot %s: its conversation record does not list it (left by a crash)", entry["path"])
+                delete_snapshot(entry["path"])
 
     def require(self, conversation_id: str) -> Conversation:
         conv = self.get(conversation_id)
@@ -433,8 +444,17 @@ class ConversationManager:
         return load_snapshot(path, self.spec, self.dtypes, self.model, self.tokenizer_sha256)[0]
 
     def snapshots(self, conversation_id: str | None = None) -> list[dict]:
+        """Manifest and path of every snapshot the conversation records point at, in order of
+        conversation, branch and turn (the records are the source of truth, see `get`)."""
         self._require_persistence()
-        return list_snapshots(self.root, conversation_id)
+        out = []
+        for cid in [conversation_id] if conversation_id is not None else self.list_ids():
+            conv = self.get(cid)
+            for turn in sorted(conv.turns.values(), key=lambda t: (t.branch, t.turn)) if conv else ():
+                path = snapshot_path(self.root, cid, turn.branch, turn.turn)
+                if turn.snapshot and path.is_file():
+                    out.append({**read_manifest(path), "path": str(path)})
+        return out
 
     def snapshot_manifest(self, conversation_id: str, turn: Turn) -> dict:
         self._require_persistence()
