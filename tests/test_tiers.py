@@ -253,3 +253,30 @@ def test_a_snapshot_whose_record_was_never_written_is_not_listed_and_is_removed(
     restarted = manager_for(engine, tmp_path, Clock())
     assert [s["turn"] for s in restarted.snapshots("o")] == [1] and not orphan.exists()
     assert restarted.require("o").latest("main").turn == 1
+
+
+def test_a_cold_load_does_not_hold_up_other_conversations(engine, tmp_path, monkeypatch):
+    import threading
+
+    from engram.state import conversations as conversations_module
+
+    m = manager_for(engine, tmp_path, Clock())
+    turn(engine, m, "slow", random_prompt(5, 80), max_tokens=2)
+    restarted = manager_for(engine, tmp_path, Clock())
+    loading, release = threading.Event(), threading.Event()
+    real_load = conversations_module.load_snapshot
+
+    def blocking_load(*args, **kwargs):
+        loading.set()
+        assert release.wait(30)
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(conversations_module, "load_snapshot", blocking_load)
+    plans = {}
+    worker = threading.Thread(target=lambda: plans.setdefault("slow", restarted.begin("slow")))
+    worker.start()
+    assert loading.wait(30)
+    plans["other"] = restarted.begin("other")  # a new conversation, while "slow" is still loading
+    release.set()
+    worker.join(30)
+    assert plans["other"].state is None and plans["slow"].state_tier == "cold"

@@ -12,9 +12,8 @@ does not need: they are reclaimed, least recently used first, before anything is
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from engram.engine.pools import KVPool, StatePool
 from engram.engine.sequence import Sequence, SequenceStatus
@@ -40,7 +39,6 @@ class RetainedSlot:
     blocks: list[int]
     tokens: list[int]
     state_len: int
-    last_used: float = field(default_factory=time.monotonic)
 
 
 class Scheduler:

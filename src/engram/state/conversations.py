@@ -274,7 +274,8 @@ class ConversationManager:
         raise ConversationNotFoundError(f"conversation {conv.conversation_id!r} has no turn {turn} on branch {branch!r}")
 
     def begin(self, conversation_id: str, branch: str = "main", from_turn: int | None = None) -> TurnPlan:
-        """Reserve the conversation for one new turn (409 if already busy) and say what it starts from."""
+        """Reserve the conversation for one new turn (409 if already busy) and say what it starts
+        from. A cold load happens outside the manager's lock: other conversations go on meanwhile."""
         validate_id(conversation_id, "conversation_id")
         validate_id(branch, "branch")
         with self._lock:
@@ -286,33 +287,41 @@ class ConversationManager:
             base = self.find_turn(conv, branch, from_turn)
             if base is not None and base.branch == branch:
                 self._check_regenerable(conv, base)
-            started = time.perf_counter()
-            state, tier = self._nearest_state(conv, base)
-            load_seconds = time.perf_counter() - started if tier == "cold" else 0.0
-            resume_key = None
-            adoptable = base is not None and not self.health.refuses(self.quarantine, conversation_id, base.ref)
-            if adoptable and self.active.pop((conversation_id, base.ref), None) is not None:
-                resume_key, tier = retain_key(conversation_id, base.ref), "active"  # the new request adopts it
-            if base is not None:
-                if tier is None:
-                    self.stats.misses += 1
-                else:
-                    self._count("hits", tier)
             self._conversations.setdefault(conversation_id, conv)
             self._busy.add(conversation_id)
             self.last_used[conversation_id] = self.clock()
-            return TurnPlan(
-                conversation_id=conversation_id,
-                branch=branch,
-                turn=(base.turn if base else 0) + 1,
-                parent=base.ref if base else None,
-                history_tokens=conv.tokens(base),
-                history_messages=conv.messages(base),
-                state=state,
-                state_tier=tier,
-                resume_key=resume_key,
-                load_seconds=load_seconds,
-            )
+            adoptable = base is not None and not self.health.refuses(self.quarantine, conversation_id, base.ref)
+            active_since = self.active.pop((conversation_id, base.ref), None) if adoptable else None
+        try:
+            started = time.perf_counter()
+            state, tier = self._nearest_state(conv, base)
+            load_seconds = time.perf_counter() - started if tier == "cold" else 0.0
+        except BaseException:
+            with self._lock:
+                if active_since is not None:
+                    self.active[(conversation_id, base.ref)] = active_since
+            self.release(conversation_id)
+            raise
+        resume_key = None
+        if active_since is not None:
+            resume_key, tier = retain_key(conversation_id, base.ref), "active"  # the new request adopts it
+        with self._lock:
+            if base is not None and tier is None:
+                self.stats.misses += 1
+            elif base is not None:
+                self._count("hits", tier)
+        return TurnPlan(
+            conversation_id=conversation_id,
+            branch=branch,
+            turn=(base.turn if base else 0) + 1,
+            parent=base.ref if base else None,
+            history_tokens=conv.tokens(base),
+            history_messages=conv.messages(base),
+            state=state,
+            state_tier=tier,
+            resume_key=resume_key,
+            load_seconds=load_seconds,
+        )
 
     def _check_regenerable(self, conv: Conversation, base: Turn) -> None:
         later = {t.ref for t in conv.turns.values() if t.branch == base.branch and t.turn > base.turn}
@@ -327,9 +336,12 @@ class ConversationManager:
         for turn in reversed(conv.chain(base)):
             if not self.health.restore_allowed(self.quarantine, conv.conversation_id, turn.ref):
                 continue  # quarantined under refuse_restore: an earlier state, or recomputation
-            tier = "warm" if self.warm.get(conv.conversation_id, turn.ref) is not None else "cold"
+            with self._lock:
+                state = self.warm.get(conv.conversation_id, turn.ref)
+            if state is not None:
+                return state, "warm"
             try:
-                return self.load_into_warm(conv.conversation_id, turn), tier
+                return self.load_into_warm(conv.conversation_id, turn), "cold"
             except SnapshotNotFoundError:
                 continue
         return None, None
@@ -469,13 +481,17 @@ class ConversationManager:
         return read_tokens(manifest["path"])
 
     def load_into_warm(self, conversation_id: str, turn: Turn) -> SequenceState:
-        """The turn's state, from the warm cache or its verified snapshot file (then kept warm)."""
-        state = self.warm.get(conversation_id, turn.ref)
-        if state is None:
-            if not turn.snapshot:
-                raise SnapshotNotFoundError(f"turn {turn.ref} of conversation {conversation_id!r} has no snapshot and no state in memory")
-            state = self.load(conversation_id, turn.branch, turn.turn)
-            if self.tiers.enabled:
+        """The turn's state, from the warm cache or its verified snapshot file (then kept warm).
+        The file is read without holding the manager's lock."""
+        with self._lock:
+            state = self.warm.get(conversation_id, turn.ref)
+        if state is not None:
+            return state
+        if not turn.snapshot:
+            raise SnapshotNotFoundError(f"turn {turn.ref} of conversation {conversation_id!r} has no snapshot and no state in memory")
+        state = self.load(conversation_id, turn.branch, turn.turn)
+        if self.tiers.enabled:
+            with self._lock:
                 self.warm.put(conversation_id, turn.ref, state)
                 self._count("promotions", "cold_to_warm")
         return state
