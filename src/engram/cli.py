@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from engram import chat, launch_server, plan
+from engram import bench, chat, launch_server, plan
 
 
 def main(argv: list[str] | None = None) -> int | None:
@@ -18,6 +18,10 @@ def main(argv: list[str] | None = None) -> int | None:
     plan_parser = commands.add_parser("plan", help="print the memory budget of a configuration")
     plan.add_plan_arguments(plan_parser)
     plan_parser.set_defaults(run=plan.run_plan)
+
+    bench_parser = commands.add_parser("bench", help="measure offline prefill and decode throughput")
+    bench.add_bench_args(bench_parser)
+    bench_parser.set_defaults(run=bench.run)
 
     chat_parser = commands.add_parser("chat", help="chat in the terminal with a running server")
     chat.add_chat_args(chat_parser)
