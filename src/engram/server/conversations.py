@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -23,6 +22,7 @@ from engram.args import ServerArgs
 from engram.engine.async_engine import AsyncEngine
 from engram.engine.engine import LLMEngine
 from engram.engine.request import RequestOutput
+from engram.models.embedded import default_cache_dir
 from engram.server.errors import APIError
 from engram.state.conversations import (
     ConversationManager,
@@ -34,16 +34,13 @@ from engram.state.conversations import (
     retain_key,
 )
 from engram.state.health import HealthConfig, HealthMonitor, HealthPolicy
-from engram.state.store import WarmCache
 from engram.state.identity import ModelIdentity, tokenizer_fingerprint
+from engram.state.store import WarmCache
 
 log = logging.getLogger(__name__)
 TOOL_CALL_MARKERS = ("<tool_call>", "<|tool_call|>", "[TOOL_CALLS]")
-
-
-def default_snapshot_dir() -> Path:
-    base = os.environ.get("ENGRAM_CACHE_DIR") or Path.home() / ".cache" / "engram"
-    return Path(base) / "snapshots"
+RECENT_REQUESTS = 4096  # request ids remembered for /save_snapshot by rid
+MAINTENANCE_PERIOD_S = 1.0
 
 
 def build_manager(engine: LLMEngine, args: ServerArgs) -> ConversationManager:
@@ -57,7 +54,7 @@ def build_manager(engine: LLMEngine, args: ServerArgs) -> ConversationManager:
     )
     root = None
     if args.enable_snapshot_persistence:
-        root = Path(args.snapshot_dir) if args.snapshot_dir else default_snapshot_dir()
+        root = Path(args.snapshot_dir) if args.snapshot_dir else default_cache_dir() / "snapshots"
     warm_entries = args.max_warm_conversations if args.enable_memory_tiers else 0
     health = HealthMonitor(HealthConfig(args.snapshot_health_check_interval, HealthPolicy(args.snapshot_health_failure_policy)))
     return ConversationManager(
@@ -75,10 +72,6 @@ def build_manager(engine: LLMEngine, args: ServerArgs) -> ConversationManager:
 
 def has_tool_call(text: str) -> bool:
     return any(marker in text for marker in TOOL_CALL_MARKERS)
-
-
-RECENT_REQUESTS = 4096  # request ids remembered for /save_snapshot by rid
-MAINTENANCE_PERIOD_S = 1.0
 
 
 async def run_maintenance(manager: ConversationManager, engine: AsyncEngine, period: float = MAINTENANCE_PERIOD_S) -> None:
