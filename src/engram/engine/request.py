@@ -49,6 +49,10 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
 
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or bool(self.frequency_penalty) or bool(self.presence_penalty)
+
 
 class FinishReason(str, Enum):
     STOP = "stop"  # EOS, stop token or stop string

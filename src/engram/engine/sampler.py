@@ -55,10 +55,6 @@ def sample_row(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[in
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def _plain_greedy(params: SamplingParams) -> bool:
-    return params.greedy and params.repetition_penalty == 1.0 and not params.frequency_penalty and not params.presence_penalty
-
-
 def sample_batch(
     logits: torch.Tensor,
     params: list[SamplingParams],
@@ -68,15 +64,14 @@ def sample_batch(
     """One token per row of `logits` [R, V]. `history(i)` gives row i's (prompt ids, output ids),
     asked only for rows whose penalties need them."""
     tokens = [0] * len(params)
-    plain = [i for i, p in enumerate(params) if _plain_greedy(p)]
+    plain = [i for i, p in enumerate(params) if p.greedy and not p.has_penalties]
     if plain:
         rows = logits if len(plain) == len(params) else logits[torch.tensor(plain, device=logits.device)]
         for i, t in zip(plain, rows.argmax(dim=-1).tolist()):
             tokens[i] = t
-    for i, p in enumerate(params):
-        if not _plain_greedy(p):
-            prompt_ids, output_ids = history(i) if (p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty) else ([], [])
-            tokens[i] = sample_row(logits[i], p, prompt_ids, output_ids, generators[i])
+    for i in sorted(set(range(len(params))) - set(plain)):
+        prompt_ids, output_ids = history(i) if params[i].has_penalties else ([], [])
+        tokens[i] = sample_row(logits[i], params[i], prompt_ids, output_ids, generators[i])
     return tokens
 
 
