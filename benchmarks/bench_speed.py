@@ -20,8 +20,6 @@ import argparse
 import contextlib
 import inspect
 import json
-import math
-import os
 import sys
 import tempfile
 import time
@@ -36,7 +34,6 @@ from engram.args import EngineArgs  # noqa: E402
 from engram.engine import engine as engine_mod  # noqa: E402
 from engram.engine.request import SamplingParams  # noqa: E402
 from engram.models.loader import load_model_from_state_dict  # noqa: E402
-from engram.models.spec import LayerKind  # noqa: E402
 
 RESULTS: dict = {}
 OUT_PATH: Path | None = None

@@ -9,11 +9,9 @@ import time
 
 import httpx
 import pytest
+from server_utils import running_server
 
-from engram.args import EngineArgs, ServerArgs
 from engram.client import EngramClient, SnapshotManager, SnapshotNotFoundError
-from engram.launch_server import build_app
-from engram.server.background import BackgroundServer
 
 MODEL = "m"
 GREEDY = {"temperature": 0, "max_tokens": 10}
@@ -22,9 +20,7 @@ USER_TURNS = ["Hello there, how are you?", "Tell me about state space models.", 
 
 @contextlib.contextmanager
 def serving(path: str, snapshot_dir, **server_fields):
-    engine_args = EngineArgs(model_path=path, max_running_requests=4, max_total_tokens=4096, context_length=1024)
-    server_args = ServerArgs(served_model_name=MODEL, snapshot_dir=str(snapshot_dir), **server_fields)
-    with BackgroundServer(build_app(engine_args, server_args)) as srv, httpx.Client(base_url=srv.url, timeout=120) as http:
+    with running_server(path, MODEL, snapshot_dir=str(snapshot_dir), **server_fields) as srv, httpx.Client(base_url=srv.url, timeout=120) as http:
         yield srv, http
 
 

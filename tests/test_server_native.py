@@ -8,11 +8,9 @@ import time
 
 import httpx
 import pytest
+from server_utils import running_server
 
-from engram.args import EngineArgs, ServerArgs
-from engram.launch_server import build_app
 from engram.models.embedded import ensure_embedded_model
-from engram.server.background import BackgroundServer
 
 MODEL = "tiny-hybrid"
 LONG = {"max_new_tokens": 900, "temperature": 0, "ignore_eos": True}
@@ -20,9 +18,7 @@ LONG = {"max_new_tokens": 900, "temperature": 0, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    path = ensure_embedded_model(tmp_path_factory.getbasetemp() / "engram-cache")
-    engine_args = EngineArgs(model_path=str(path), max_running_requests=4, max_total_tokens=8192, context_length=1024)
-    with BackgroundServer(build_app(engine_args, ServerArgs(served_model_name=MODEL))) as srv:
+    with running_server(ensure_embedded_model(tmp_path_factory.getbasetemp() / "engram-cache"), MODEL) as srv:
         yield srv
 
 

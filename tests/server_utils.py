@@ -1,0 +1,17 @@
+"""A real server on a free loopback port, for the HTTP tests."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from engram.args import EngineArgs, ServerArgs
+from engram.launch_server import build_app
+from engram.server.background import BackgroundServer
+
+
+@contextlib.contextmanager
+def running_server(model_path: str, model_name: str, **server_fields) -> Iterator[BackgroundServer]:
+    engine_args = EngineArgs(model_path=str(model_path), max_running_requests=4, max_total_tokens=8192, context_length=1024)
+    with BackgroundServer(build_app(engine_args, ServerArgs(served_model_name=model_name, **server_fields))) as srv:
+        yield srv
