@@ -146,7 +146,7 @@ class LLMEngine:
             # load, or this engine's own capture, which the health monitor also watches).
             check_state(self.spec, self.state_dtypes, initial_state, check_finite=False)
         generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        seq = Sequence(request_id, list(prompt_token_ids), len(prompt_token_ids), params, generator, initial_state, capture_state)
+        seq = Sequence(request_id, list(prompt_token_ids), params, generator, initial_state, capture_state)
         seq.retain_key = retain_key
         seq.adopted = self._adopt(resume_key, prompt_token_ids)
         seq.num_cached_tokens = seq.adopted.state_len if seq.adopted else (initial_state.state_len if initial_state else 0)
@@ -208,7 +208,7 @@ class LLMEngine:
         tokens = sample_batch(
             logits,
             [seq.params for seq in completing],
-            lambda i: (completing[i].token_ids[: completing[i].num_prompt_tokens], completing[i].output_token_ids),
+            lambda i: (completing[i].prompt_token_ids, completing[i].output_token_ids),
             [seq.generator or self._default_generator for seq in completing],
         )
         row = 0
@@ -256,7 +256,7 @@ class LLMEngine:
         new_ids = seq.output_token_ids[seq.emitted_tokens :]
         out = RequestOutput(
             request_id=seq.request_id,
-            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
+            prompt_token_ids=seq.prompt_token_ids,
             token_ids=list(seq.output_token_ids),
             text=seq.text,
             new_token_ids=new_ids,

@@ -24,9 +24,9 @@ class SequenceStatus(Enum):
 @dataclass(eq=False)  # a request is itself: identity equality (list membership in the scheduler stays O(1) per item)
 class Sequence:
     request_id: str
-    token_ids: list[int]
-    num_prompt_tokens: int
+    prompt_token_ids: list[int]  # never mutated: every output of the request shares this list
     params: SamplingParams
+    token_ids: list[int] = field(init=False)  # the prompt, then every generated token
     generator: torch.Generator | None = None
     initial_state: SequenceState | None = None  # restored on (re)admission
     capture_state: bool = False
@@ -48,6 +48,13 @@ class Sequence:
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     prefix_offset: int = 0  # incremental detokenization window over the output tokens
     read_offset: int = 0
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
 
     @property
     def output_token_ids(self) -> list[int]:
