@@ -12,14 +12,13 @@ def detokenize_step(tokenizer, seq: Sequence) -> None:
     """Extend `seq.text` with the text of newly generated tokens."""
     if tokenizer is None:
         return
-    out = seq.output_token_ids
     skip = seq.params.skip_special_tokens
-    prefix_text = tokenizer.decode(out[seq.prefix_offset : seq.read_offset], skip_special_tokens=skip)
-    full_text = tokenizer.decode(out[seq.prefix_offset :], skip_special_tokens=skip)
+    prefix_text = tokenizer.decode(seq.output_ids(seq.prefix_offset, seq.read_offset), skip_special_tokens=skip)
+    full_text = tokenizer.decode(seq.output_ids(seq.prefix_offset), skip_special_tokens=skip)
     if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
         seq.text += full_text[len(prefix_text) :]
         seq.prefix_offset = seq.read_offset
-        seq.read_offset = len(out)
+        seq.read_offset = seq.num_output_tokens
 
 
 def find_stop_string(seq: Sequence, new_chars: int) -> str | None:

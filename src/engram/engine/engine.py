@@ -237,7 +237,7 @@ class LLMEngine:
             self._finish(seq, FinishReason.STOP, token)
         elif (stop := find_stop_string(seq, len(seq.text) - chars_before)) is not None:
             self._finish(seq, FinishReason.STOP, stop)
-        elif (p.max_tokens is not None and len(seq.output_token_ids) >= p.max_tokens) or len(seq.token_ids) >= self.max_context_length:
+        elif (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) or len(seq.token_ids) >= self.max_context_length:
             self._finish(seq, FinishReason.LENGTH)
 
     def _finish(self, seq: Sequence, reason: FinishReason, stop_reason: str | int | None = None) -> None:
@@ -253,11 +253,11 @@ class LLMEngine:
         self.scheduler.remove(seq)
 
     def _output(self, seq: Sequence) -> RequestOutput:
-        new_ids = seq.output_token_ids[seq.emitted_tokens :]
+        new_ids = seq.output_ids(seq.emitted_tokens)
         out = RequestOutput(
             request_id=seq.request_id,
             prompt_token_ids=seq.prompt_token_ids,
-            token_ids=list(seq.output_token_ids),
+            token_ids=seq.output_token_ids,
             text=seq.text,
             new_token_ids=new_ids,
             new_text=seq.text[seq.emitted_chars :],

@@ -57,8 +57,17 @@ class Sequence:
         return len(self.prompt_token_ids)
 
     @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    def output_ids(self, start: int = 0, end: int | None = None) -> list[int]:
+        """Generated tokens [start:end] without copying the whole output first."""
+        base = len(self.prompt_token_ids)
+        return self.token_ids[base + start : base + (self.num_output_tokens if end is None else end)]
+
+    @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
+        return self.output_ids()
 
     @property
     def num_uncomputed(self) -> int:
