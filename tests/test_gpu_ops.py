@@ -64,6 +64,22 @@ def test_rms_norm(dtype, w_fp32):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("residual_fp32", [False, True])
+@pytest.mark.parametrize("scale", [1.0, 0.22])
+def test_add_rms_norm(dtype, residual_fp32, scale):
+    g = _gen(12)
+    for n in (48, 1536):
+        x, w = _randn(7, n, g=g, dtype=dtype), _randn(n, g=g, dtype=dtype)
+        r = _randn(7, n, g=g, dtype=torch.float32 if residual_fp32 else dtype)
+        out, stream = triton_ops.add_rms_norm(x, r, w, 1e-5, scale)
+        ref, ref_stream = norm.add_rms_norm(x, r, w, 1e-5, scale)
+        assert out.dtype == ref.dtype and stream.dtype == ref_stream.dtype
+        # the same roundings (in float32 the kernel may fuse the multiply-add: within an ulp)
+        torch.testing.assert_close(stream, ref_stream, **(dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=0, rtol=0)))
+        torch.testing.assert_close(out, ref, **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_gated_rms_norm(dtype):
     g = _gen(1)
     for n, gs in ((96, 48), (3072, 3072), (1024, 128)):
@@ -71,6 +87,18 @@ def test_gated_rms_norm(dtype):
         out = triton_ops.gated_rms_norm(x, z, w, 1e-6, gs, dtype)
         ref = norm.gated_rms_norm(x, z, w, 1e-6, gs, dtype)
         torch.testing.assert_close(out, ref, **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 4, 9])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear(dtype, rows, bias):
+    """The small-batch GEMV (up to LINEAR_GEMV_MAX_ROWS rows; cuBLAS above) against F.linear."""
+    g = _gen(14)
+    for n, k in ((40, 96), (200, 1536 + 16)):
+        x, w = _randn(rows, k, g=g, dtype=dtype), _randn(n, k, g=g, dtype=dtype) * 0.05
+        b = _randn(n, g=g, dtype=dtype) if bias else None
+        torch.testing.assert_close(triton_ops.linear(x, w, b), F.linear(x, w, b), **_tol(dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -271,7 +299,8 @@ def test_route_softmax_topk():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", [1, 3, 40, 700])
 @pytest.mark.parametrize("gated", [True, False])
-def test_moe_experts(dtype, tokens, gated):
+@pytest.mark.parametrize("shared_inter", [None, 24, 80])
+def test_moe_experts(dtype, tokens, gated, shared_inter):
     if INTERPRET and not HAS_CUDA and tokens > 40:
         pytest.skip("slow in the interpreter")
     g = _gen(10)
@@ -279,10 +308,13 @@ def test_moe_experts(dtype, tokens, gated):
     x = _randn(tokens, hidden, g=g, dtype=dtype)
     w_in = _randn(experts, (2 if gated else 1) * inter, hidden, g=g, dtype=dtype) * 0.2
     w_out = _randn(experts, hidden, inter, g=g, dtype=dtype) * 0.2
+    shared = None
+    if shared_inter:  # an always-on expert, narrower or wider than the routed ones
+        shared = (_randn((2 if gated else 1) * shared_inter, hidden, g=g, dtype=dtype) * 0.2, _randn(hidden, shared_inter, g=g, dtype=dtype) * 0.2)
     weights, ids = moe.route_softmax_topk(_randn(tokens, experts, g=g), k)
     act = F.silu if gated else moe.relu2
-    out = triton_ops.moe_experts(x, w_in, w_out, weights, ids, act, gated)
-    ref = moe.moe_experts(x, w_in, w_out, weights, ids, act, gated)
+    out = triton_ops.moe_experts(x, w_in, w_out, weights, ids, act, gated, shared)
+    ref = moe.moe_experts(x, w_in, w_out, weights, ids, act, gated, shared)
     if dtype == torch.float32:
         torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
     else:

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from engram.engine.forward_batch import ForwardBatch
+from engram.layers.linear import Linear
 from engram.models.spec import AttentionSpec
 from engram.ops.dispatch import kernels
 from engram.ops.rotary import apply_rotary, rotary_cos_sin
@@ -17,10 +18,10 @@ class Attention(nn.Module):
         self.spec = spec
         self.layer_index = layer_index
         q_dim, kv_dim = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        self.q_proj = nn.Linear(hidden_size, q_dim, bias=spec.bias)
-        self.k_proj = nn.Linear(hidden_size, kv_dim, bias=spec.bias)
-        self.v_proj = nn.Linear(hidden_size, kv_dim, bias=spec.bias)
-        self.o_proj = nn.Linear(q_dim, hidden_size, bias=spec.bias)
+        self.q_proj = Linear(hidden_size, q_dim, bias=spec.bias)
+        self.k_proj = Linear(hidden_size, kv_dim, bias=spec.bias)
+        self.v_proj = Linear(hidden_size, kv_dim, bias=spec.bias)
+        self.o_proj = Linear(q_dim, hidden_size, bias=spec.bias)
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         s, k = self.spec, kernels()

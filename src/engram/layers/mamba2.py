@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from engram.engine.forward_batch import ForwardBatch
+from engram.layers.linear import Linear
 from engram.models.spec import MambaSpec
 from engram.ops.dispatch import kernels
 
@@ -16,14 +17,14 @@ class Mamba2Mixer(nn.Module):
         self.spec = spec
         self.layer_index = layer_index
         d_in = spec.intermediate_size
-        self.in_proj = nn.Linear(hidden_size, d_in + spec.conv_dim + spec.num_heads, bias=spec.proj_bias)
+        self.in_proj = Linear(hidden_size, d_in + spec.conv_dim + spec.num_heads, bias=spec.proj_bias)
         self.conv1d = nn.Conv1d(spec.conv_dim, spec.conv_dim, spec.conv_kernel, groups=spec.conv_dim, bias=spec.conv_bias)
         self.dt_bias = nn.Parameter(torch.zeros(spec.num_heads))
         self.A_log = nn.Parameter(torch.zeros(spec.num_heads))
         self.D = nn.Parameter(torch.ones(spec.num_heads))
         self.norm = nn.Module()
         self.norm.weight = nn.Parameter(torch.ones(d_in))
-        self.out_proj = nn.Linear(d_in, hidden_size, bias=spec.proj_bias)
+        self.out_proj = Linear(d_in, hidden_size, bias=spec.proj_bias)
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         s, k = self.spec, kernels()

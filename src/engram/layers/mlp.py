@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engram.layers.linear import Linear
 from engram.ops.dispatch import kernels
 from engram.ops.moe import route_sigmoid_grouped
 
@@ -17,9 +18,9 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -30,11 +31,14 @@ class FusedGatedMLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
-        self.input_linear = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.output_linear = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.input_linear = Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.output_linear = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.output_linear(kernels().silu_and_mul(self.input_linear(x)))
+
+    def as_shared_expert(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.input_linear.weight, self.output_linear.weight
 
 
 class PlainMLP(nn.Module):
@@ -42,30 +46,37 @@ class PlainMLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, act: Callable[[torch.Tensor], torch.Tensor], bias: bool = False):
         super().__init__()
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
         self.act = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.up_proj(x)))
 
+    def as_shared_expert(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Its weights for `moe_experts(shared=...)`; None when biases keep it a separate MLP."""
+        if self.up_proj.bias is not None or self.down_proj.bias is not None:
+            return None
+        return self.up_proj.weight, self.down_proj.weight
+
 
 class SoftmaxTopKMoE(nn.Module):
-    """Granite MoE: softmax over the top-k router logits, gated SiLU experts."""
+    """Granite MoE: softmax over the top-k router logits, gated SiLU experts, plus the block's
+    shared MLP computed with them (one set of kernels for both)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int):
         super().__init__()
         self.top_k = top_k
         self.router = nn.Module()
-        self.router.layer = nn.Linear(hidden_size, num_experts, bias=False)
+        self.router.layer = Linear(hidden_size, num_experts, bias=False)
         self.input_linear = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.output_linear = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, shared_mlp: FusedGatedMLP) -> torch.Tensor:
         k = kernels()
         weights, ids = k.route_softmax_topk(self.router.layer(x), self.top_k)
         # moe_experts casts the routing weights to the activation dtype itself.
-        return k.moe_experts(x, self.input_linear, self.output_linear, weights, ids, F.silu, True)
+        return k.moe_experts(x, self.input_linear, self.output_linear, weights, ids, F.silu, True, shared_mlp.as_shared_expert())
 
 
 class SigmoidGroupedMoE(nn.Module):
@@ -92,5 +103,6 @@ class SigmoidGroupedMoE(nn.Module):
         weights, ids = route_sigmoid_grouped(
             logits, self.gate.e_score_correction_bias, self.top_k, self.n_group, self.topk_group, self.norm_topk_prob, self.routed_scaling
         )
-        routed = kernels().moe_experts(x, self.up_proj, self.down_proj, weights, ids, self.act, False)
-        return routed + self.shared_experts(x)
+        shared = self.shared_experts.as_shared_expert()
+        out = kernels().moe_experts(x, self.up_proj, self.down_proj, weights, ids, self.act, False, shared)
+        return out if shared is not None else out + self.shared_experts(x)

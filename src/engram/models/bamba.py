@@ -22,9 +22,10 @@ class BambaBlock(nn.Module):
         self.mixer = sequence_mixer(spec, index)
         self.ffn = GatedMLP(spec.hidden_size, cfg["intermediate_size"], cfg.get("mlp_bias", False))
 
-    def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        hidden = hidden + self.mixer(self.input_norm(hidden), batch)
-        return hidden + self.ffn(self.post_norm(hidden))
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = self.input_norm.add_and_norm(hidden, residual)
+        h, residual = self.post_norm.add_and_norm(self.mixer(h, batch), residual)
+        return self.ffn(h), residual
 
 
 class BambaForCausalLM(CausalLM):

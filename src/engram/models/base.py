@@ -32,6 +32,7 @@ class CausalLM(nn.Module):
     rename_rules: RenameRules = []
     ignored_weights: tuple[str, ...] = ()  # regexes of checkpoint tensors the engine does not use
     embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0  # scales each block's output added to the residual stream
     logits_scaling: float = 1.0
 
     def __init__(self, spec: ModelSpec):
@@ -49,13 +50,19 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Next-token logits (float32) for the rows `batch.logits_indices`."""
+        """Next-token logits (float32) for the rows `batch.logits_indices`.
+
+        Each block takes and returns (output, residual stream): a block's output is added to the
+        stream by the next block's first norm, in one fused kernel (`RMSNorm.add_and_norm`)."""
         hidden = self.embed_tokens(batch.input_ids)
         if self.embedding_multiplier != 1.0:
             hidden = hidden * self.embedding_multiplier
+        residual = None
         for layer in self.layers:
-            hidden = layer(hidden, batch)
-        hidden = self.norm(hidden[batch.logits_indices])
+            hidden, residual = layer(hidden, residual, batch)
+        rows = batch.logits_indices
+        last = hidden[rows] if self.residual_multiplier == 1.0 else hidden[rows] * self.residual_multiplier
+        hidden = self.norm(residual[rows] + last)
         logits = self.lm_head(hidden.to(self.lm_head.weight.dtype)).float()
         return logits / self.logits_scaling if self.logits_scaling != 1.0 else logits
 

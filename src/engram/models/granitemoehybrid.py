@@ -26,11 +26,11 @@ class GraniteHybridBlock(nn.Module):
         self.shared_mlp = FusedGatedMLP(spec.hidden_size, cfg["shared_intermediate_size"])
         self.residual_multiplier = float(cfg.get("residual_multiplier", 1.0))
 
-    def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        hidden = hidden + self.mixer(self.input_norm(hidden), batch) * self.residual_multiplier
-        h = self.post_norm(hidden)
-        ffn = self.shared_mlp(h) if self.moe is None else self.moe(h) + self.shared_mlp(h)
-        return hidden + ffn * self.residual_multiplier
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = self.input_norm.add_and_norm(hidden, residual, self.residual_multiplier)
+        h, residual = self.post_norm.add_and_norm(self.mixer(h, batch), residual, self.residual_multiplier)
+        ffn = self.shared_mlp(h) if self.moe is None else self.moe(h, self.shared_mlp)
+        return ffn, residual
 
 
 class GraniteMoeHybridForCausalLM(CausalLM):
@@ -50,6 +50,7 @@ class GraniteMoeHybridForCausalLM(CausalLM):
         super().__init__(spec)
         cfg = spec.config
         self.embedding_multiplier = float(cfg.get("embedding_multiplier", 1.0))
+        self.residual_multiplier = float(cfg.get("residual_multiplier", 1.0))
         self.logits_scaling = float(cfg.get("logits_scaling", 1.0))
         self.layers = nn.ModuleList(GraniteHybridBlock(spec, i) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, float(cfg.get("rms_norm_eps", 1e-6)))

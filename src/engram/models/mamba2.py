@@ -19,9 +19,11 @@ class Mamba2Block(nn.Module):
         self.mixer = Mamba2Mixer(spec.mamba, spec.hidden_size, index)
         self.residual_in_fp32 = residual_in_fp32
 
-    def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        residual = hidden.float() if self.residual_in_fp32 else hidden
-        return residual + self.mixer(self.input_norm(hidden.to(self.input_norm.weight.dtype)), batch)
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None and self.residual_in_fp32:  # the stream is kept in float32 from the start
+            residual = torch.zeros_like(hidden, dtype=torch.float32)
+        h, residual = self.input_norm.add_and_norm(hidden, residual)
+        return self.mixer(h, batch), residual
 
 
 class Mamba2ForCausalLM(CausalLM):

@@ -31,11 +31,11 @@ class NemotronHBlock(nn.Module):
         else:
             self.mixer = SigmoidGroupedMoE(cfg, spec.hidden_size, act)
 
-    def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        h = self.input_norm(hidden)
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = self.input_norm.add_and_norm(hidden, residual)
         if self.kind in (LayerKind.MAMBA, LayerKind.ATTENTION):
-            return hidden + self.mixer(h, batch)
-        return hidden + self.mixer(h)
+            return self.mixer(h, batch), residual
+        return self.mixer(h), residual
 
 
 class NemotronHForCausalLM(CausalLM):

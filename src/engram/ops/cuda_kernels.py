@@ -1,6 +1,8 @@
 """The CUDA fast path: which fast op serves which reference op.
 
-- Triton kernels of this package (engram.ops.triton_ops): RMS norms, gated RMS norm, SiLU-and-mul,
+- Triton kernels of this package (engram.ops.triton_ops): linear layers at decode batch sizes
+  (a GEMV reading each weight once for all rows), RMS norms (alone and fused with the
+  residual add before them), gated RMS norm, SiLU-and-mul,
   the single-token SSD state update and causal-conv update (in place in the state pool, by slot),
   the varlen causal conv1d, KV store, paged attention (prefill with context and decode), router
   top-k and the fused MoE (per-pair GEMV at small batch, grouped GEMM over the expert-sorted
@@ -79,7 +81,9 @@ def available() -> dict:
         causal_conv1d_varlen=triton_ops.causal_conv1d_varlen,
         causal_conv1d_update=triton_ops.causal_conv1d_update,
         ssd_state_update=triton_ops.ssd_state_update,
+        linear=triton_ops.linear,
         rms_norm=triton_ops.rms_norm,
+        add_rms_norm=triton_ops.add_rms_norm,
         gated_rms_norm=triton_ops.gated_rms_norm,
         silu_and_mul=triton_ops.silu_and_mul,
         store_kv=triton_ops.store_kv,

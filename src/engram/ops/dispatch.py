@@ -13,17 +13,21 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable
 
+import torch.nn.functional as F
+
 from engram.ops import activation, attention, conv, moe, norm, ssd
 
 
 @dataclass(frozen=True)
 class KernelSet:
     name: str
+    linear: Callable = F.linear
     ssd_varlen: Callable = ssd.ssd_varlen
     ssd_state_update: Callable = ssd.ssd_state_update
     causal_conv1d_varlen: Callable = conv.causal_conv1d_varlen
     causal_conv1d_update: Callable = conv.causal_conv1d_update
     rms_norm: Callable = norm.rms_norm
+    add_rms_norm: Callable = norm.add_rms_norm
     gated_rms_norm: Callable = norm.gated_rms_norm
     silu_and_mul: Callable = activation.silu_and_mul
     store_kv: Callable = attention.store_kv

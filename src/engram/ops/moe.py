@@ -14,6 +14,7 @@ def route_softmax_topk(router_logits: torch.Tensor, top_k: int) -> tuple[torch.T
     return torch.softmax(top_logits, dim=-1), ids
 
 
+
 def route_sigmoid_grouped(
     router_logits: torch.Tensor,
     correction_bias: torch.Tensor,
@@ -42,6 +43,19 @@ def relu2(x: torch.Tensor) -> torch.Tensor:
     return F.relu(x).square()
 
 
+def expert_mlp(
+    x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor], gated: bool
+) -> torch.Tensor:
+    """One expert: w_out act(w_in x), or w_out (act(gate) * up) with [gate | up] = w_in x."""
+    h = F.linear(x, w_in)
+    if gated:
+        gate, up = h.chunk(2, dim=-1)
+        h = act(gate) * up
+    else:
+        h = act(h)
+    return F.linear(h, w_out)
+
+
 def moe_experts(
     x: torch.Tensor,
     w_in: torch.Tensor,
@@ -50,18 +64,16 @@ def moe_experts(
     ids: torch.Tensor,
     act: Callable[[torch.Tensor], torch.Tensor],
     gated: bool,
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """x [T, H]; w_in [E, I or 2I, H]; w_out [E, H, I]. Gated experts compute act(gate) * up
-    from the two halves of w_in's output. Accumulates in float32."""
+    from the two halves of w_in's output. Accumulates the routed experts in float32.
+    `shared` (w_in [Is or 2Is, H], w_out [H, Is]): an always-on expert of the same kind whose
+    output is added to the routed sum (Granite's shared MLP, Nemotron-H's shared experts)."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in ids.unique().tolist():
         token_idx, k_pos = torch.where(ids == e)
-        h = F.linear(x[token_idx], w_in[e])
-        if gated:
-            gate, up = h.chunk(2, dim=-1)
-            h = act(gate) * up
-        else:
-            h = act(h)
-        h = F.linear(h, w_out[e]) * weights[token_idx, k_pos, None].to(h.dtype)
+        h = expert_mlp(x[token_idx], w_in[e], w_out[e], act, gated) * weights[token_idx, k_pos, None].to(x.dtype)
         out.index_add_(0, token_idx, h.float())
-    return out.to(x.dtype)
+    out = out.to(x.dtype)
+    return out if shared is None else out + expert_mlp(x, *shared, act, gated)

@@ -16,6 +16,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_fp32: 
     return weight * h.to(dtype)
 
 
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, scale: float = 1.0, weight_in_fp32: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block's residual connection and the next norm: the stream `residual + x * scale` (in the
+    residual's dtype, which may be float32) and the RMS norm of the stream cast to x's dtype."""
+    if scale != 1.0:
+        x = x * scale
+    residual = residual + x
+    return rms_norm(residual.to(x.dtype), weight, eps, weight_in_fp32), residual
+
+
 def gated_rms_norm(
     x: torch.Tensor,
     gate: torch.Tensor,

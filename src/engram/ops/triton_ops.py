@@ -36,35 +36,80 @@ def _precision(t: torch.Tensor) -> str:
 
 
 @triton.jit
+def _normalize(x, w, N, eps, W_FP32: tl.constexpr):
+    """RMS-normalize the row x (any float dtype) and apply w, rounding as the torch reference."""
+    h = x.to(tl.float32)
+    var = tl.sum(h * h, axis=0) / N
+    h = h * tl.rsqrt(var + eps)
+    if W_FP32:
+        return w.to(tl.float32) * h
+    return w.to(tl.float32) * h.to(x.dtype).to(tl.float32)
+
+
+@triton.jit
 def _rms_norm_kernel(X, W, Y, stride_x, stride_y, N, eps, BLOCK: tl.constexpr, W_FP32: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
-    h = x.to(tl.float32)
-    var = tl.sum(h * h, axis=0) / N
-    h = h * tl.rsqrt(var + eps)
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-    if W_FP32:
-        y = w * h
-    else:
-        y = w * h.to(x.dtype).to(tl.float32)
-    tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
+    w = tl.load(W + cols, mask=mask, other=0.0)
+    tl.store(Y + row * stride_y + cols, _normalize(x, w, N, eps, W_FP32).to(Y.dtype.element_ty), mask=mask)
+
+
+def _norm_warps(block: int) -> int:
+    return min(16, max(1, block // 256))
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_fp32: bool = False) -> torch.Tensor:
     n = x.shape[-1]
-    x2 = x.reshape(-1, n)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = _rows(x)
     out_dtype = x.dtype if weight_in_fp32 else torch.promote_types(weight.dtype, x.dtype)
     y = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
     if x2.shape[0]:
         block = _np2(n)
         _rms_norm_kernel[(x2.shape[0],)](
-            x2, weight, y, x2.stride(0), y.stride(0), n, eps, BLOCK=block, W_FP32=weight_in_fp32, num_warps=min(16, max(1, block // 256))
+            x2, weight, y, x2.stride(0), y.stride(0), n, eps, BLOCK=block, W_FP32=weight_in_fp32, num_warps=_norm_warps(block)
         )
     return y.view(*x.shape[:-1], n)
+
+
+@triton.jit
+def _add_rms_norm_kernel(
+    X, R, W, Y, RO, stride_x, stride_r, stride_y, stride_ro, N, eps, scale,
+    SCALED: tl.constexpr, BLOCK: tl.constexpr, W_FP32: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+    if SCALED:
+        x = (x.to(tl.float32) * scale).to(x.dtype)
+    r = (tl.load(R + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32) + x.to(tl.float32)).to(RO.dtype.element_ty)
+    tl.store(RO + row * stride_ro + cols, r, mask=mask)
+    w = tl.load(W + cols, mask=mask, other=0.0)
+    tl.store(Y + row * stride_y + cols, _normalize(r.to(x.dtype), w, N, eps, W_FP32).to(Y.dtype.element_ty), mask=mask)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, scale: float = 1.0, weight_in_fp32: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    n = x.shape[-1]
+    x2, r2 = _rows(x), _rows(residual)
+    out_dtype = x.dtype if weight_in_fp32 else torch.promote_types(weight.dtype, x.dtype)
+    y = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
+    r_out = torch.empty(r2.shape, dtype=torch.promote_types(residual.dtype, x.dtype), device=x.device)
+    if x2.shape[0]:
+        block = _np2(n)
+        _add_rms_norm_kernel[(x2.shape[0],)](
+            x2, r2, weight, y, r_out, x2.stride(0), r2.stride(0), y.stride(0), r_out.stride(0), n, eps, float(scale),
+            SCALED=scale != 1.0, BLOCK=block, W_FP32=weight_in_fp32, num_warps=_norm_warps(block),
+        )
+    return y.view(*x.shape[:-1], n), r_out.view(*residual.shape[:-1], n)
 
 
 @triton.jit
@@ -86,18 +131,14 @@ def gated_rms_norm(
     x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int, out_dtype: torch.dtype | None = None
 ) -> torch.Tensor:
     n = x.shape[-1]
-    x2, z2 = x.reshape(-1, n), gate.reshape(-1, n)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    if z2.stride(-1) != 1:
-        z2 = z2.contiguous()
+    x2, z2 = _rows(x), _rows(gate)
     dtype = out_dtype or torch.promote_types(weight.dtype, x.dtype)
     y = torch.empty(x2.shape, dtype=dtype, device=x.device)
     if x2.shape[0]:
         block = _np2(group_size)
         _gated_rms_norm_kernel[(x2.shape[0], n // group_size)](
             x2, z2, weight, y, x2.stride(0), z2.stride(0), y.stride(0), group_size, eps, BLOCK=block,
-            num_warps=min(16, max(1, block // 256)),
+            num_warps=_norm_warps(block),
         )
     return y.view(*x.shape[:-1], n)
 
@@ -664,44 +705,63 @@ def _act(g, ACT: tl.constexpr):
 
 
 @triton.jit
-def _moe_up_gemv_kernel(
-    X, Win, Ids, H1, stride_x, stride_we, stride_wn, stride_h,
-    HDIM: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """One routed (token, expert) pair per program row: h = act(W_gate x) * (W_up x). The K loop is
-    unrolled so that every weight load of the program is in flight at once."""
-    a = tl.program_id(0).to(tl.int64)
-    t = a // TOPK
-    e = tl.load(Ids + a).to(tl.int64)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    nm = n < I
-    wbase = Win + e * stride_we
-    accg = tl.zeros([BLOCK_N], dtype=tl.float32)
-    accu = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k0 in tl.static_range(0, HDIM, BLOCK_K):
+def _dot_rows(x_ptr, w_ptr, n, nm, stride_wn, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """float32 W[n, :] . x for a block of rows n; the K loop is unrolled so that every weight load
+    of the program is in flight at once."""
+    acc = tl.zeros(n.shape, dtype=tl.float32)
+    for k0 in tl.static_range(0, K, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
-        km = kk < HDIM
-        xv = tl.load(X + t * stride_x + kk, mask=km, other=0.0).to(tl.float32)
-        wg = tl.load(wbase + n[:, None] * stride_wn + kk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
-        accg += tl.sum(wg.to(tl.float32) * xv[None, :], axis=1)
-        if GATED:
-            wu = tl.load(wbase + (n + I)[:, None] * stride_wn + kk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
-            accu += tl.sum(wu.to(tl.float32) * xv[None, :], axis=1)
-    dt = H1.dtype.element_ty
-    g = accg.to(dt).to(tl.float32)
+        km = kk < K
+        xv = tl.load(x_ptr + kk, mask=km, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + n[:, None] * stride_wn + kk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+        acc += tl.sum(w.to(tl.float32) * xv[None, :], axis=1)
+    return acc
+
+
+@triton.jit
+def _expert_up(x_ptr, w_ptr, h_ptr, stride_wn, nb, I, HDIM: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Rows nb*BLOCK_N.. of one expert's hidden act(W_gate x) * (W_up x), rounded as the reference."""
+    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    nm = n < I
+    dt = h_ptr.dtype.element_ty
+    g = _dot_rows(x_ptr, w_ptr, n, nm, stride_wn, HDIM, BLOCK_K).to(dt).to(tl.float32)
     h = _act(g, ACT).to(dt).to(tl.float32)
     if GATED:
-        h = h * accu.to(dt).to(tl.float32)
-    tl.store(H1 + a * stride_h + n, h.to(dt), mask=nm)
+        h = h * _dot_rows(x_ptr, w_ptr + I * stride_wn, n, nm, stride_wn, HDIM, BLOCK_K).to(dt).to(tl.float32)
+    tl.store(h_ptr + n, h.to(dt), mask=nm)
+
+
+@triton.jit
+def _moe_up_gemv_kernel(
+    X, Win, Ids, H1, Sin, Hs, stride_x, stride_we, stride_wn, stride_h, stride_sn, stride_hs, TK, I, IS,
+    HDIM: tl.constexpr, TOPK: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """A flat grid: first every routed (token, expert) pair's row blocks, then (with a shared
+    expert) every token's row blocks of the shared expert."""
+    pid = tl.program_id(0).to(tl.int64)
+    nbi = tl.cdiv(I, BLOCK_N)
+    if pid < TK * nbi:
+        a = pid // nbi
+        e = tl.load(Ids + a).to(tl.int64)
+        _expert_up(X + (a // TOPK) * stride_x, Win + e * stride_we, H1 + a * stride_h, stride_wn, pid % nbi, I,
+                   HDIM, GATED, ACT, BLOCK_N, BLOCK_K)
+    else:
+        q = pid - TK * nbi
+        nbs = tl.cdiv(IS, BLOCK_N)
+        t = q // nbs
+        _expert_up(X + t * stride_x, Sin, Hs + t * stride_hs, stride_sn, q % nbs, IS, HDIM, GATED, ACT, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
 def _moe_down_gemv_kernel(
-    H1, Wout, Ids, Wts, Out, stride_h, stride_we, stride_wn, stride_o,
-    HDIM: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    H1, Wout, Ids, Wts, Out, Hs, Sout, stride_h, stride_we, stride_wn, stride_o, stride_hs, stride_sn,
+    HDIM: tl.constexpr, I: tl.constexpr, IS: tl.constexpr, TOPK: tl.constexpr, HAS_SHARED: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KS: tl.constexpr,
 ):
-    """out[t] = sum over the token's experts of weight * (W_down h): no atomics; loops unrolled."""
+    """out[t] = sum over the token's experts of weight * (W_down h) (+ the shared expert's W_down h):
+    no atomics; loops unrolled."""
     t = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < HDIM
@@ -711,14 +771,11 @@ def _moe_down_gemv_kernel(
         a = t * TOPK + j
         e = tl.load(Ids + a).to(tl.int64)
         wt = tl.load(Wts + a).to(dt).to(tl.float32)
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for k0 in tl.static_range(0, I, BLOCK_K):
-            kk = k0 + tl.arange(0, BLOCK_K)
-            km = kk < I
-            hv = tl.load(H1 + a * stride_h + kk, mask=km, other=0.0).to(tl.float32)
-            w = tl.load(Wout + e * stride_we + n[:, None] * stride_wn + kk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
-            acc += tl.sum(w.to(tl.float32) * hv[None, :], axis=1)
+        acc = _dot_rows(H1 + a * stride_h, Wout + e * stride_we, n, nm, stride_wn, I, BLOCK_K)
         out += (acc.to(dt).to(tl.float32) * wt).to(dt).to(tl.float32)
+    if HAS_SHARED:
+        shared = _dot_rows(Hs + t * stride_hs, Sout, n, nm, stride_sn, IS, BLOCK_KS)
+        out = out.to(dt).to(tl.float32) + shared.to(dt).to(tl.float32)
     tl.store(Out + t * stride_o + n, out.to(dt), mask=nm)
 
 
@@ -875,10 +932,26 @@ def moe_align_triton(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple
 MOE_GEMV_MAX_PAIRS = 32
 
 
-def moe_experts(x, w_in, w_out, weights, ids, act, gated):
+@triton.jit
+def _moe_combine_kernel(O2, S, Out, stride_o, stride_s, stride_out, HDIM, TOPK: tl.constexpr, HAS_SHARED: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    """out[t] = sum of the token's TOPK weighted expert rows (float32), rounded, + its shared row."""
+    t = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    nm = n < HDIM
+    dt = Out.dtype.element_ty
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        acc += tl.load(O2 + (t * TOPK + j) * stride_o + n, mask=nm, other=0.0)
+    if HAS_SHARED:
+        acc = acc.to(dt).to(tl.float32) + tl.load(S + t * stride_s + n, mask=nm, other=0.0).to(tl.float32)
+    tl.store(Out + t * stride_out + n, acc.to(dt), mask=nm)
+
+
+def moe_experts(x, w_in, w_out, weights, ids, act, gated, shared=None):
     code = _act_code(act)
     if code is None:
-        return moe_ref.moe_experts(x, w_in, w_out, weights, ids, act, gated)
+        return moe_ref.moe_experts(x, w_in, w_out, weights, ids, act, gated, shared)
     T, Hdim = x.shape
     E, I = w_out.shape[0], w_out.shape[2]
     top_k = ids.shape[1]
@@ -892,16 +965,7 @@ def moe_experts(x, w_in, w_out, weights, ids, act, gated):
     weights = weights.contiguous()
     h1 = torch.empty((tk, I), dtype=x.dtype, device=x.device)
     if tk <= MOE_GEMV_MAX_PAIRS and Hdim <= 8192 and I <= 8192:
-        bn = 8
-        _moe_up_gemv_kernel[(tk, triton.cdiv(I, bn))](
-            x, w_in, ids, h1, x.stride(0), w_in.stride(0), w_in.stride(1), h1.stride(0),
-            HDIM=Hdim, I=I, TOPK=top_k, GATED=gated, ACT=code, BLOCK_N=bn, BLOCK_K=min(512, _np2(Hdim)), num_warps=4,
-        )
-        _moe_down_gemv_kernel[(T, triton.cdiv(Hdim, bn))](
-            h1, w_out, ids, weights, out, h1.stride(0), w_out.stride(0), w_out.stride(1), out.stride(0),
-            HDIM=Hdim, I=I, TOPK=top_k, BLOCK_N=bn, BLOCK_K=min(1024, _np2(I)), num_warps=4,
-        )
-        return out
+        return _moe_gemv(x, w_in, w_out, weights, ids, code, gated, shared, h1, out)
     if tk <= 2048:
         bm, bn, bk, warps, stages = 16, 64, 128, 4, 3
     else:
@@ -921,5 +985,89 @@ def moe_experts(x, w_in, w_out, weights, ids, act, gated):
         h1, w_out, sorted_ids, block_expert, weights.reshape(-1), o2, h1.stride(0), w_out.stride(0), w_out.stride(1), o2.stride(0),
         tk, Hdim, I, E, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PREC=prec, num_warps=warps, num_stages=stages,
     )
-    out.copy_(o2.view(T, top_k, Hdim).sum(dim=1))
+    s_out = _shared_expert(x, shared, act, gated) if shared is not None else o2
+    block = min(1024, _np2(Hdim))
+    _moe_combine_kernel[(T, triton.cdiv(Hdim, block))](
+        o2, s_out, out, o2.stride(0), s_out.stride(0), out.stride(0), Hdim, TOPK=top_k, HAS_SHARED=shared is not None,
+        BLOCK=block, num_warps=4,
+    )
     return out
+
+
+def _shared_expert(x, shared, act, gated):
+    if gated and act is F.silu:
+        return F.linear(silu_and_mul(F.linear(x, shared[0])), shared[1])
+    return moe_ref.expert_mlp(x, *shared, act, gated)
+
+
+def _moe_gemv(x, w_in, w_out, weights, ids, code, gated, shared, h1, out):
+    """Small batches: one program per (pair or token, row block); the shared expert, if any, runs
+    in the same two launches as the routed ones."""
+    T, Hdim = x.shape
+    I = w_out.shape[2]
+    top_k = ids.shape[1]
+    tk = T * top_k
+    s_in, s_out = shared if shared is not None else (w_in[0], w_out[0])
+    assert s_in.stride(-1) == 1 and s_out.stride(-1) == 1
+    i_s = s_out.shape[1] if shared is not None else 0
+    hs = torch.empty((T, max(i_s, 1)), dtype=x.dtype, device=x.device)
+    bn, bk, warps = GEMV_CONFIG["moe_up"]
+    programs = tk * triton.cdiv(I, bn) + T * triton.cdiv(i_s, bn)
+    _moe_up_gemv_kernel[(programs,)](
+        x, w_in, ids, h1, s_in, hs, x.stride(0), w_in.stride(0), w_in.stride(1), h1.stride(0), s_in.stride(0), hs.stride(0),
+        tk, I, i_s, HDIM=Hdim, TOPK=top_k, GATED=gated, ACT=code, BLOCK_N=bn, BLOCK_K=min(bk, _np2(Hdim)), num_warps=warps,
+    )
+    bn, bk, warps = GEMV_CONFIG["moe_down"]
+    _moe_down_gemv_kernel[(T, triton.cdiv(Hdim, bn))](
+        h1, w_out, ids, weights, out, hs, s_out, h1.stride(0), w_out.stride(0), w_out.stride(1), out.stride(0), hs.stride(0),
+        s_out.stride(0), HDIM=Hdim, I=I, IS=max(i_s, 1), TOPK=top_k, HAS_SHARED=shared is not None, BLOCK_N=bn,
+        BLOCK_K=min(bk, _np2(I)), BLOCK_KS=min(bk, _np2(i_s)), num_warps=warps,
+    )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Linear layers at small batch (decode): a GEMV that reads each weight row once for all rows of x
+
+
+@triton.jit
+def _gemv_kernel(X, W, B, Y, M, N, stride_x, stride_w, stride_y, K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nm = n < N
+    m = tl.arange(0, BLOCK_M)
+    mm = m < M
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in tl.static_range(0, K, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        km = kk < K
+        w = tl.load(W + n[:, None] * stride_w + kk[None, :], mask=nm[:, None] & km[None, :], other=0.0).to(tl.float32)
+        xv = tl.load(X + m[:, None] * stride_x + kk[None, :], mask=mm[:, None] & km[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(xv[:, None, :] * w[None, :, :], axis=2)
+    if HAS_BIAS:
+        acc += tl.load(B + n, mask=nm, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + m[:, None] * stride_y + n[None, :], acc.to(Y.dtype.element_ty), mask=mm[:, None] & nm[None, :])
+
+
+# Rows of x up to which `linear` runs the GEMV above instead of cuBLAS.
+LINEAR_GEMV_MAX_ROWS = 4
+
+# (BLOCK_N, BLOCK_K, num_warps) of the small-batch GEMV kernels, measured on an H200 with
+# benchmarks/tune_gemv.py.
+GEMV_CONFIG = {"linear": (2, 1024, 1), "moe_up": (1, 2048, 1), "moe_down": (1, 1024, 1)}
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    K = x.shape[-1]
+    x2 = x.reshape(-1, K)
+    M, N = x2.shape[0], weight.shape[0]
+    if M > LINEAR_GEMV_MAX_ROWS or M == 0 or K > 16384 or weight.stride(-1) != 1 or x.dtype != weight.dtype:
+        return F.linear(x, weight, bias)
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    bn, bk, warps = GEMV_CONFIG["linear"]
+    _gemv_kernel[(triton.cdiv(N, bn),)](
+        x2, weight, bias if bias is not None else weight, y, M, N, x2.stride(0), weight.stride(0), y.stride(0), K=K,
+        HAS_BIAS=bias is not None, BLOCK_M=_np2(M), BLOCK_N=bn, BLOCK_K=min(bk, _np2(K)), num_warps=warps,
+    )
+    return y.view(*x.shape[:-1], N)
