@@ -1,18 +1,29 @@
 """Incremental detokenization and stop strings.
 
-Decodes a small window of output tokens per step (vLLM's prefix/read offsets), holding text back
-while it ends in an incomplete UTF-8 sequence."""
+With a `tokenizers`-backed tokenizer (every fast tokenizer) each new token goes through the
+library's `DecodeStream`, one call per token. Otherwise a small window of output tokens is decoded
+per step (vLLM's prefix/read offsets). Both hold text back while it ends in an incomplete UTF-8
+sequence."""
 
 from __future__ import annotations
+
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 
 from engram.engine.sequence import Sequence
 
 
 def detokenize_step(tokenizer, seq: Sequence) -> None:
-    """Extend `seq.text` with the text of newly generated tokens."""
+    """Extend `seq.text` with the text of the newly generated token."""
     if tokenizer is None:
         return
     skip = seq.params.skip_special_tokens
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if isinstance(backend, Tokenizer):
+        if seq.decode_stream is None:
+            seq.decode_stream = DecodeStream(skip_special_tokens=skip)
+        seq.text += seq.decode_stream.step(backend, seq.token_ids[-1]) or ""
+        return
     prefix_text = tokenizer.decode(seq.output_ids(seq.prefix_offset, seq.read_offset), skip_special_tokens=skip)
     full_text = tokenizer.decode(seq.output_ids(seq.prefix_offset), skip_special_tokens=skip)
     if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):

@@ -46,7 +46,8 @@ class Sequence:
     emitted_tokens: int = 0
     emitted_chars: int = 0
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
-    prefix_offset: int = 0  # incremental detokenization window over the output tokens
+    decode_stream: object | None = None  # tokenizers' incremental decoder (fast tokenizers)
+    prefix_offset: int = 0  # incremental detokenization window over the output tokens (others)
     read_offset: int = 0
 
     def __post_init__(self) -> None:
