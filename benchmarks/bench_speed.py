@@ -63,6 +63,19 @@ def sync() -> None:
     torch.cuda.synchronize()
 
 
+def replay_seconds(graph: torch.cuda.CUDAGraph, reps: int) -> float:
+    """Seconds per replay of a captured CUDA graph, after three warm-up replays."""
+    for _ in range(3):
+        graph.replay()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(reps):
+        graph.replay()
+    e.record()
+    e.synchronize()
+    return s.elapsed_time(e) / 1e3 / reps
+
+
 def copy_bandwidth(nbytes: int = 4 << 30) -> float:
     """Device-to-device copy, bytes read + bytes written per second (median of 10)."""
     a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
@@ -115,6 +128,7 @@ def build_models(config_path: Path, workdir: Path, args):
         context_length=max(args.resume_histories + [max(args.prefill_lens)]) + args.new_tokens + 64,
         enable_fast_ops=not args.reference_ops,
         enable_cuda_graph=not args.no_cuda_graph,
+        mamba_ssm_dtype=args.mamba_ssm_dtype,
     )
     t = time.perf_counter()
     eng = engine_mod.LLMEngine(eargs)
@@ -183,16 +197,7 @@ def engine_decode(eng, batch: int, prompt_len: int, steps: int, vocab: int) -> d
     graphs = getattr(eng.runner, "_graphs", {})
     bucket = eng.runner._bucket(batch) if hasattr(eng.runner, "_bucket") else None
     if bucket in graphs:
-        g = graphs[bucket][0]
-        for _ in range(3):
-            g.replay()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(20):
-            g.replay()
-        e.record()
-        e.synchronize()
-        res["gpu_step_ms"] = s.elapsed_time(e) / 20
+        res["gpu_step_ms"] = replay_seconds(graphs[bucket][0], 20) * 1e3
         res["gpu_tok_s"] = batch / (res["gpu_step_ms"] / 1e3)
     return res
 
@@ -377,6 +382,7 @@ def main() -> None:
     ap.add_argument("--no-hf", action="store_true", help="engine only")
     ap.add_argument("--reference-ops", action="store_true", help="engine with the torch reference ops")
     ap.add_argument("--no-cuda-graph", action="store_true")
+    ap.add_argument("--mamba-ssm-dtype", default=EngineArgs.mamba_ssm_dtype, help="dtype of the engine's SSM state (the engine's flag)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--profile", action="store_true", help="print where the engine's time goes (after the decode runs)")
     args = ap.parse_args()
