@@ -116,16 +116,21 @@ def _conv_inputs(g, dtype, C=144, K=4, slots_total=6):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("K", [2, 3, 4])
-def test_causal_conv1d_update_in_place_by_slot(dtype, K):
+@pytest.mark.parametrize("slots", [[4, 0, -1, 2], [3], [5, 1, -1, 0, 2, 4]])  # one GEMV launch up to 4 rows
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_conv_update_in_place_by_slot(dtype, K, slots, bias):
+    """Mamba2's in_proj with the conv update of its xBC columns (C = 144 of 200, starting at 10)."""
     g = _gen(3)
     w, b, pool = _conv_inputs(g, dtype, K=K)
-    slots = torch.tensor([4, 0, -1, 2], device=DEV)  # -1: a CUDA-graph padding row
-    xbc = _randn(4, 200, g=g, dtype=dtype)[:, 10:154]  # a column slice of the projection
+    b = b if bias else None
+    slots = torch.tensor(slots, device=DEV)  # -1: a CUDA-graph padding row
+    x = _randn(len(slots), 96, g=g, dtype=dtype)
+    proj_w, proj_b = _randn(200, 96, g=g, dtype=dtype) * 0.1, _randn(200, g=g, dtype=dtype)
     pool_ref = pool.clone()
     real = slots >= 0
-    y = triton_ops.causal_conv1d_update(xbc, w, b, pool, slots)
-    y_ref = conv.causal_conv1d_update(xbc[real], w, b, pool_ref, slots[real])
-    torch.testing.assert_close(y[real], y_ref, **_tol(dtype))
+    out = triton_ops.linear_conv_update(x, proj_w, proj_b, w, b, pool, slots, 10)
+    ref = conv.linear_conv_update(x[real], proj_w, proj_b, w, b, pool_ref, slots[real], 10)
+    torch.testing.assert_close(out[real], ref, **_tol(dtype))
     torch.testing.assert_close(pool, pool_ref, **_tol(dtype))  # untouched slots too
 
 

@@ -29,16 +29,20 @@ class Mamba2Mixer(nn.Module):
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         s, k = self.spec, kernels()
         heads, head_dim, groups, n = s.num_heads, s.head_dim, s.n_groups, s.state_size
-        gate, xbc, dt = self.in_proj(hidden).split([s.intermediate_size, s.conv_dim, heads], dim=-1)
         conv_pool = batch.state_pool.conv[self.layer_index]
         ssm_pool = batch.state_pool.ssm[self.layer_index]
         slots = batch.state_slots
         weight = self.conv1d.weight[:, 0, :]
 
-        # Both ops read the sequences' states from the pools by slot and write them back in place.
+        # The conv and SSD ops read the sequences' states from the pools by slot and write them back
+        # in place. At decode the conv update comes with the input projection.
         if batch.is_decode:
-            xbc = k.causal_conv1d_update(xbc, weight, self.conv1d.bias, conv_pool, slots)
+            zxbcdt = k.linear_conv_update(
+                hidden, self.in_proj.weight, self.in_proj.bias, weight, self.conv1d.bias, conv_pool, slots, s.intermediate_size
+            )
+            gate, xbc, dt = zxbcdt.split([s.intermediate_size, s.conv_dim, heads], dim=-1)
         else:
+            gate, xbc, dt = self.in_proj(hidden).split([s.intermediate_size, s.conv_dim, heads], dim=-1)
             xbc = k.causal_conv1d_varlen(xbc, weight, self.conv1d.bias, conv_pool, slots, batch.seq_lens, batch.cu_seqlens)
 
         x, B, C = xbc.split([s.intermediate_size, groups * n, groups * n], dim=-1)

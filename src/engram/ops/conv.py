@@ -41,6 +41,25 @@ def causal_conv1d_update(
     return y
 
 
+def linear_conv_update(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_weight: torch.Tensor,
+    conv_bias: torch.Tensor | None,
+    conv_pool: torch.Tensor,
+    slots: torch.Tensor,
+    conv_start: int,
+) -> torch.Tensor:
+    """Decode: Mamba2's input projection x W^T (+ b) of one token per sequence, with its columns
+    [conv_start, conv_start + C) replaced by their `causal_conv1d_update` (conv_pool[slots]
+    advanced in place). Fast kernels do both in one launch."""
+    proj = F.linear(x, weight, bias)
+    xbc = proj[:, conv_start : conv_start + conv_weight.shape[0]]
+    xbc.copy_(causal_conv1d_update(xbc, conv_weight, conv_bias, conv_pool, slots))
+    return proj
+
+
 def causal_conv1d_varlen(
     x: torch.Tensor,
     weight: torch.Tensor,

@@ -1,7 +1,8 @@
 """The CUDA fast path: which fast op serves which reference op.
 
 - Triton kernels of this package (engram.ops.triton_ops): linear layers at decode batch sizes
-  (a GEMV reading each weight once for all rows), RMS norms (alone and fused with the
+  (a GEMV reading each weight once for all rows; for Mamba2's in_proj with the conv update of its
+  xBC columns in the same launch), RMS norms (alone and fused with the
   residual add before them), gated RMS norm, SiLU-and-mul,
   the single-token SSD state update and causal-conv update (in place in the state pool, by slot),
   the varlen causal conv1d, KV store, paged attention (prefill with context and decode), router
@@ -79,7 +80,7 @@ def available() -> dict:
         name="cuda-triton" + ("+fla" if has_fla() else ""),
         ssd_varlen=ssd_varlen,
         causal_conv1d_varlen=triton_ops.causal_conv1d_varlen,
-        causal_conv1d_update=triton_ops.causal_conv1d_update,
+        linear_conv_update=triton_ops.linear_conv_update,
         ssd_state_update=triton_ops.ssd_state_update,
         linear=triton_ops.linear,
         rms_norm=triton_ops.rms_norm,

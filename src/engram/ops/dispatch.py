@@ -25,7 +25,7 @@ class KernelSet:
     ssd_varlen: Callable = ssd.ssd_varlen
     ssd_state_update: Callable = ssd.ssd_state_update
     causal_conv1d_varlen: Callable = conv.causal_conv1d_varlen
-    causal_conv1d_update: Callable = conv.causal_conv1d_update
+    linear_conv_update: Callable = conv.linear_conv_update
     rms_norm: Callable = norm.rms_norm
     add_rms_norm: Callable = norm.add_rms_norm
     gated_rms_norm: Callable = norm.gated_rms_norm

@@ -10,12 +10,14 @@ decode step can be captured in a CUDA graph.
 
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from engram.ops import moe as moe_ref
 
@@ -29,6 +31,29 @@ def _np2(n: int) -> int:
 def _precision(t: torch.Tensor) -> str:
     """Dot precision: exact float32 for float32 inputs (tests), native for half types."""
     return "ieee" if t.dtype == torch.float32 else "tf32"
+
+
+def _pdl_supported() -> bool:
+    """Hopper or later, not Triton's CPU interpreter, not turned off with ENGRAM_DISABLE_PDL=1."""
+    if os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("ENGRAM_DISABLE_PDL") == "1" or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability()[0] >= 9
+
+
+# Programmatic dependent launch (Hopper and later): every kernel here is launched while the one
+# before it drains and waits for it (griddepcontrol.wait) before touching memory, so that the
+# launch of each small kernel of a decode step overlaps the tail of the previous one. A kernel
+# touches no memory before the wait, which returns once the previous kernel is complete and its
+# writes are visible, so no read or write can race the previous kernel.
+PDL = tl.constexpr(_pdl_supported())
+_PDL_LAUNCH = {"launch_pdl": True} if PDL else {}
+
+
+@triton.jit
+def _wait_for_previous_kernel():
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()  # the next kernel may be scheduled once every program got here
 
 
 # ---------------------------------------------------------------------------------------------
@@ -48,6 +73,7 @@ def _normalize(x, w, N, eps, W_FP32: tl.constexpr):
 
 @triton.jit
 def _rms_norm_kernel(X, W, Y, stride_x, stride_y, N, eps, BLOCK: tl.constexpr, W_FP32: tl.constexpr):
+    _wait_for_previous_kernel()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -73,7 +99,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_fp32: 
     if x2.shape[0]:
         block = _np2(n)
         _rms_norm_kernel[(x2.shape[0],)](
-            x2, weight, y, x2.stride(0), y.stride(0), n, eps, BLOCK=block, W_FP32=weight_in_fp32, num_warps=_norm_warps(block)
+            x2, weight, y, x2.stride(0), y.stride(0), n, eps, BLOCK=block, W_FP32=weight_in_fp32, num_warps=_norm_warps(block), **_PDL_LAUNCH,
         )
     return y.view(*x.shape[:-1], n)
 
@@ -83,6 +109,7 @@ def _add_rms_norm_kernel(
     X, R, W, Y, RO, stride_x, stride_r, stride_y, stride_ro, N, eps, scale,
     SCALED: tl.constexpr, BLOCK: tl.constexpr, W_FP32: tl.constexpr,
 ):
+    _wait_for_previous_kernel()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -107,13 +134,14 @@ def add_rms_norm(
         block = _np2(n)
         _add_rms_norm_kernel[(x2.shape[0],)](
             x2, r2, weight, y, r_out, x2.stride(0), r2.stride(0), y.stride(0), r_out.stride(0), n, eps, float(scale),
-            SCALED=scale != 1.0, BLOCK=block, W_FP32=weight_in_fp32, num_warps=_norm_warps(block),
+            SCALED=scale != 1.0, BLOCK=block, W_FP32=weight_in_fp32, num_warps=_norm_warps(block), **_PDL_LAUNCH,
         )
     return y.view(*x.shape[:-1], n), r_out.view(*residual.shape[:-1], n)
 
 
 @triton.jit
 def _gated_rms_norm_kernel(X, Z, W, Y, stride_x, stride_z, stride_y, GS, eps, BLOCK: tl.constexpr):
+    _wait_for_previous_kernel()
     row = tl.program_id(0).to(tl.int64)
     off = tl.program_id(1) * GS + tl.arange(0, BLOCK)
     mask = tl.arange(0, BLOCK) < GS
@@ -138,13 +166,14 @@ def gated_rms_norm(
         block = _np2(group_size)
         _gated_rms_norm_kernel[(x2.shape[0], n // group_size)](
             x2, z2, weight, y, x2.stride(0), z2.stride(0), y.stride(0), group_size, eps, BLOCK=block,
-            num_warps=_norm_warps(block),
+            num_warps=_norm_warps(block), **_PDL_LAUNCH,
         )
     return y.view(*x.shape[:-1], n)
 
 
 @triton.jit
 def _silu_and_mul_kernel(H, Y, stride_h, stride_y, N, BLOCK: tl.constexpr):
+    _wait_for_previous_kernel()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
@@ -163,7 +192,7 @@ def silu_and_mul(h: torch.Tensor) -> torch.Tensor:
     y = torch.empty((h2.shape[0], n), dtype=h.dtype, device=h.device)
     if h2.shape[0]:
         block = min(1024, _np2(n))
-        _silu_and_mul_kernel[(h2.shape[0], triton.cdiv(n, block))](h2, y, h2.stride(0), y.stride(0), n, BLOCK=block, num_warps=4)
+        _silu_and_mul_kernel[(h2.shape[0], triton.cdiv(n, block))](h2, y, h2.stride(0), y.stride(0), n, BLOCK=block, num_warps=4, **_PDL_LAUNCH)
     return y.view(*h.shape[:-1], n)
 
 
@@ -176,8 +205,33 @@ def silu_and_mul(h: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _load_row(base, row, stride_pk, c, m):
-    return tl.load(base + row * stride_pk + c, mask=m, other=0.0).to(tl.float32)
+def _conv_step(x, state, stride_pk, w, stride_wk, bias, m, sm, K: tl.constexpr):
+    """One token of the causal conv, elementwise over any block of (sequence, channel) entries:
+    `state` points at row 0 of each entry's window in the pool, `w` at its weight row; masks `m`
+    (channel valid) and `sm` (and a state to touch). Returns silu(conv) in float32 and shifts the
+    window in place (every row is loaded before any is stored)."""
+    xdt = x.dtype
+    s0 = tl.load(state, mask=sm, other=0.0).to(xdt).to(tl.float32)
+    acc = s0 * tl.load(w, mask=m, other=0.0).to(tl.float32)
+    if K >= 3:
+        s1 = tl.load(state + stride_pk, mask=sm, other=0.0).to(xdt).to(tl.float32)
+        acc += s1 * tl.load(w + stride_wk, mask=m, other=0.0).to(tl.float32)
+    if K >= 4:
+        s2 = tl.load(state + 2 * stride_pk, mask=sm, other=0.0).to(xdt).to(tl.float32)
+        acc += s2 * tl.load(w + 2 * stride_wk, mask=m, other=0.0).to(tl.float32)
+    acc += x.to(tl.float32) * tl.load(w + (K - 1) * stride_wk, mask=m, other=0.0).to(tl.float32)
+    acc += bias
+    pt = state.dtype.element_ty
+    if K == 2:
+        tl.store(state, x.to(pt), mask=sm)
+    elif K == 3:
+        tl.store(state, s1.to(pt), mask=sm)
+        tl.store(state + stride_pk, x.to(pt), mask=sm)
+    else:
+        tl.store(state, s1.to(pt), mask=sm)
+        tl.store(state + stride_pk, s2.to(pt), mask=sm)
+        tl.store(state + 2 * stride_pk, x.to(pt), mask=sm)
+    return acc * tl.sigmoid(acc)
 
 
 @triton.jit
@@ -186,53 +240,27 @@ def _conv_update_kernel(
     stride_x, stride_wc, stride_wk, stride_ps, stride_pk, stride_y, C,
     K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
+    _wait_for_previous_kernel()
     s = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     cm = c < C
     slot = tl.load(Slots + s).to(tl.int64)
-    sm = cm & (slot >= 0)
-    base = Pool + slot * stride_ps
     x = tl.load(X + s * stride_x + c, mask=cm, other=0.0)
-    xdt = x.dtype
-    xf = x.to(tl.float32)
-    wb = W + c * stride_wc
-    s0 = _load_row(base, 0, stride_pk, c, sm).to(xdt).to(tl.float32)
-    acc = s0 * tl.load(wb, mask=cm, other=0.0).to(tl.float32)
-    if K >= 3:
-        s1 = _load_row(base, 1, stride_pk, c, sm).to(xdt).to(tl.float32)
-        acc += s1 * tl.load(wb + stride_wk, mask=cm, other=0.0).to(tl.float32)
-    if K >= 4:
-        s2 = _load_row(base, 2, stride_pk, c, sm).to(xdt).to(tl.float32)
-        acc += s2 * tl.load(wb + 2 * stride_wk, mask=cm, other=0.0).to(tl.float32)
-    acc += xf * tl.load(wb + (K - 1) * stride_wk, mask=cm, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        acc += tl.load(Bias + c, mask=cm, other=0.0).to(tl.float32)
-    y = acc * tl.sigmoid(acc)
+    bias = tl.load(Bias + c, mask=cm, other=0.0).to(tl.float32) if HAS_BIAS else 0.0
+    y = _conv_step(x, Pool + slot * stride_ps + c, stride_pk, W + c * stride_wc, stride_wk, bias, cm, cm & (slot >= 0), K)
     tl.store(Y + s * stride_y + c, y.to(Y.dtype.element_ty), mask=cm)
-    pt = Pool.dtype.element_ty
-    # shift: new rows = old rows 1..K-2, then x
-    if K == 2:
-        tl.store(base + c, x.to(pt), mask=sm)
-    elif K == 3:
-        tl.store(base + c, s1.to(pt), mask=sm)
-        tl.store(base + stride_pk + c, x.to(pt), mask=sm)
-    else:
-        tl.store(base + c, s1.to(pt), mask=sm)
-        tl.store(base + stride_pk + c, s2.to(pt), mask=sm)
-        tl.store(base + 2 * stride_pk + c, x.to(pt), mask=sm)
 
 
-def causal_conv1d_update(x, weight, bias, conv_pool, slots):
+def _launch_conv_update(x, weight, bias, conv_pool, slots, y):
     S, C = x.shape
     K = weight.shape[1]
     assert 2 <= K <= 4, "the fused conv update handles kernel widths 2..4"
-    y = torch.empty((S, C), dtype=x.dtype, device=x.device)
     if S:
         block = 256
         _conv_update_kernel[(S, triton.cdiv(C, block))](
             x, weight, bias if bias is not None else weight, conv_pool, slots, y,
             x.stride(0), weight.stride(0), weight.stride(1), conv_pool.stride(0), conv_pool.stride(1), y.stride(0), C,
-            K=K, HAS_BIAS=bias is not None, BLOCK_C=block, num_warps=4,
+            K=K, HAS_BIAS=bias is not None, BLOCK_C=block, num_warps=4, **_PDL_LAUNCH
         )
     return y
 
@@ -243,6 +271,7 @@ def _conv_varlen_kernel(
     stride_x, stride_wc, stride_wk, stride_ps, stride_pk, stride_y, C,
     K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
+    _wait_for_previous_kernel()
     s = tl.program_id(0).to(tl.int64)
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -281,6 +310,7 @@ def _window_row(X, base, start, n, i, stride_x, stride_pk, c, m, K: tl.constexpr
 @triton.jit
 def _conv_state_kernel(X, Pool, Slots, Cu, stride_x, stride_ps, stride_pk, C, K: tl.constexpr, BLOCK_C: tl.constexpr):
     """New state = the last K-1 rows of [old state; x], all rows read before any is written."""
+    _wait_for_previous_kernel()
     s = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     start = tl.load(Cu + s).to(tl.int64)
@@ -323,10 +353,10 @@ def causal_conv1d_varlen(x, weight, bias, conv_pool, slots, seq_lens, cu_seqlens
     _conv_varlen_kernel[(S, triton.cdiv(max(seq_lens), bt), triton.cdiv(C, bc))](
         x, weight, bias_arg, conv_pool, slots, cu_seqlens, y,
         x.stride(0), weight.stride(0), weight.stride(1), conv_pool.stride(0), conv_pool.stride(1), y.stride(0), C,
-        K=K, HAS_BIAS=bias is not None, BLOCK_T=bt, BLOCK_C=bc, num_warps=4,
+        K=K, HAS_BIAS=bias is not None, BLOCK_T=bt, BLOCK_C=bc, num_warps=4, **_PDL_LAUNCH
     )
     _conv_state_kernel[(S, triton.cdiv(C, 256))](
-        x, conv_pool, slots, cu_seqlens, x.stride(0), conv_pool.stride(0), conv_pool.stride(1), C, K=K, BLOCK_C=256, num_warps=4
+        x, conv_pool, slots, cu_seqlens, x.stride(0), conv_pool.stride(0), conv_pool.stride(1), C, K=K, BLOCK_C=256, num_warps=4, **_PDL_LAUNCH
     )
     return y
 
@@ -342,6 +372,7 @@ def _ssd_update_kernel(
     stride_ys, stride_yh, P, N, HPG, dt_min, dt_max,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    _wait_for_previous_kernel()
     s = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -379,7 +410,7 @@ def ssd_state_update(ssm_pool, slots, x, dt, dt_bias, dt_limit, A_log, B, C, D):
             ssm_pool, slots, x, dt, dt_bias, A_log, B, C, D, y,
             ssm_pool.stride(0), ssm_pool.stride(1), ssm_pool.stride(2), x.stride(0), x.stride(1), dt.stride(0),
             B.stride(0), B.stride(1), C.stride(0), C.stride(1), y.stride(0), y.stride(1), P, N, H // G,
-            float(dt_limit[0]), float(dt_limit[1]), BLOCK_P=bp, BLOCK_N=_np2(N), num_warps=4,
+            float(dt_limit[0]), float(dt_limit[1]), BLOCK_P=bp, BLOCK_N=_np2(N), num_warps=4, **_PDL_LAUNCH
         )
     return y
 
@@ -393,6 +424,7 @@ def _ssd_scan_kernel(
 ):
     """The SSD recurrence token by token over each sequence of a flat batch, state in registers
     (read from and written back to the pool by slot). For short prefill chunks: one launch, exact."""
+    _wait_for_previous_kernel()
     s = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -444,7 +476,7 @@ def ssd_varlen_scan(x, dt, dt_bias, dt_limit, A_log, B, C, D, chunk_size, seq_le
         ssm_pool, slots, cu_seqlens, x, dt, dt_bias, A_log, B, C, D, y,
         ssm_pool.stride(0), ssm_pool.stride(1), ssm_pool.stride(2), x.stride(0), x.stride(1), dt.stride(0),
         B.stride(0), B.stride(1), C.stride(0), C.stride(1), y.stride(0), y.stride(1), P, N, H // G,
-        float(dt_limit[0]), float(dt_limit[1]), BLOCK_P=bp, BLOCK_N=_np2(N), num_warps=4,
+        float(dt_limit[0]), float(dt_limit[1]), BLOCK_P=bp, BLOCK_N=_np2(N), num_warps=4, **_PDL_LAUNCH
     )
     return y
 
@@ -461,6 +493,7 @@ def _paged_attention_kernel(
     G: tl.constexpr, TPB: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, DECODE: tl.constexpr, PREC: tl.constexpr, NSPLIT: tl.constexpr, Part, PartML, Hq,
 ):
+    _wait_for_previous_kernel()
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     if DECODE:
@@ -522,6 +555,7 @@ def _paged_attention_kernel(
 @triton.jit
 def _attention_combine_kernel(Part, PartML, O, rows_per_split, Hq, stride_ot, stride_oh, D,
                               NSPLIT: tl.constexpr, BLOCK_D: tl.constexpr):
+    _wait_for_previous_kernel()
     row = tl.program_id(0).to(tl.int64)
     sp = tl.arange(0, NSPLIT)
     d = tl.arange(0, BLOCK_D)
@@ -603,10 +637,10 @@ def paged_attention(q, k_cache, v_cache, seq_lens, context_lens, block_tables, b
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
             T * Hq, 0, block_tables.stride(0), block_tables.stride(1), float(scaling), D,
             G=G, TPB=tpb, PAGE=block_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, DECODE=decode,
-            PREC=_precision(q), NSPLIT=nsplit, Part=part, PartML=part_ml, Hq=Hq, num_warps=4, num_stages=2,
+            PREC=_precision(q), NSPLIT=nsplit, Part=part, PartML=part_ml, Hq=Hq, num_warps=4, num_stages=2, **_PDL_LAUNCH,
         )
         _attention_combine_kernel[(T * Hq,)](
-            part, part_ml, out, T * Hq, Hq, out.stride(0), out.stride(1), D, NSPLIT=nsplit, BLOCK_D=block_d, num_warps=4
+            part, part_ml, out, T * Hq, Hq, out.stride(0), out.stride(1), D, NSPLIT=nsplit, BLOCK_D=block_d, num_warps=4, **_PDL_LAUNCH
         )
         return out
     _paged_attention_kernel[grid](
@@ -614,7 +648,7 @@ def paged_attention(q, k_cache, v_cache, seq_lens, context_lens, block_tables, b
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), block_tables.stride(0), block_tables.stride(1), float(scaling), D,
         G=G, TPB=tpb, PAGE=block_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, DECODE=decode,
-        PREC=_precision(q), NSPLIT=1, Part=out, PartML=out, Hq=Hq, num_warps=4, num_stages=2,
+        PREC=_precision(q), NSPLIT=1, Part=out, PartML=out, Hq=Hq, num_warps=4, num_stages=2, **_PDL_LAUNCH
     )
     return out
 
@@ -627,6 +661,7 @@ ATTENTION_TARGET_PROGRAMS = 264
 
 @triton.jit
 def _store_kv_kernel(K, V, Kc, Vc, SlotMap, stride_k, stride_v, stride_kc, stride_vc, HD, BLOCK: tl.constexpr):
+    _wait_for_previous_kernel()
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(SlotMap + t).to(tl.int64)
     off = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -651,7 +686,7 @@ def store_kv(k_cache, v_cache, k, v, slot_mapping):
     assert k_cache.stride(1) == k_cache.shape[2] and k_cache.stride(2) == 1
     block = min(1024, _np2(hd))
     _store_kv_kernel[(T, triton.cdiv(hd, block))](
-        k2, v2, k_cache, v_cache, slot_mapping, k2.stride(0), v2.stride(0), k_cache.stride(0), v_cache.stride(0), hd, BLOCK=block, num_warps=4
+        k2, v2, k_cache, v_cache, slot_mapping, k2.stride(0), v2.stride(0), k_cache.stride(0), v_cache.stride(0), hd, BLOCK=block, num_warps=4, **_PDL_LAUNCH
     )
 
 
@@ -661,6 +696,7 @@ def store_kv(k_cache, v_cache, k, v, slot_mapping):
 
 @triton.jit
 def _topk_softmax_kernel(L, Wt, Ids, stride_l, E, TOPK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    _wait_for_previous_kernel()
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     x = tl.load(L + t * stride_l + e, mask=e < E, other=float("-inf")).to(tl.float32)
@@ -689,7 +725,7 @@ def route_softmax_topk(router_logits: torch.Tensor, top_k: int) -> tuple[torch.T
     ids = torch.empty((T, top_k), dtype=torch.int64, device=router_logits.device)
     if T:
         logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
-        _topk_softmax_kernel[(T,)](logits, weights, ids, logits.stride(0), E, TOPK=top_k, BLOCK_E=_np2(E), BLOCK_K=_np2(top_k), num_warps=1)
+        _topk_softmax_kernel[(T,)](logits, weights, ids, logits.stride(0), E, TOPK=top_k, BLOCK_E=_np2(E), BLOCK_K=_np2(top_k), num_warps=1, **_PDL_LAUNCH)
     return weights, ids
 
 
@@ -740,6 +776,7 @@ def _moe_up_gemv_kernel(
 ):
     """A flat grid: first every routed (token, expert) pair's row blocks, then (with a shared
     expert) every token's row blocks of the shared expert."""
+    _wait_for_previous_kernel()
     pid = tl.program_id(0).to(tl.int64)
     nbi = tl.cdiv(I, BLOCK_N)
     if pid < TK * nbi:
@@ -762,6 +799,7 @@ def _moe_down_gemv_kernel(
 ):
     """out[t] = sum over the token's experts of weight * (W_down h) (+ the shared expert's W_down h):
     no atomics; loops unrolled."""
+    _wait_for_previous_kernel()
     t = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < HDIM
@@ -785,6 +823,7 @@ def _moe_up_grouped_kernel(
     TOPK: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, PREC: tl.constexpr,
 ):
+    _wait_for_previous_kernel()
     b = tl.program_id(0).to(tl.int64)
     e = tl.load(BlockExpert + b).to(tl.int64)
     if e >= E:
@@ -818,6 +857,7 @@ def _moe_down_grouped_kernel(
     H1, Wout, SortedIds, BlockExpert, Wts, O2, stride_h, stride_we, stride_wn, stride_o, Tk, Hdim, I, E,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
 ):
+    _wait_for_previous_kernel()
     b = tl.program_id(0).to(tl.int64)
     e = tl.load(BlockExpert + b).to(tl.int64)
     if e >= E:
@@ -881,6 +921,7 @@ def _moe_align_kernel(Ids, SortedIds, BlockExpert, Tk, NB, MAXP,
                       BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
     """`moe_align` in one program: counts, padded offsets, block experts, and the stable scatter
     of pair indices to their expert's padded run (ranks by a cumulative sum of one-hot rows)."""
+    _wait_for_previous_kernel()
     e_off = tl.arange(0, BLOCK_E)
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)
     for c0 in range(0, Tk, CHUNK):
@@ -923,7 +964,7 @@ def moe_align_triton(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple
     sorted_ids = torch.empty(max_padded, dtype=torch.int64, device=ids.device)
     block_expert = torch.empty(nb, dtype=torch.int64, device=ids.device)
     _moe_align_kernel[(1,)](flat, sorted_ids, block_expert, tk, nb, max_padded,
-                            BLOCK_M=block_m, BLOCK_E=_np2(num_experts), CHUNK=128, num_warps=8)
+                            BLOCK_M=block_m, BLOCK_E=_np2(num_experts), CHUNK=128, num_warps=8, **_PDL_LAUNCH)
     return sorted_ids, block_expert
 
 
@@ -936,6 +977,7 @@ MOE_GEMV_MAX_PAIRS = 32
 def _moe_combine_kernel(O2, S, Out, stride_o, stride_s, stride_out, HDIM, TOPK: tl.constexpr, HAS_SHARED: tl.constexpr,
                         BLOCK: tl.constexpr):
     """out[t] = sum of the token's TOPK weighted expert rows (float32), rounded, + its shared row."""
+    _wait_for_previous_kernel()
     t = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     nm = n < HDIM
@@ -978,18 +1020,18 @@ def moe_experts(x, w_in, w_out, weights, ids, act, gated, shared=None):
     prec = _precision(x)
     _moe_up_grouped_kernel[(nblocks, triton.cdiv(I, bn))](
         x, w_in, sorted_ids, block_expert, h1, x.stride(0), w_in.stride(0), w_in.stride(1), h1.stride(0), tk, Hdim, I, E,
-        TOPK=top_k, GATED=gated, ACT=code, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PREC=prec, num_warps=warps, num_stages=stages,
+        TOPK=top_k, GATED=gated, ACT=code, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PREC=prec, num_warps=warps, num_stages=stages, **_PDL_LAUNCH
     )
     o2 = torch.empty((tk, Hdim), dtype=torch.float32, device=x.device)
     _moe_down_grouped_kernel[(nblocks, triton.cdiv(Hdim, bn))](
         h1, w_out, sorted_ids, block_expert, weights.reshape(-1), o2, h1.stride(0), w_out.stride(0), w_out.stride(1), o2.stride(0),
-        tk, Hdim, I, E, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PREC=prec, num_warps=warps, num_stages=stages,
+        tk, Hdim, I, E, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PREC=prec, num_warps=warps, num_stages=stages, **_PDL_LAUNCH
     )
     s_out = _shared_expert(x, shared, act, gated) if shared is not None else o2
     block = min(1024, _np2(Hdim))
     _moe_combine_kernel[(T, triton.cdiv(Hdim, block))](
         o2, s_out, out, o2.stride(0), s_out.stride(0), out.stride(0), Hdim, TOPK=top_k, HAS_SHARED=shared is not None,
-        BLOCK=block, num_warps=4,
+        BLOCK=block, num_warps=4, **_PDL_LAUNCH
     )
     return out
 
@@ -1015,13 +1057,13 @@ def _moe_gemv(x, w_in, w_out, weights, ids, code, gated, shared, h1, out):
     programs = tk * triton.cdiv(I, bn) + T * triton.cdiv(i_s, bn)
     _moe_up_gemv_kernel[(programs,)](
         x, w_in, ids, h1, s_in, hs, x.stride(0), w_in.stride(0), w_in.stride(1), h1.stride(0), s_in.stride(0), hs.stride(0),
-        tk, I, i_s, HDIM=Hdim, TOPK=top_k, GATED=gated, ACT=code, BLOCK_N=bn, BLOCK_K=min(bk, _np2(Hdim)), num_warps=warps,
+        tk, I, i_s, HDIM=Hdim, TOPK=top_k, GATED=gated, ACT=code, BLOCK_N=bn, BLOCK_K=min(bk, _np2(Hdim)), num_warps=warps, **_PDL_LAUNCH
     )
     bn, bk, warps = GEMV_CONFIG["moe_down"]
     _moe_down_gemv_kernel[(T, triton.cdiv(Hdim, bn))](
         h1, w_out, ids, weights, out, hs, s_out, h1.stride(0), w_out.stride(0), w_out.stride(1), out.stride(0), hs.stride(0),
         s_out.stride(0), HDIM=Hdim, I=I, IS=max(i_s, 1), TOPK=top_k, HAS_SHARED=shared is not None, BLOCK_N=bn,
-        BLOCK_K=min(bk, _np2(I)), BLOCK_KS=min(bk, _np2(i_s)), num_warps=warps,
+        BLOCK_K=min(bk, _np2(I)), BLOCK_KS=min(bk, _np2(i_s)), num_warps=warps, **_PDL_LAUNCH
     )
     return out
 
@@ -1031,8 +1073,17 @@ def _moe_gemv(x, w_in, w_out, weights, ids, code, gated, shared, h1, out):
 
 
 @triton.jit
-def _gemv_kernel(X, W, B, Y, M, N, stride_x, stride_w, stride_y, K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_kernel(
+    X, W, B, Y, M, N, stride_x, stride_w, stride_y,
+    CW, CB, Pool, Slots, conv_start, C, stride_wc, stride_wk, stride_ps, stride_pk,
+    K: tl.constexpr, HAS_BIAS: tl.constexpr, CONV: tl.constexpr, CONV_K: tl.constexpr, CONV_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """y = x W^T (+ b) for a few rows x, BLOCK_N output columns per program. With CONV, columns
+    [conv_start, conv_start + C) are then replaced by their causal-conv update, row m being one
+    token of the sequence at Slots[m] (Mamba2's in_proj and conv in one launch): each channel's
+    window is read and shifted by the one program that owns the channel."""
+    _wait_for_previous_kernel()
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < N
     m = tl.arange(0, BLOCK_M)
@@ -1046,7 +1097,18 @@ def _gemv_kernel(X, W, B, Y, M, N, stride_x, stride_w, stride_y, K: tl.constexpr
         acc += tl.sum(xv[:, None, :] * w[None, :, :], axis=2)
     if HAS_BIAS:
         acc += tl.load(B + n, mask=nm, other=0.0).to(tl.float32)[None, :]
-    tl.store(Y + m[:, None] * stride_y + n[None, :], acc.to(Y.dtype.element_ty), mask=mm[:, None] & nm[None, :])
+    out = acc.to(Y.dtype.element_ty)
+    if CONV:
+        c = n - conv_start
+        in_conv = (c >= 0) & (c < C)
+        c = tl.where(in_conv, c, 0)
+        slot = tl.load(Slots + m, mask=mm, other=-1).to(tl.int64)
+        cm = mm[:, None] & in_conv[None, :]
+        bias = tl.load(CB + c, mask=in_conv, other=0.0).to(tl.float32)[None, :] if CONV_BIAS else 0.0
+        y = _conv_step(out, Pool + slot[:, None] * stride_ps + c[None, :], stride_pk, CW + c[None, :] * stride_wc, stride_wk, bias,
+                       cm, cm & (slot >= 0)[:, None], CONV_K)
+        out = tl.where(in_conv[None, :], y.to(out.dtype), out)
+    tl.store(Y + m[:, None] * stride_y + n[None, :], out, mask=mm[:, None] & nm[None, :])
 
 
 # Rows of x up to which `linear` runs the GEMV above instead of cuBLAS.
@@ -1057,17 +1119,38 @@ LINEAR_GEMV_MAX_ROWS = 4
 GEMV_CONFIG = {"linear": (2, 1024, 1), "moe_up": (1, 2048, 1), "moe_down": (1, 1024, 1)}
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def _gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    rows = x.numel() // x.shape[-1]
+    return 0 < rows <= LINEAR_GEMV_MAX_ROWS and x.shape[-1] <= 16384 and weight.stride(-1) == 1 and x.dtype == weight.dtype
+
+
+def _gemv(x, weight, bias, conv=None):
     K = x.shape[-1]
-    x2 = x.reshape(-1, K)
+    x2 = _rows(x)
     M, N = x2.shape[0], weight.shape[0]
-    if M > LINEAR_GEMV_MAX_ROWS or M == 0 or K > 16384 or weight.stride(-1) != 1 or x.dtype != weight.dtype:
-        return F.linear(x, weight, bias)
-    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    cw, cb, pool, slots, conv_start = conv if conv is not None else (weight, None, weight, weight, 0)
     bn, bk, warps = GEMV_CONFIG["linear"]
     _gemv_kernel[(triton.cdiv(N, bn),)](
-        x2, weight, bias if bias is not None else weight, y, M, N, x2.stride(0), weight.stride(0), y.stride(0), K=K,
-        HAS_BIAS=bias is not None, BLOCK_M=_np2(M), BLOCK_N=bn, BLOCK_K=min(bk, _np2(K)), num_warps=warps,
+        x2, weight, bias if bias is not None else weight, y, M, N, x2.stride(0), weight.stride(0), y.stride(0),
+        cw, cb if cb is not None else cw, pool, slots, conv_start, cw.shape[0], cw.stride(0), cw.stride(-1), pool.stride(0),
+        pool.stride(1), K=K, HAS_BIAS=bias is not None, CONV=conv is not None, CONV_K=cw.shape[-1] if conv is not None else 0, CONV_BIAS=cb is not None,
+        BLOCK_M=_np2(M), BLOCK_N=bn, BLOCK_K=min(bk, _np2(K)), num_warps=warps, **_PDL_LAUNCH,
     )
     return y.view(*x.shape[:-1], N)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if not _gemv_applies(x, weight):
+        return F.linear(x, weight, bias)
+    return _gemv(x, weight, bias)
+
+
+def linear_conv_update(x, weight, bias, conv_weight, conv_bias, conv_pool, slots, conv_start):
+    if _gemv_applies(x, weight):
+        assert 2 <= conv_weight.shape[1] <= 4, "the fused conv update handles kernel widths 2..4"
+        return _gemv(x, weight, bias, (conv_weight, conv_bias, conv_pool, slots, conv_start))
+    proj = F.linear(x, weight, bias)
+    xbc = proj[:, conv_start : conv_start + conv_weight.shape[0]]
+    _launch_conv_update(xbc, conv_weight, conv_bias, conv_pool, slots, xbc)  # in place: each element read, then written
+    return proj
