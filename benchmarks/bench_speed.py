@@ -122,7 +122,7 @@ def build_models(config_path: Path, workdir: Path, args):
         model_path=str(workdir),
         dtype="bfloat16",
         device="cuda",
-        max_running_requests=max(args.decode_batches),
+        max_running_requests=max(*args.decode_batches, 2),  # room for a retained (ACTIVE) slot beside a running one
         max_num_batched_tokens=args.max_batched_tokens,
         max_total_tokens=args.max_total_tokens,
         context_length=max(args.resume_histories + [max(args.prefill_lens)]) + args.new_tokens + 64,
