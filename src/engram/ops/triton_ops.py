@@ -366,6 +366,28 @@ def causal_conv1d_varlen(x, weight, bias, conv_pool, slots, seq_lens, cu_seqlens
 
 
 @triton.jit
+def _ssd_tile(Pool, Slots, s, stride_ps, stride_ph, stride_pp, P, N, HPG, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's (head, P block) of sequence s's state in the pool: head, group, the P and N
+    offsets with their masks, the state's pointers and mask (nothing for a padding slot -1)."""
+    h = tl.program_id(1)
+    p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
+    n = tl.arange(0, BLOCK_N)
+    pm = p < P
+    nm = n < N
+    slot = tl.load(Slots + s).to(tl.int64)
+    ptr = Pool + slot * stride_ps + h * stride_ph + p[:, None] * stride_pp + n[None, :]
+    return h, h // HPG, p, n, pm, nm, ptr, pm[:, None] & nm[None, :] & (slot >= 0)
+
+
+@triton.jit
+def _ssd_dt(dt, dt_bias, dt_min, dt_max):
+    """softplus(dt + dt_bias) (threshold 20, as torch), clamped to the time-step limit."""
+    dt = dt + dt_bias
+    dt = tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(dt)))
+    return tl.minimum(tl.maximum(dt, dt_min), dt_max)
+
+
+@triton.jit
 def _ssd_update_kernel(
     Pool, Slots, X, DT, DtBias, ALog, Bm, Cm, Dp, Y,
     stride_ps, stride_ph, stride_pp, stride_xs, stride_xh, stride_dts, stride_bs, stride_bg, stride_cs, stride_cg,
@@ -374,24 +396,13 @@ def _ssd_update_kernel(
 ):
     _wait_for_previous_kernel()
     s = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
-    n = tl.arange(0, BLOCK_N)
-    pm = p < P
-    nm = n < N
-    g = h // HPG
-    slot = tl.load(Slots + s).to(tl.int64)
-    valid = slot >= 0
-    dt = tl.load(DT + s * stride_dts + h).to(tl.float32) + tl.load(DtBias + h).to(tl.float32)
-    dt = tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(dt)))  # softplus, threshold 20 as torch
-    dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
+    h, g, p, n, pm, nm, ptr, m2 = _ssd_tile(Pool, Slots, s, stride_ps, stride_ph, stride_pp, P, N, HPG, BLOCK_P, BLOCK_N)
+    dt = _ssd_dt(tl.load(DT + s * stride_dts + h).to(tl.float32), tl.load(DtBias + h).to(tl.float32), dt_min, dt_max)
     A = -tl.exp(tl.load(ALog + h).to(tl.float32))
     decay = tl.exp(dt * A)
     x = tl.load(X + s * stride_xs + h * stride_xh + p, mask=pm, other=0.0).to(tl.float32)
     b = tl.load(Bm + s * stride_bs + g * stride_bg + n, mask=nm, other=0.0).to(tl.float32)
     c = tl.load(Cm + s * stride_cs + g * stride_cg + n, mask=nm, other=0.0).to(tl.float32)
-    ptr = Pool + slot * stride_ps + h * stride_ph + p[:, None] * stride_pp + n[None, :]
-    m2 = pm[:, None] & nm[None, :] & valid
     st = tl.load(ptr, mask=m2, other=0.0).to(tl.float32)
     st = st * decay + (x * dt)[:, None] * b[None, :]
     tl.store(ptr, st.to(Pool.dtype.element_ty), mask=m2)
@@ -426,26 +437,15 @@ def _ssd_scan_kernel(
     (read from and written back to the pool by slot). For short prefill chunks: one launch, exact."""
     _wait_for_previous_kernel()
     s = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
-    n = tl.arange(0, BLOCK_N)
-    pm = p < P
-    nm = n < N
-    g = h // HPG
-    slot = tl.load(Slots + s).to(tl.int64)
-    valid = slot >= 0
+    h, g, p, n, pm, nm, ptr, m2 = _ssd_tile(Pool, Slots, s, stride_ps, stride_ph, stride_pp, P, N, HPG, BLOCK_P, BLOCK_N)
     start = tl.load(Cu + s)
     end = tl.load(Cu + s + 1)
-    ptr = Pool + slot * stride_ps + h * stride_ph + p[:, None] * stride_pp + n[None, :]
-    m2 = pm[:, None] & nm[None, :] & valid
     st = tl.load(ptr, mask=m2, other=0.0).to(tl.float32)
     dtb = tl.load(DtBias + h).to(tl.float32)
     A = -tl.exp(tl.load(ALog + h).to(tl.float32))
     Dh = tl.load(Dp + h).to(tl.float32)
     for t in range(start, end):
-        dt = tl.load(DT + t * stride_dtt + h).to(tl.float32) + dtb
-        dt = tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(dt)))
-        dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
+        dt = _ssd_dt(tl.load(DT + t * stride_dtt + h).to(tl.float32), dtb, dt_min, dt_max)
         x = tl.load(X + t * stride_xt + h * stride_xh + p, mask=pm, other=0.0).to(tl.float32)
         b = tl.load(Bm + t * stride_bt + g * stride_bg + n, mask=nm, other=0.0).to(tl.float32)
         c = tl.load(Cm + t * stride_ct + g * stride_cg + n, mask=nm, other=0.0).to(tl.float32)
