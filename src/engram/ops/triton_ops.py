@@ -410,18 +410,25 @@ def _ssd_update_kernel(
     tl.store(Y + s * stride_ys + h * stride_yh + p, y, mask=pm)
 
 
+def _ssd_strides(ssm_pool, x, dt, B, C, y, dt_limit) -> tuple:
+    """The stride, size and dt-limit arguments both SSD kernels take, in their order."""
+    return (
+        ssm_pool.stride(0), ssm_pool.stride(1), ssm_pool.stride(2), x.stride(0), x.stride(1), dt.stride(0),
+        B.stride(0), B.stride(1), C.stride(0), C.stride(1), y.stride(0), y.stride(1), x.shape[2], B.shape[2],
+        x.shape[1] // B.shape[1], float(dt_limit[0]), float(dt_limit[1]),
+    )
+
+
 def ssd_state_update(ssm_pool, slots, x, dt, dt_bias, dt_limit, A_log, B, C, D):
     S, H, P = x.shape
-    G, N = B.shape[1], B.shape[2]
+    N = B.shape[2]
     assert x.stride(2) == 1 and B.stride(2) == 1 and C.stride(2) == 1 and ssm_pool.stride(3) == 1
     y = torch.empty((S, H, P), dtype=torch.float32, device=x.device)
     if S:
         bp = min(16, _np2(P))
         _ssd_update_kernel[(S, H, triton.cdiv(P, bp))](
-            ssm_pool, slots, x, dt, dt_bias, A_log, B, C, D, y,
-            ssm_pool.stride(0), ssm_pool.stride(1), ssm_pool.stride(2), x.stride(0), x.stride(1), dt.stride(0),
-            B.stride(0), B.stride(1), C.stride(0), C.stride(1), y.stride(0), y.stride(1), P, N, H // G,
-            float(dt_limit[0]), float(dt_limit[1]), BLOCK_P=bp, BLOCK_N=_np2(N), num_warps=4, **_PDL_LAUNCH
+            ssm_pool, slots, x, dt, dt_bias, A_log, B, C, D, y, *_ssd_strides(ssm_pool, x, dt, B, C, y, dt_limit),
+            BLOCK_P=bp, BLOCK_N=_np2(N), num_warps=4, **_PDL_LAUNCH
         )
     return y
 
@@ -463,7 +470,7 @@ SSD_SCAN_MAX_LEN = 128
 def ssd_varlen_scan(x, dt, dt_bias, dt_limit, A_log, B, C, D, chunk_size, seq_lens, ssm_pool, slots, cu_seqlens=None):
     """`ssd.ssd_varlen` by the recurrence itself (fast for short sequences)."""
     T, H, P = x.shape
-    G, N = B.shape[1], B.shape[2]
+    N = B.shape[2]
     S = len(seq_lens)
     y = torch.empty((T, H, P), dtype=torch.float32, device=x.device)
     if S == 0 or T == 0:
@@ -473,10 +480,8 @@ def ssd_varlen_scan(x, dt, dt_bias, dt_limit, A_log, B, C, D, chunk_size, seq_le
     assert x.stride(2) == 1 and B.stride(2) == 1 and C.stride(2) == 1 and ssm_pool.stride(3) == 1
     bp = min(16, _np2(P))
     _ssd_scan_kernel[(S, H, triton.cdiv(P, bp))](
-        ssm_pool, slots, cu_seqlens, x, dt, dt_bias, A_log, B, C, D, y,
-        ssm_pool.stride(0), ssm_pool.stride(1), ssm_pool.stride(2), x.stride(0), x.stride(1), dt.stride(0),
-        B.stride(0), B.stride(1), C.stride(0), C.stride(1), y.stride(0), y.stride(1), P, N, H // G,
-        float(dt_limit[0]), float(dt_limit[1]), BLOCK_P=bp, BLOCK_N=_np2(N), num_warps=4, **_PDL_LAUNCH
+        ssm_pool, slots, cu_seqlens, x, dt, dt_bias, A_log, B, C, D, y, *_ssd_strides(ssm_pool, x, dt, B, C, y, dt_limit),
+        BLOCK_P=bp, BLOCK_N=_np2(N), num_warps=4, **_PDL_LAUNCH
     )
     return y
 
