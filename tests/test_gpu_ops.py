@@ -343,12 +343,16 @@ def test_moe_align_blocks_cover_every_pair_once(align):
 
 
 # ---- whole models: greedy tokens of the fast path == the reference path -------------------------
+# The fast path runs with CUDA graphs and overlapped steps (tokens fed to graphs from the device);
+# the reference path steps one at a time.
 
 
 def _greedy_run(path: str, fast: bool, graphs: bool, dtype: str, prompts: list[list[int]], max_tokens: int):
     from engine_utils import greedy, make_engine, record_logits, run_to_end
 
-    engine = make_engine(path, device="cuda", dtype=dtype, enable_fast_ops=fast, enable_cuda_graph=graphs, max_num_batched_tokens=64)
+    engine = make_engine(
+        path, device="cuda", dtype=dtype, enable_fast_ops=fast, enable_cuda_graph=graphs, enable_overlap_schedule=graphs, max_num_batched_tokens=64
+    )
     logits = record_logits(engine)
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, greedy(max_tokens))

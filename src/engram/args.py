@@ -26,6 +26,10 @@ class EngineArgs:
     seed: int = field(default=0, metadata={"help": "seed of the sampler for requests without their own"})
     enable_fast_ops: bool = field(default=True, metadata={"help": "use fused CUDA kernels where available (torch references otherwise)"})
     enable_cuda_graph: bool = field(default=True, metadata={"help": "capture decode steps in CUDA graphs"})
+    enable_overlap_schedule: bool = field(
+        default=True,
+        metadata={"help": "pick greedy tokens on the device and launch the next step before reading them, so that the host's work overlaps the GPU's"},
+    )
 
 
 def _flag(name: str) -> str:

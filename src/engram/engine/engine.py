@@ -42,6 +42,15 @@ class EngineStats:
     retained_slots: int
 
 
+@dataclass
+class InFlightTokens:
+    """A step's greedy tokens, chosen on the device and on their way to the host (one per sequence)."""
+
+    seqs: list[Sequence]
+    tokens: torch.Tensor  # host copy, complete once `ready` has fired
+    ready: torch.cuda.Event | None  # None on the CPU, where the copy is already done
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
@@ -98,6 +107,7 @@ class LLMEngine:
         self._aborted: list[Sequence] = []
         self._default_generator = torch.Generator().manual_seed(args.seed)
         self._counters = {"prompt": 0, "generation": 0, "prefill_computed": 0, "cached": 0}
+        self._inflight: InFlightTokens | None = None
 
     def _plan_memory(self) -> memory_planner.MemoryPlan:
         plan = memory_planner.plan_for_args(
@@ -191,6 +201,11 @@ class LLMEngine:
     # ---- the loop ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """Run one step. With overlapped scheduling, a step whose sequences all decode greedily
+        without logprobs picks its tokens on the device and returns before they are read: the next
+        call launches the following step first (feeding those tokens from the device), then reads
+        them while the GPU works. A sequence that then turns out to have stopped (EOS, stop token or
+        string) has had its last token fed once more: its state covers all of its tokens."""
         outputs = [self._output(seq) for seq in self._aborted]
         self._aborted = []
         chunks, admitted = self.scheduler.schedule()
@@ -201,29 +216,82 @@ class LLMEngine:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)  # a real load into the pool, not a queued copy
                 seq.restore_seconds = time.perf_counter() - started
-        if not chunks:
-            return outputs
-        logits = self.runner.run(chunks)
-        completing = [c.seq for c in chunks if c.completes]
+        logits, completing, launched = None, [], None
+        if chunks:
+            logits = self.runner.run(chunks)
+            for chunk in chunks:
+                seq = chunk.seq
+                self._counters["prefill_computed"] += max(0, min(chunk.start + chunk.length, seq.num_prompt_tokens) - chunk.start)
+                seq.num_computed += chunk.length
+            completing = [c.seq for c in chunks if c.completes]
+            if completing and self.args.enable_overlap_schedule and all(self._samples_on_device(s.params) for s in completing):
+                launched = self._sample_on_device(logits, completing)
+        if self._inflight is not None:
+            outputs += self._collect(self._inflight)
+        self._inflight = launched
+        if launched is not None:
+            self._mark_inflight(launched)
+        elif completing:
+            outputs += self._sample_and_append(logits, completing)
+        return outputs
+
+    @staticmethod
+    def _samples_on_device(p: SamplingParams) -> bool:
+        return p.greedy and not p.has_penalties and p.logprobs is None
+
+    def _sample_on_device(self, logits: torch.Tensor, seqs: list[Sequence]) -> InFlightTokens:
+        sampled = self.runner.sampled[: len(seqs)]
+        torch.argmax(logits, dim=-1, out=sampled)
+        tokens = sampled.to("cpu", non_blocking=True, copy=True)
+        ready = None
+        if self.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record()
+        return InFlightTokens(seqs, tokens, ready)
+
+    def _mark_inflight(self, launched: InFlightTokens) -> None:
+        """Sequences that go on after their in-flight token are scheduled on it; one that this token
+        ends by length is not (it waits for the token alone)."""
+        for row, seq in enumerate(launched.seqs):
+            if seq.is_finished or self._ends_by_length(seq, len(seq.token_ids) + 1):
+                continue
+            seq.num_inflight, seq.inflight_row = 1, row
+
+    def _collect(self, inflight: InFlightTokens) -> list[RequestOutput]:
+        if inflight.ready is not None:
+            inflight.ready.synchronize()
+        outputs = []
+        for seq, token in zip(inflight.seqs, inflight.tokens.tolist()):
+            if seq.is_finished:  # aborted, or stopped, while its token was in flight
+                continue
+            seq.num_inflight = 0
+            self._append_token(seq, None, token)
+            outputs.append(self._output(seq))
+        return outputs
+
+    def _sample_and_append(self, logits: torch.Tensor, completing: list[Sequence]) -> list[RequestOutput]:
+        """Sample on the host's terms (any parameters) for the sequences still going."""
+        going = [i for i, seq in enumerate(completing) if not seq.is_finished]
+        if len(going) < len(completing):
+            logits = logits[torch.tensor(going, device=logits.device)]
+            completing = [completing[i] for i in going]
         tokens = sample_batch(
             logits,
             [seq.params for seq in completing],
             lambda i: (completing[i].prompt_token_ids, completing[i].output_token_ids),
             [seq.generator or self._default_generator for seq in completing],
         )
-        row = 0
-        for chunk in chunks:
-            seq = chunk.seq
-            self._counters["prefill_computed"] += max(0, min(chunk.start + chunk.length, seq.num_prompt_tokens) - chunk.start)
-            seq.num_computed += chunk.length
-            if not chunk.completes:
-                continue
+        outputs = []
+        for row, seq in enumerate(completing):
             self._append_token(seq, logits[row], tokens[row])
-            row += 1
             outputs.append(self._output(seq))
         return outputs
 
-    def _append_token(self, seq: Sequence, logits: torch.Tensor, token: int) -> None:
+    def _ends_by_length(self, seq: Sequence, num_tokens: int) -> bool:
+        max_tokens = seq.params.max_tokens
+        return (max_tokens is not None and num_tokens - seq.num_prompt_tokens >= max_tokens) or num_tokens >= self.max_context_length
+
+    def _append_token(self, seq: Sequence, logits: torch.Tensor | None, token: int) -> None:
         p = seq.params
         if p.logprobs is not None:
             seq.pending_logprobs.append(token_logprob(logits, token, p.logprobs))
@@ -237,7 +305,7 @@ class LLMEngine:
             self._finish(seq, FinishReason.STOP, token)
         elif (stop := find_stop_string(seq, len(seq.text) - chars_before)) is not None:
             self._finish(seq, FinishReason.STOP, stop)
-        elif (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) or len(seq.token_ids) >= self.max_context_length:
+        elif self._ends_by_length(seq, len(seq.token_ids)):
             self._finish(seq, FinishReason.LENGTH)
 
     def _finish(self, seq: Sequence, reason: FinishReason, stop_reason: str | int | None = None) -> None:

@@ -6,9 +6,15 @@ pinned buffer and copied in with a single asynchronous copy (plus the block tabl
 pinned memory), padding rows carry slot -1 / context -1 so that they read and write no state, and
 nothing inside the step waits for the host. Logits stay on the device; the sampler reads back
 only the chosen token ids.
+
+With overlapped scheduling a step can be launched before the previous step's tokens reach the
+host: a sequence whose input token is still in flight (`num_inflight`) reads it from `sampled`,
+where the engine's device-side sampling left it, by its row (`inflight_row`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -48,6 +54,8 @@ class ModelRunner:
         self._static: dict[str, torch.Tensor] | None = None
         self._graph_pool = None
         self.num_graph_replays = 0
+        # The last device-sampled step's tokens, one row per completing sequence (at most one per slot).
+        self.sampled = torch.zeros(state_pool.num_slots, dtype=torch.int64, device=device)
 
     # ---- eager batches (prefill, mixed steps, CPU) --------------------------------------------
 
@@ -65,10 +73,15 @@ class ModelRunner:
         tables = np.full((n, max(max_blocks, 1)), -1, dtype=np.int64)
         cu = np.zeros(n + 1, dtype=np.int64)
         logits_indices = []
+        feed_at, feed_rows = [], []  # input positions whose token is still in flight, and its row
         offset = 0
         for i, c in enumerate(chunks):
             end = offset + c.length
-            input_ids[offset:end] = c.seq.token_ids[c.start : c.start + c.length]
+            known = c.seq.token_ids[c.start : c.start + c.length]
+            input_ids[offset : offset + len(known)] = known
+            if len(known) < c.length:
+                feed_at.append(end - 1)
+                feed_rows.append(c.seq.inflight_row)
             pos = np.arange(c.start, c.start + c.length, dtype=np.int64)
             positions[offset:end] = pos
             if c.seq.blocks:
@@ -87,8 +100,11 @@ class ModelRunner:
                 t = t.pin_memory().to(dev, non_blocking=True)
             return t.to(dev)
 
+        input_ids_t = put(input_ids)
+        if feed_at:
+            input_ids_t[put(np.asarray(feed_at))] = self.sampled[put(np.asarray(feed_rows))]
         return ForwardBatch(
-            input_ids=put(input_ids),
+            input_ids=input_ids_t,
             positions=put(positions),
             seq_lens=seq_lens,
             context_lens=context_lens,
@@ -132,13 +148,13 @@ class ModelRunner:
         bmax = self._max_graph_batch()
         width = self._max_pages() if self.kv_pool.needs_pages else 1
         dev = self.device
-        # rows: input_ids, positions, slots, slot_mapping, context
-        self._host = torch.zeros((5, bmax), dtype=torch.int64).pin_memory()
+        # rows: input_ids, positions, slots, slot_mapping, context, row in `sampled` of an in-flight input (-1: none)
+        self._host = torch.zeros((6, bmax), dtype=torch.int64).pin_memory()
         self._host_np = self._host.numpy()
         self._host_tables = torch.zeros((width, bmax), dtype=torch.int32).pin_memory()  # column-major
         self._host_tables_np = self._host_tables.numpy()
         self._static = {
-            "packed": torch.zeros((5, bmax), dtype=torch.int64, device=dev),
+            "packed": torch.zeros((6, bmax), dtype=torch.int64, device=dev),
             "tables_t": torch.zeros((width, bmax), dtype=torch.int32, device=dev),
             "cu": torch.arange(bmax + 1, dtype=torch.int64, device=dev),
             "logits_indices": torch.arange(bmax, dtype=torch.int64, device=dev),
@@ -166,20 +182,27 @@ class ModelRunner:
     def _fill_padding(self) -> None:
         h = self._host_np
         h[0:2] = 0
-        h[2:5] = -1
+        h[2:6] = -1
         self._static["packed"].copy_(self._host, non_blocking=True)
 
-    def _record(self, batch: ForwardBatch) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """Warm up on a side stream, then capture one forward of `batch` (static buffers) as a graph."""
+    def _decode_forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """A graph-captured decode step: in-flight input tokens are taken from `sampled` first."""
+        rows = self._static["packed"][5, : batch.input_ids.shape[0]]
+        ids = batch.input_ids
+        torch.where(rows >= 0, self.sampled[rows.clamp(min=0)], ids, out=ids)
+        return self.model(batch)
+
+    def _record(self, forward: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Warm up on a side stream, then capture one call of `forward` (on static buffers) as a graph."""
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self.model(batch)
+                forward()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._graph_pool, stream=stream):
-            logits = self.model(batch)
+            logits = forward()
         torch.cuda.synchronize(self.device)  # the pinned input buffers are refilled right after
         return graph, logits
 
@@ -187,7 +210,8 @@ class ModelRunner:
         if self._static is None:
             self._alloc_static()
         self._fill_padding()  # padding rows only: the warm-up and capture touch no state
-        self._graphs[b] = self._record(self._graph_batch(b))
+        batch = self._graph_batch(b)
+        self._graphs[b] = self._record(lambda: self._decode_forward(batch))
 
     def _run_graph(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         n = len(chunks)
@@ -196,7 +220,7 @@ class ModelRunner:
             self._capture(b)
         h = self._host_np
         h[0:2, :b] = 0
-        h[2:5, :b] = -1
+        h[2:6, :b] = -1
         bs = self.kv_pool.block_size
         width = 1
         paged = self.kv_pool.needs_pages
@@ -204,7 +228,10 @@ class ModelRunner:
         for i, c in enumerate(chunks):
             seq = c.seq
             pos = c.start
-            h[0, i] = seq.token_ids[pos]
+            if pos < len(seq.token_ids):
+                h[0, i] = seq.token_ids[pos]
+            else:
+                h[5, i] = seq.inflight_row
             h[1, i] = pos
             h[2, i] = seq.slot
             h[4, i] = pos
@@ -222,7 +249,7 @@ class ModelRunner:
         graph, logits = self._graphs[b]
         graph.replay()
         self.num_graph_replays += 1
-        return logits[:n].clone()
+        return logits[:n]
 
     # ---- CUDA graphs for short single-sequence prefills -------------------------------------------
 
@@ -232,7 +259,7 @@ class ModelRunner:
         if len(chunks) != 1:
             return False
         c = chunks[0]
-        if not c.completes or c.length > _PREFILL_BUCKETS[-1] or (c.length == 1 and c.start > 0):
+        if not c.completes or c.length > _PREFILL_BUCKETS[-1] or (c.length == 1 and c.start > 0) or c.seq.num_inflight:
             return False
         return not self.kv_pool.needs_pages or len(c.seq.blocks) <= self._max_pages()
 
@@ -280,7 +307,8 @@ class ModelRunner:
         h[2 * tmax : 3 * tmax] = -1
         h[3 * tmax] = -1  # no slot: the warm-up and capture touch no state (and cu = [0, 0])
         self._pf["packed"].copy_(self._pf_host, non_blocking=True)
-        self._prefill_graphs[tb] = self._record(self._prefill_batch(tb))
+        batch = self._prefill_batch(tb)
+        self._prefill_graphs[tb] = self._record(lambda: self.model(batch))
 
     def _run_prefill_graph(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         c = chunks[0]
@@ -310,13 +338,14 @@ class ModelRunner:
         graph, logits = self._prefill_graphs[tb]
         graph.replay()
         self.num_graph_replays += 1
-        return logits.clone()
+        return logits
 
     # ---- entry point ---------------------------------------------------------------------------
 
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Logits [number of completing chunks, vocab] (float32, on the model's device)."""
+        """Logits [number of completing chunks, vocab] (float32, on the model's device), valid until
+        the next call (graph replays reuse their output buffers)."""
         if self._graphs_usable(chunks):
             return self._run_graph(chunks)
         if self._prefill_graph_usable(chunks):

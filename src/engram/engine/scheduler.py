@@ -28,7 +28,7 @@ class ScheduledChunk:
     @property
     def completes(self) -> bool:
         """After this chunk the state covers every token: the next token can be sampled."""
-        return self.start + self.length == len(self.seq.token_ids)
+        return self.start + self.length == self.seq.num_tokens
 
 
 @dataclass
@@ -133,6 +133,8 @@ class Scheduler:
             if seq not in self.running:  # preempted below by an earlier sequence
                 continue
             n = min(seq.num_uncomputed, budget)
+            if n == 0:  # waits only for a token in flight that ends it (by length): nothing to compute
+                continue
             while not self._grow(seq, seq.num_computed + n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -147,7 +149,7 @@ class Scheduler:
             seq = self.waiting[0]
             adopted = seq.adopted
             start = adopted.state_len if adopted else (seq.initial_state.state_len if seq.initial_state else 0)
-            n = min(len(seq.token_ids) - start, budget)
+            n = min(seq.num_tokens - start, budget)
             if adopted is None and not (self._free_slot_available() and self._fits(start + n)):
                 break
             self.waiting.popleft()

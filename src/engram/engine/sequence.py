@@ -37,6 +37,8 @@ class Sequence:
     captured_state: SequenceState | None = None  # taken at finish when capture_state is set
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed: int = 0  # tokens[:num_computed] are in the recurrent state and the KV cache
+    num_inflight: int = 0  # 1 while a token sampled on the device is not yet read back (overlapped steps)
+    inflight_row: int = 0  # that token's row in the runner's `sampled` buffer
     slot: int | None = None
     blocks: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
@@ -71,8 +73,13 @@ class Sequence:
         return self.output_ids()
 
     @property
+    def num_tokens(self) -> int:
+        """Every token of the sequence, the one still in flight included."""
+        return len(self.token_ids) + self.num_inflight
+
+    @property
     def num_uncomputed(self) -> int:
-        return len(self.token_ids) - self.num_computed
+        return self.num_tokens - self.num_computed
 
     @property
     def is_finished(self) -> bool:
