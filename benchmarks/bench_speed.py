@@ -128,6 +128,7 @@ def build_models(config_path: Path, workdir: Path, args):
         context_length=max(args.resume_histories + [max(args.prefill_lens)]) + args.new_tokens + 64,
         enable_fast_ops=not args.reference_ops,
         enable_cuda_graph=not args.no_cuda_graph,
+        enable_overlap_schedule=not args.no_overlap_schedule,
         mamba_ssm_dtype=args.mamba_ssm_dtype,
     )
     t = time.perf_counter()
@@ -260,7 +261,7 @@ def engine_resume(eng, history: int, new: int, vocab: int) -> dict:
 
 def engine_profile(eng, vocab: int, batches: list[int], prompt_len: int) -> None:
     """Where the time goes: host (cProfile) and device kernels (torch.profiler) of a 2K prefill,
-    a resumed 64-token turn on a 2K history, and one eager decode forward per batch size."""
+    one eager decode forward per batch size, and the host side of decode steps at the largest."""
     import cProfile
     import pstats
 
@@ -292,6 +293,20 @@ def engine_profile(eng, vocab: int, batches: list[int], prompt_len: int) -> None
                 sync()
         log(f"PROFILE eager decode forward, batch {bucket}")
         print(kernels_table(prof, 30), flush=True)
+    b = max(batches)
+    started = set()
+    for i in range(b):
+        eng.add_request(uid("p"), rand_tokens(prompt_len, vocab, 7000 + i), greedy(40))
+    while len(started) < b:  # past the prefills
+        started.update(out.request_id for out in eng.step())
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(16):
+        eng.step()
+    pr.disable()
+    run_all(eng)
+    log(f"PROFILE host, 16 decode steps at batch {b}")
+    pstats.Stats(pr).sort_stats("tottime").print_stats(25)
 
 
 # ---- transformers measurements ------------------------------------------------------------------------
@@ -382,6 +397,7 @@ def main() -> None:
     ap.add_argument("--no-hf", action="store_true", help="engine only")
     ap.add_argument("--reference-ops", action="store_true", help="engine with the torch reference ops")
     ap.add_argument("--no-cuda-graph", action="store_true")
+    ap.add_argument("--no-overlap-schedule", action="store_true", help="engine steps one at a time (tokens read back before the next launch)")
     ap.add_argument("--mamba-ssm-dtype", default=EngineArgs.mamba_ssm_dtype, help="dtype of the engine's SSM state (the engine's flag)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--profile", action="store_true", help="print where the engine's time goes (after the decode runs)")
