@@ -92,3 +92,23 @@ def test_a_stop_seen_one_step_late_leaves_an_exact_state(overlap, checkpoint_dir
     assert resumed.num_cached_tokens == state.state_len
     assert resumed.token_ids == full.token_ids
     torch.testing.assert_close(logits[0][0], fresh_logits[0][0], atol=1e-4, rtol=1e-4)
+
+
+def test_unseeded_sampling_overlaps_and_seeded_sampling_does_not(checkpoint_dir):
+    path = checkpoint_dir("mamba2")
+    prompt = random_prompt(10, seed=13)
+    results = []
+    for overlap in (False, True):
+        engine = make_engine(path, enable_overlap_schedule=overlap)
+        count = _count_overlapped_steps(engine)
+        engine.add_request("seeded", prompt, SamplingParams(max_tokens=12, temperature=1.0, seed=5, ignore_eos=True))
+        seeded = run_to_end(engine)["seeded"].token_ids
+        overlapped_seeded = count[0]
+        engine.add_request("free", prompt, SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True))
+        free = run_to_end(engine)["free"].token_ids
+        results.append((seeded, overlapped_seeded, free, count[0] - overlapped_seeded))
+    (seeded_plain, _, free_plain, n_plain), (seeded_over, n_seeded_over, free_over, n_free_over) = results
+    # A request with its own seed draws from its own generator on the host, one step at a time.
+    assert seeded_over == seeded_plain and n_seeded_over == 0
+    # Without a seed it draws on the device from the engine's generator: the same draws either way.
+    assert free_over == free_plain and n_plain == 0 and n_free_over >= 10

@@ -28,7 +28,7 @@ class EngineArgs:
     enable_cuda_graph: bool = field(default=True, metadata={"help": "capture decode steps in CUDA graphs"})
     enable_overlap_schedule: bool = field(
         default=True,
-        metadata={"help": "pick greedy tokens on the device and launch the next step before reading them, so that the host's work overlaps the GPU's"},
+        metadata={"help": "pick tokens on the device (greedy, or sampled without penalties, logprobs or a seed) and launch the next step before reading them back, so that the host's work overlaps the GPU's"},
     )
 
 

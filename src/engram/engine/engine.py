@@ -16,7 +16,7 @@ from engram.engine.detokenizer import detokenize_step, find_stop_string
 from engram.engine.pools import HostCopier, KVPool, StatePool, capture_state, restore_state
 from engram.engine.request import FinishReason, RequestOutput, SamplingParams
 from engram.engine.runner import ModelRunner
-from engram.engine.sampler import sample_batch, token_logprob
+from engram.engine.sampler import sample_batch, sample_on_device, samples_on_device, token_logprob
 from engram.engine.scheduler import RetainedSlot, Scheduler
 from engram.engine.sequence import Sequence, SequenceStatus
 from engram.models.loader import load_model, load_model_from_state_dict
@@ -44,7 +44,7 @@ class EngineStats:
 
 @dataclass
 class InFlightTokens:
-    """A step's greedy tokens, chosen on the device and on their way to the host (one per sequence)."""
+    """A step's tokens, chosen on the device and on their way to the host (one per sequence)."""
 
     seqs: list[Sequence]
     tokens: torch.Tensor  # host copy, complete once `ready` has fired
@@ -105,7 +105,8 @@ class LLMEngine:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self._requests: dict[str, Sequence] = {}
         self._aborted: list[Sequence] = []
-        self._default_generator = torch.Generator().manual_seed(args.seed)
+        # Draws of requests without a seed of their own, on the device the logits live on.
+        self._default_generator = torch.Generator(self.device).manual_seed(args.seed)
         self._counters = {"prompt": 0, "generation": 0, "prefill_computed": 0, "cached": 0}
         self._inflight: InFlightTokens | None = None
 
@@ -201,11 +202,12 @@ class LLMEngine:
     # ---- the loop ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one step. With overlapped scheduling, a step whose sequences all decode greedily
-        without logprobs picks its tokens on the device and returns before they are read: the next
-        call launches the following step first (feeding those tokens from the device), then reads
-        them while the GPU works. A sequence that then turns out to have stopped (EOS, stop token or
-        string) has had its last token fed once more: its state covers all of its tokens."""
+        """Run one step. With overlapped scheduling, a step whose sequences all sample on the device
+        (greedy or unseeded, without penalties or logprobs) picks its tokens there and returns before
+        they are read: the next call launches the following step first (feeding those tokens from
+        the device), then reads them while the GPU works. A sequence that then turns out to have
+        stopped (EOS, stop token or string) has had its last token fed once more: its state covers
+        all of its tokens."""
         outputs = [self._output(seq) for seq in self._aborted]
         self._aborted = []
         chunks, admitted = self.scheduler.schedule()
@@ -224,7 +226,7 @@ class LLMEngine:
                 self._counters["prefill_computed"] += max(0, min(chunk.start + chunk.length, seq.num_prompt_tokens) - chunk.start)
                 seq.num_computed += chunk.length
             completing = [c.seq for c in chunks if c.completes]
-            if completing and self.args.enable_overlap_schedule and all(self._samples_on_device(s.params) for s in completing):
+            if completing and self.args.enable_overlap_schedule and all(self._overlappable(s.params) for s in completing):
                 launched = self._sample_on_device(logits, completing)
         if self._inflight is not None:
             outputs += self._collect(self._inflight)
@@ -236,12 +238,11 @@ class LLMEngine:
         return outputs
 
     @staticmethod
-    def _samples_on_device(p: SamplingParams) -> bool:
-        return p.greedy and not p.has_penalties and p.logprobs is None
+    def _overlappable(p: SamplingParams) -> bool:
+        return samples_on_device(p) and p.logprobs is None
 
     def _sample_on_device(self, logits: torch.Tensor, seqs: list[Sequence]) -> InFlightTokens:
-        sampled = self.runner.sampled[: len(seqs)]
-        torch.argmax(logits, dim=-1, out=sampled)
+        sampled = sample_on_device(logits, [seq.params for seq in seqs], self._default_generator, out=self.runner.sampled[: len(seqs)])
         tokens = sampled.to("cpu", non_blocking=True, copy=True)
         ready = None
         if self.device.type == "cuda":
@@ -279,7 +280,8 @@ class LLMEngine:
             logits,
             [seq.params for seq in completing],
             lambda i: (completing[i].prompt_token_ids, completing[i].output_token_ids),
-            [seq.generator or self._default_generator for seq in completing],
+            [seq.generator for seq in completing],
+            self._default_generator,
         )
         outputs = []
         for row, seq in enumerate(completing):

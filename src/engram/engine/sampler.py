@@ -1,10 +1,13 @@
 """Next-token choice from logits: penalties, temperature, top-k, top-p, min-p, seeded sampling,
 and logprobs of the model's own distribution.
 
-Logits may live on the GPU. `sample_batch` takes the whole step at once: greedy rows without
-penalties are one argmax on the device and one read-back of the token ids; every other row goes
-through `sample_row`, which applies penalties and filters on the logits' device and draws from the
-request's (CPU) generator, so seeded sampling gives the same tokens as on the CPU."""
+Logits may live on the GPU. `sample_on_device` picks the tokens of every row without penalties or
+its own seed at once, on the logits' device and with no host sync: greedy rows take the argmax, the
+others filter in one batch and draw by an exponential race (the argmax of p / Exp(1), which picks
+token i with probability p_i) from the engine's generator on that device. `sample_batch` takes a
+whole step: those rows go through `sample_on_device`, every other row through `sample_row`, which
+applies penalties and filters on the logits' device and draws from the request's (CPU) generator,
+so seeded sampling gives the same tokens as on the CPU."""
 
 from __future__ import annotations
 
@@ -28,20 +31,28 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: li
     return logits
 
 
-def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p masks (masked entries become -inf)."""
-    logits = logits / params.temperature
-    if params.top_k > 0:
-        kth = torch.topk(logits, min(params.top_k, logits.shape[-1])).values[-1]
+def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, then top-k, min-p and top-p masks (masked entries become -inf), row i of
+    `logits` [R, V] with params[i] (sampling rows: temperature > 0)."""
+    def column(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=logits.dtype, device=logits.device)[:, None]
+
+    logits = logits / column([p.temperature for p in params])
+    ks = [min(p.top_k, logits.shape[-1]) if p.top_k > 0 else 0 for p in params]  # 0: top-k off
+    if any(ks):
+        largest = torch.topk(logits, max(ks)).values  # [R, max k], descending
+        kth = largest.gather(1, torch.tensor([max(k, 1) - 1 for k in ks], device=logits.device)[:, None])
+        kth = kth.masked_fill(torch.tensor([k == 0 for k in ks], device=logits.device)[:, None], -torch.inf)
         logits = logits.masked_fill(logits < kth, -torch.inf)
-    if params.min_p > 0:
+    if any(p.min_p > 0 for p in params):
         probs = torch.softmax(logits, dim=-1)
-        logits = logits.masked_fill(probs < params.min_p * probs.max(), -torch.inf)
-    if params.top_p < 1.0:
+        logits = logits.masked_fill(probs < column([p.min_p for p in params]) * probs.amax(-1, keepdim=True), -torch.inf)
+    if any(p.top_p < 1.0 for p in params):
         sorted_logits, order = torch.sort(logits, descending=True)
-        cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
-        drop = cum - torch.softmax(sorted_logits, dim=-1) >= params.top_p  # keep the token that crosses top_p
-        logits = logits.masked_fill(drop.scatter(0, order, drop), -torch.inf)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        top_p = column([p.top_p if p.top_p < 1.0 else 2.0 for p in params])  # 2: off, whatever the rounding
+        drop = probs.cumsum(-1) - probs >= top_p  # keep the token that crosses top_p
+        logits = logits.masked_fill(drop.scatter(1, order, drop), -torch.inf)
     return logits
 
 
@@ -49,10 +60,27 @@ def sample_row(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[in
     logits = apply_penalties(logits.clone(), params, prompt_ids, output_ids)
     if params.greedy:
         return int(logits.argmax())
-    probs = torch.softmax(filter_logits(logits, params), dim=-1)
+    probs = torch.softmax(filter_logits(logits[None], [params])[0], dim=-1)
     if generator is not None and probs.device != generator.device:
         probs = probs.to(generator.device)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def samples_on_device(params: SamplingParams) -> bool:
+    """Whether `sample_on_device` serves a row: no penalties, no seed of its own for a random draw."""
+    return not params.has_penalties and (params.greedy or params.seed is None)
+
+
+def sample_on_device(logits: torch.Tensor, params: list[SamplingParams], generator: torch.Generator, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Token ids [R] (int64, on the logits' device) for rows that `samples_on_device` serves."""
+    tokens = torch.argmax(logits, dim=-1, out=out)
+    drawn = [i for i, p in enumerate(params) if not p.greedy]
+    if drawn:
+        rows = torch.tensor(drawn, device=logits.device)
+        probs = torch.softmax(filter_logits(logits[rows], [params[i] for i in drawn]), dim=-1)
+        race = probs / torch.empty_like(probs).exponential_(generator=generator)
+        tokens[rows] = race.argmax(dim=-1)
+    return tokens
 
 
 def sample_batch(
@@ -60,18 +88,22 @@ def sample_batch(
     params: list[SamplingParams],
     history: Callable[[int], tuple[list[int], list[int]]],
     generators: list[torch.Generator | None],
+    device_generator: torch.Generator,
 ) -> list[int]:
-    """One token per row of `logits` [R, V]. `history(i)` gives row i's (prompt ids, output ids),
-    asked only for rows whose penalties need them."""
+    """One token per row of `logits` [R, V]. `generators[i]`: row i's own generator (a seeded
+    request) or None; `device_generator` (on the logits' device) draws for every other row.
+    `history(i)` gives row i's (prompt ids, output ids), asked only for rows whose penalties need them."""
     tokens = [0] * len(params)
-    plain = [i for i, p in enumerate(params) if p.greedy and not p.has_penalties]
-    if plain:
-        rows = logits if len(plain) == len(params) else logits[torch.tensor(plain, device=logits.device)]
-        for i, t in zip(plain, rows.argmax(dim=-1).tolist()):
+    batched = [i for i, p in enumerate(params) if samples_on_device(p)]
+    if batched:
+        whole = len(batched) == len(params)
+        rows = logits if whole else logits[torch.tensor(batched, device=logits.device)]
+        chosen = sample_on_device(rows, params if whole else [params[i] for i in batched], device_generator)
+        for i, t in zip(batched, chosen.tolist()):
             tokens[i] = t
-    for i in sorted(set(range(len(params))) - set(plain)):
+    for i in sorted(set(range(len(params))) - set(batched)):
         prompt_ids, output_ids = history(i) if params[i].has_penalties else ([], [])
-        tokens[i] = sample_row(logits[i], params[i], prompt_ids, output_ids, generators[i])
+        tokens[i] = sample_row(logits[i], params[i], prompt_ids, output_ids, generators[i] or device_generator)
     return tokens
 
 
