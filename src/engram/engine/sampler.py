@@ -6,8 +6,8 @@ its own seed at once, on the logits' device and with no host sync: greedy rows t
 others filter in one batch and draw by an exponential race (the argmax of p / Exp(1), which picks
 token i with probability p_i) from the engine's generator on that device. `sample_batch` takes a
 whole step: those rows go through `sample_on_device`, every other row through `sample_row`, which
-applies penalties and filters on the logits' device and draws from the request's (CPU) generator,
-so seeded sampling gives the same tokens as on the CPU."""
+applies penalties and filters on the logits' device and draws from the request's own (CPU)
+generator when it has a seed, so seeded sampling gives the same tokens on any device."""
 
 from __future__ import annotations
 
