@@ -1,11 +1,12 @@
-"""Choose the block sizes of the small-batch GEMV kernels (`triton_ops.GEMV_CONFIG`) on this GPU.
+"""Choose the block sizes of the small-batch kernels (`triton_ops.GEMV_CONFIG`) on this GPU.
 
     python benchmarks/tune_gemv.py [--config granite-4.0-h-tiny] [--rows 1]
 
-For the config's decode shapes (Mamba2 in_proj / out_proj, the MoE with its shared expert) it
-times every (BLOCK_N, BLOCK_K, num_warps) in a small grid, each call replayed from a CUDA graph
-that cycles through enough weight copies to defeat the L2 cache, and prints the best per kernel
-next to cuBLAS (F.linear) on the same shapes, with the bandwidth reached.
+For the config's decode shapes it times every configuration in a small grid, each call replayed
+from a CUDA graph that cycles through enough weight copies to defeat the L2 cache, and prints the
+best per kernel with the bandwidth reached: up to LINEAR_GEMV_MAX_ROWS rows, the GEMVs (Mamba2
+in_proj / out_proj next to cuBLAS, the MoE with its shared expert); above, the grouped MoE GEMM
+(`--rows 64`: a decode batch of 64).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from bench_speed import find_config, replay_seconds  # noqa: E402
 from engram.ops import triton_ops  # noqa: E402
 
 GRID = list(itertools.product((1, 2, 4, 8), (512, 1024, 2048), (1, 2, 4, 8)))
+GROUPED_GRID = list(itertools.product((16, 32), (64, 128), (64, 128), (4, 8), (3, 4)))
 COPIES = 12  # weight copies cycled through: more bytes than the L2 cache holds
 
 
@@ -46,10 +48,10 @@ def time_graph(fn, copies: int, reps: int = 8) -> float:
     return replay_seconds(g, 5) / (reps * copies)
 
 
-def sweep(key: str, fn, copies: int, nbytes: int) -> dict:
+def sweep(key: str, fn, copies: int, nbytes: int, grid: list[tuple] = GRID) -> dict:
     rows = []
     saved = triton_ops.GEMV_CONFIG[key]
-    for cfg in GRID:
+    for cfg in grid:
         triton_ops.GEMV_CONFIG[key] = cfg
         try:
             rows.append((time_graph(fn, copies), cfg))
@@ -76,11 +78,14 @@ def main() -> None:
     d_in = cfg["mamba_expand"] * H
     conv_dim = d_in + 2 * cfg["mamba_n_groups"] * cfg["mamba_d_state"]
     results = {"gpu": torch.cuda.get_device_name(), "rows": m, "config": args.config}
+    gemv = m <= triton_ops.LINEAR_GEMV_MAX_ROWS
 
     def rnd(*shape):
         return torch.randn(*shape, device=dev, dtype=dt) * 0.02
 
-    for name, (n, k) in {"in_proj": (d_in + conv_dim + cfg["mamba_n_heads"], H), "out_proj": (H, d_in)}.items():
+    # The linear layers take the GEMV only up to LINEAR_GEMV_MAX_ROWS rows (cuBLAS above).
+    linear_shapes = {"in_proj": (d_in + conv_dim + cfg["mamba_n_heads"], H), "out_proj": (H, d_in)} if gemv else {}
+    for name, (n, k) in linear_shapes.items():
         ws = [rnd(n, k) for _ in range(COPIES)]
         x = rnd(m, k)
         nbytes = n * k * 2
@@ -106,9 +111,12 @@ def main() -> None:
         return triton_ops.moe_experts(x, w_in[i], w_out[i], weights, ids, F.silu, True, (s_in[i], s_out[i]))
 
     print(f"moe: {distinct} experts + shared, {nbytes / 1e6:.1f} MB per call", flush=True)
-    results["moe_up"] = sweep("moe_up", moe, copies, nbytes)
-    triton_ops.GEMV_CONFIG["moe_up"] = tuple(results["moe_up"]["best"])
-    results["moe_down"] = sweep("moe_down", moe, copies, nbytes)
+    if gemv:
+        results["moe_up"] = sweep("moe_up", moe, copies, nbytes)
+        triton_ops.GEMV_CONFIG["moe_up"] = tuple(results["moe_up"]["best"])
+        results["moe_down"] = sweep("moe_down", moe, copies, nbytes)
+    else:  # the grouped GEMM (and, inside the same timing, the alignment, the shared expert, the combine)
+        results["moe_grouped"] = sweep("moe_grouped", moe, copies, nbytes, GROUPED_GRID)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
 

@@ -1013,10 +1013,7 @@ def moe_experts(x, w_in, w_out, weights, ids, act, gated, shared=None):
     h1 = torch.empty((tk, I), dtype=x.dtype, device=x.device)
     if tk <= MOE_GEMV_MAX_PAIRS and Hdim <= 8192 and I <= 8192:
         return _moe_gemv(x, w_in, w_out, weights, ids, code, gated, shared, h1, out)
-    if tk <= 2048:
-        bm, bn, bk, warps, stages = 16, 64, 128, 4, 3
-    else:
-        bm, bn, bk, warps, stages = 64, 128, 64, 8, 3
+    bm, bn, bk, warps, stages = GEMV_CONFIG["moe_grouped"] if tk <= 2048 else (64, 128, 64, 8, 3)
     if tk <= MOE_ALIGN_KERNEL_MAX_PAIRS and E <= 512:
         sorted_ids, block_expert = moe_align_triton(ids, E, bm)
     else:
@@ -1119,9 +1116,10 @@ def _gemv_kernel(
 # Rows of x up to which `linear` runs the GEMV above instead of cuBLAS.
 LINEAR_GEMV_MAX_ROWS = 4
 
-# (BLOCK_N, BLOCK_K, num_warps) of the small-batch GEMV kernels, measured on an H200 with
-# benchmarks/tune_gemv.py.
-GEMV_CONFIG = {"linear": (2, 1024, 1), "moe_up": (1, 2048, 1), "moe_down": (1, 1024, 1)}
+# Block sizes of the small-batch kernels: (BLOCK_N, BLOCK_K, num_warps) of the GEMVs, measured on an
+# H200 with benchmarks/tune_gemv.py, and (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the
+# grouped MoE GEMM up to 2,048 routed pairs (not yet measured against others: `--rows 64` does).
+GEMV_CONFIG = {"linear": (2, 1024, 1), "moe_up": (1, 2048, 1), "moe_down": (1, 1024, 1), "moe_grouped": (16, 64, 128, 4, 3)}
 
 
 def _gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
