@@ -28,7 +28,8 @@ from bench_speed import find_config, replay_seconds  # noqa: E402
 from engram.ops import triton_ops  # noqa: E402
 
 GRID = list(itertools.product((1, 2, 4, 8), (512, 1024, 2048), (1, 2, 4, 8)))
-GROUPED_GRID = list(itertools.product((16, 32), (64, 128), (64, 128), (4, 8), (3, 4)))
+GROUPED_UP_GRID = list(itertools.product((16,), (16, 32, 64), (32, 64, 128), (2, 4), (3, 4, 5)))
+GROUPED_DOWN_GRID = list(itertools.product((32, 64, 128), (64, 128, 256), (4, 8), (3, 4)))
 COPIES = 12  # weight copies cycled through: more bytes than the L2 cache holds
 
 
@@ -115,8 +116,10 @@ def main() -> None:
         results["moe_up"] = sweep("moe_up", moe, copies, nbytes)
         triton_ops.GEMV_CONFIG["moe_up"] = tuple(results["moe_up"]["best"])
         results["moe_down"] = sweep("moe_down", moe, copies, nbytes)
-    else:  # the grouped GEMM (and, inside the same timing, the alignment, the shared expert, the combine)
-        results["moe_grouped"] = sweep("moe_grouped", moe, copies, nbytes, GROUPED_GRID)
+    else:  # the grouped GEMM (and, inside the same timing, the alignment and the combine)
+        results["moe_grouped_up"] = sweep("moe_grouped_up", moe, copies, nbytes, GROUPED_UP_GRID)
+        triton_ops.GEMV_CONFIG["moe_grouped_up"] = tuple(results["moe_grouped_up"]["best"])
+        results["moe_grouped_down"] = sweep("moe_grouped_down", moe, copies, nbytes, GROUPED_DOWN_GRID)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
 

@@ -302,6 +302,22 @@ def test_route_softmax_topk():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("residual_fp32", [False, True])
+def test_add_rms_norm_linear(dtype, residual_fp32):
+    g = _gen(13)
+    for tokens, hidden, outputs, scale in ((1, 1536, 64, 1.0), (33, 96, 4, 0.22), (70, 200, 40, 1.0), (3, 48, 600, 1.0)):
+        x, w = _randn(tokens, hidden, g=g, dtype=dtype), _randn(hidden, g=g, dtype=dtype)
+        r = _randn(tokens, hidden, g=g, dtype=torch.float32 if residual_fp32 else dtype)
+        lin = _randn(outputs, hidden, g=g, dtype=dtype) * 0.2
+        h, stream, out = triton_ops.add_rms_norm_linear(x, r, w, 1e-5, scale, lin)
+        h_ref, stream_ref, out_ref = norm.add_rms_norm_linear(x, r, w, 1e-5, scale, lin)
+        assert stream.dtype == stream_ref.dtype and h.dtype == h_ref.dtype and out.dtype == out_ref.dtype
+        torch.testing.assert_close(stream, stream_ref, **(dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=0, rtol=0)))
+        torch.testing.assert_close(h, h_ref, **_tol(dtype))
+        torch.testing.assert_close(out, out_ref, **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", [1, 3, 40, 700])
 @pytest.mark.parametrize("gated", [True, False])
 @pytest.mark.parametrize("shared_inter", [None, 24, 80])

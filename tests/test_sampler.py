@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engram.engine.request import SamplingParams
@@ -40,15 +41,20 @@ def test_filters_keep_what_they_promise():
     assert bool(kept(SamplingParams()).all()) and bool(kept(SamplingParams(top_k=100)).all())  # k beyond the vocabulary
 
 
-def test_draws_follow_the_filtered_distribution_and_greedy_rows_take_the_argmax():
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_draws_follow_the_filtered_distribution_and_greedy_rows_take_the_argmax(device):
     n = 40_000
-    logits = _logits(1, vocab=12, seed=2)
+    logits = _logits(1, vocab=12, seed=2).to(device)
     p = SamplingParams(temperature=0.8, top_k=8, top_p=0.9)
     expected = torch.softmax(filter_logits(logits, [p])[0], dim=-1)
     rows = logits.expand(n + 1, -1).contiguous()
     params = [p] * n + [SamplingParams(temperature=0.0)]
-    tokens = sample_on_device(rows, params, torch.Generator().manual_seed(0))
+    tokens = sample_on_device(rows, params, torch.Generator(device).manual_seed(0))
     assert int(tokens[-1]) == int(logits.argmax())
-    freq = torch.bincount(tokens[:-1], minlength=12).float() / n
+    freq = torch.bincount(tokens[:-1].cpu(), minlength=12).float() / n
+    expected = expected.cpu()
     assert bool((freq[expected == 0] == 0).all())
     assert float((freq - expected).abs().max()) < 0.015  # about 6 standard deviations at n = 40,000

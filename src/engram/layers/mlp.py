@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engram.layers.linear import Linear
+from engram.layers.norm import RMSNorm
 from engram.ops.dispatch import kernels
 from engram.ops.moe import route_sigmoid_grouped
 
@@ -62,7 +63,8 @@ class PlainMLP(nn.Module):
 
 class SoftmaxTopKMoE(nn.Module):
     """Granite MoE: softmax over the top-k router logits, gated SiLU experts, plus the block's
-    shared MLP computed with them (one set of kernels for both)."""
+    shared MLP computed with them (one set of kernels for both). It takes the block's residual
+    stream and applies the norm before it itself, in the same op as the router."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int):
         super().__init__()
@@ -72,11 +74,16 @@ class SoftmaxTopKMoE(nn.Module):
         self.input_linear = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.output_linear = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
-    def forward(self, x: torch.Tensor, shared_mlp: FusedGatedMLP) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, residual_scale: float, shared_mlp: FusedGatedMLP
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(MoE(norm(stream)), stream) for stream = residual + x * residual_scale."""
         k = kernels()
-        weights, ids = k.route_softmax_topk(self.router.layer(x), self.top_k)
+        h, residual, logits = k.add_rms_norm_linear(x, residual, norm.weight, norm.eps, residual_scale, self.router.layer.weight)
+        weights, ids = k.route_softmax_topk(logits, self.top_k)
         # moe_experts casts the routing weights to the activation dtype itself.
-        return k.moe_experts(x, self.input_linear, self.output_linear, weights, ids, F.silu, True, shared_mlp.as_shared_expert())
+        out = k.moe_experts(h, self.input_linear, self.output_linear, weights, ids, F.silu, True, shared_mlp.as_shared_expert())
+        return out, residual
 
 
 class SigmoidGroupedMoE(nn.Module):

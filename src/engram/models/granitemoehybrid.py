@@ -28,9 +28,11 @@ class GraniteHybridBlock(nn.Module):
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         h, residual = self.input_norm.add_and_norm(hidden, residual, self.residual_multiplier)
-        h, residual = self.post_norm.add_and_norm(self.mixer(h, batch), residual, self.residual_multiplier)
-        ffn = self.shared_mlp(h) if self.moe is None else self.moe(h, self.shared_mlp)
-        return ffn, residual
+        mixed = self.mixer(h, batch)
+        if self.moe is not None:
+            return self.moe(mixed, residual, self.post_norm, self.residual_multiplier, self.shared_mlp)
+        h, residual = self.post_norm.add_and_norm(mixed, residual, self.residual_multiplier)
+        return self.shared_mlp(h), residual
 
 
 class GraniteMoeHybridForCausalLM(CausalLM):

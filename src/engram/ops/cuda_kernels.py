@@ -85,6 +85,7 @@ def available() -> dict:
         linear=triton_ops.linear,
         rms_norm=triton_ops.rms_norm,
         add_rms_norm=triton_ops.add_rms_norm,
+        add_rms_norm_linear=triton_ops.add_rms_norm_linear,
         gated_rms_norm=triton_ops.gated_rms_norm,
         silu_and_mul=triton_ops.silu_and_mul,
         store_kv=triton_ops.store_kv,

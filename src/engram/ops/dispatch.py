@@ -28,6 +28,7 @@ class KernelSet:
     linear_conv_update: Callable = conv.linear_conv_update
     rms_norm: Callable = norm.rms_norm
     add_rms_norm: Callable = norm.add_rms_norm
+    add_rms_norm_linear: Callable = norm.add_rms_norm_linear
     gated_rms_norm: Callable = norm.gated_rms_norm
     silu_and_mul: Callable = activation.silu_and_mul
     store_kv: Callable = attention.store_kv

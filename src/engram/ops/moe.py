@@ -14,7 +14,6 @@ def route_softmax_topk(router_logits: torch.Tensor, top_k: int) -> tuple[torch.T
     return torch.softmax(top_logits, dim=-1), ids
 
 
-
 def route_sigmoid_grouped(
     router_logits: torch.Tensor,
     correction_bias: torch.Tensor,

@@ -27,6 +27,15 @@ def add_rms_norm(
     return rms_norm(residual.to(x.dtype), weight, eps, weight_in_fp32), residual
 
 
+def add_rms_norm_linear(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, scale: float, linear_weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`add_rms_norm`, then a bias-free linear layer on the normalized rows, as one op (the fast path
+    fuses them for a layer with few outputs: a MoE router). Returns (normalized, stream, output)."""
+    h, residual = add_rms_norm(x, residual, weight, eps, scale)
+    return h, residual, F.linear(h, linear_weight)
+
+
 def gated_rms_norm(
     x: torch.Tensor,
     gate: torch.Tensor,

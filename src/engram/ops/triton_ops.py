@@ -20,6 +20,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from engram.ops import moe as moe_ref
+from engram.ops import norm as norm_ref
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -137,6 +138,58 @@ def add_rms_norm(
             SCALED=scale != 1.0, BLOCK=block, W_FP32=weight_in_fp32, num_warps=_norm_warps(block), **_PDL_LAUNCH,
         )
     return y.view(*x.shape[:-1], n), r_out.view(*residual.shape[:-1], n)
+
+
+@triton.jit
+def _add_rms_norm_linear_kernel(
+    X, R, W, Y, RO, L, Out, stride_x, stride_r, stride_y, stride_ro, stride_l, stride_o, N, NL, eps, scale,
+    SCALED: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+):
+    """Programs (token, block of ROWS output features): each normalizes its token's row (as
+    `_add_rms_norm_kernel`; the first program of the token stores it and the stream) and applies
+    its ROWS rows of the linear layer to it, so the weight loads of all programs are in flight at once."""
+    _wait_for_previous_kernel()
+    row = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+    jm = j < NL
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    lw = tl.load(L + j[:, None] * stride_l + cols[None, :], mask=jm[:, None] & mask[None, :], other=0.0)
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+    if SCALED:
+        x = (x.to(tl.float32) * scale).to(x.dtype)
+    r = (tl.load(R + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32) + x.to(tl.float32)).to(RO.dtype.element_ty)
+    w = tl.load(W + cols, mask=mask, other=0.0)
+    h = _normalize(r.to(x.dtype), w, N, eps, False).to(Y.dtype.element_ty)
+    if tl.program_id(1) == 0:
+        tl.store(RO + row * stride_ro + cols, r, mask=mask)
+        tl.store(Y + row * stride_y + cols, h, mask=mask)
+    out = tl.sum(lw.to(tl.float32) * h.to(tl.float32)[None, :], axis=1)
+    tl.store(Out + row * stride_o + j, out.to(Out.dtype.element_ty), mask=jm)
+
+
+# Output features up to which `add_rms_norm_linear` runs the fused kernel (a router; not a projection).
+NORM_LINEAR_MAX_FEATURES = 512
+
+
+def add_rms_norm_linear(x, residual, weight, eps, scale, linear_weight):
+    nl, n = linear_weight.shape
+    if nl > NORM_LINEAR_MAX_FEATURES or linear_weight.stride(-1) != 1 or weight.dtype != x.dtype:
+        return norm_ref.add_rms_norm_linear(x, residual, weight, eps, scale, linear_weight)
+    x2, r2 = _rows(x), _rows(residual)
+    T = x2.shape[0]
+    y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    r_out = torch.empty(r2.shape, dtype=torch.promote_types(residual.dtype, x.dtype), device=x.device)
+    out = torch.empty((T, nl), dtype=x.dtype, device=x.device)
+    if T:
+        block = _np2(n)
+        rows = max(1, 8192 // block)  # a [rows, hidden] tile of the weight per program
+        _add_rms_norm_linear_kernel[(T, triton.cdiv(nl, rows))](
+            x2, r2, weight, y, r_out, linear_weight, out, x2.stride(0), r2.stride(0), y.stride(0), r_out.stride(0),
+            linear_weight.stride(0), out.stride(0), n, nl, eps, float(scale), SCALED=scale != 1.0, BLOCK=block, ROWS=rows,
+            num_warps=4, **_PDL_LAUNCH,
+        )
+    return y.view(*x.shape[:-1], n), r_out.view(*residual.shape[:-1], n), out.view(*x.shape[:-1], nl)
 
 
 @triton.jit
@@ -823,66 +876,90 @@ def _moe_down_gemv_kernel(
 
 
 @triton.jit
+def _grouped_dot(A, W, a_rows, rv, n, nm, stride_a, stride_wn, K, acc,
+                 BLOCK_K: tl.constexpr, PREC: tl.constexpr):
+    """acc + A[a_rows] @ W[n]^T over K: the rows of one block of tokens times one expert's rows n."""
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        km = kk < K
+        a = tl.load(A + a_rows[:, None] * stride_a + kk[None, :], mask=rv[:, None] & km[None, :], other=0.0)
+        w = tl.load(W + n[None, :] * stride_wn + kk[:, None], mask=nm[None, :] & km[:, None], other=0.0)
+        acc = tl.dot(a, w.to(a.dtype), acc, input_precision=PREC)
+    return acc
+
+
+@triton.jit
+def _grouped_up_tile(X, W, H, x_rows, h_rows, rv, nb, stride_x, stride_wn, stride_h, Hdim, I,
+                     GATED: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, PREC: tl.constexpr):
+    """H[h_rows, block nb] = act(X[x_rows] W_gate^T) * (X[x_rows] W_up^T), rounded as the reference."""
+    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    nm = n < I
+    dt = H.dtype.element_ty
+    zero = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    g = _grouped_dot(X, W, x_rows, rv, n, nm, stride_x, stride_wn, Hdim, zero, BLOCK_K, PREC)
+    h = _act(g.to(dt).to(tl.float32), ACT).to(dt).to(tl.float32)
+    if GATED:
+        h = h * _grouped_dot(X, W + I * stride_wn, x_rows, rv, n, nm, stride_x, stride_wn, Hdim, zero, BLOCK_K, PREC).to(dt).to(tl.float32)
+    tl.store(H + h_rows[:, None] * stride_h + n[None, :], h.to(dt), mask=rv[:, None] & nm[None, :])
+
+
+@triton.jit
 def _moe_up_grouped_kernel(
-    X, Win, SortedIds, BlockExpert, H1, stride_x, stride_we, stride_wn, stride_h, Tk, Hdim, I, E,
+    X, Win, SortedIds, BlockExpert, H1, Sin, Hs, stride_x, stride_we, stride_wn, stride_h, stride_sn, stride_hs,
+    Tk, T, Hdim, I, IS, E, NB,
     TOPK: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, PREC: tl.constexpr,
 ):
+    """Programs (b, nb): for b < NB, block b of the routed pairs sorted by expert; after that (with a
+    shared expert, IS > 0) blocks of BLOCK_M tokens through the shared expert."""
     _wait_for_previous_kernel()
     b = tl.program_id(0).to(tl.int64)
-    e = tl.load(BlockExpert + b).to(tl.int64)
-    if e >= E:
-        return
-    rows = tl.load(SortedIds + b * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    rv = rows < Tk
-    tok = rows // TOPK
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    nm = n < I
-    wbase = Win + e * stride_we
-    accg = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    accu = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, Hdim, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        km = kk < Hdim
-        xa = tl.load(X + tok[:, None] * stride_x + kk[None, :], mask=rv[:, None] & km[None, :], other=0.0)
-        wg = tl.load(wbase + n[None, :] * stride_wn + kk[:, None], mask=nm[None, :] & km[:, None], other=0.0)
-        accg = tl.dot(xa, wg.to(xa.dtype), accg, input_precision=PREC)
-        if GATED:
-            wu = tl.load(wbase + (n + I)[None, :] * stride_wn + kk[:, None], mask=nm[None, :] & km[:, None], other=0.0)
-            accu = tl.dot(xa, wu.to(xa.dtype), accu, input_precision=PREC)
-    dt = H1.dtype.element_ty
-    h = _act(accg.to(dt).to(tl.float32), ACT).to(dt).to(tl.float32)
-    if GATED:
-        h = h * accu.to(dt).to(tl.float32)
-    tl.store(H1 + rows[:, None] * stride_h + n[None, :], h.to(dt), mask=rv[:, None] & nm[None, :])
+    nb = tl.program_id(1)
+    if b < NB:
+        e = tl.load(BlockExpert + b).to(tl.int64)
+        if (e >= E) | (nb * BLOCK_N >= I):
+            return
+        rows = tl.load(SortedIds + b * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        _grouped_up_tile(X, Win + e * stride_we, H1, rows // TOPK, rows, rows < Tk, nb, stride_x, stride_wn, stride_h, Hdim, I,
+                         GATED, ACT, BLOCK_M, BLOCK_N, BLOCK_K, PREC)
+    else:
+        if nb * BLOCK_N >= IS:
+            return
+        t = (b - NB) * BLOCK_M + tl.arange(0, BLOCK_M)
+        _grouped_up_tile(X, Sin, Hs, t, t, t < T, nb, stride_x, stride_sn, stride_hs, Hdim, IS,
+                         GATED, ACT, BLOCK_M, BLOCK_N, BLOCK_K, PREC)
 
 
 @triton.jit
 def _moe_down_grouped_kernel(
-    H1, Wout, SortedIds, BlockExpert, Wts, O2, stride_h, stride_we, stride_wn, stride_o, Tk, Hdim, I, E,
+    H1, Wout, SortedIds, BlockExpert, Wts, O2, Hs, Sout, S, stride_h, stride_we, stride_wn, stride_o,
+    stride_hs, stride_sn, stride_s, Tk, T, Hdim, I, IS, E, NB,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
 ):
+    """Routed blocks: O2[pair] = weight * (W_down h) in float32, each rounded as the reference; then
+    (with a shared expert) S[token] = W_shared_down h_shared."""
     _wait_for_previous_kernel()
     b = tl.program_id(0).to(tl.int64)
-    e = tl.load(BlockExpert + b).to(tl.int64)
-    if e >= E:
-        return
-    rows = tl.load(SortedIds + b * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    rv = rows < Tk
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < Hdim
-    wbase = Wout + e * stride_we
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, I, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        km = kk < I
-        ha = tl.load(H1 + rows[:, None] * stride_h + kk[None, :], mask=rv[:, None] & km[None, :], other=0.0)
-        w = tl.load(wbase + n[None, :] * stride_wn + kk[:, None], mask=nm[None, :] & km[:, None], other=0.0)
-        acc = tl.dot(ha, w.to(ha.dtype), acc, input_precision=PREC)
     dt = H1.dtype.element_ty
-    wt = tl.load(Wts + rows, mask=rv, other=0.0).to(dt).to(tl.float32)
-    o = (acc.to(dt).to(tl.float32) * wt[:, None]).to(dt).to(tl.float32)
-    tl.store(O2 + rows[:, None] * stride_o + n[None, :], o, mask=rv[:, None] & nm[None, :])
+    zero = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if b < NB:
+        e = tl.load(BlockExpert + b).to(tl.int64)
+        if e >= E:
+            return
+        rows = tl.load(SortedIds + b * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        rv = rows < Tk
+        acc = _grouped_dot(H1, Wout + e * stride_we, rows, rv, n, nm, stride_h, stride_wn, I, zero, BLOCK_K, PREC)
+        wt = tl.load(Wts + rows, mask=rv, other=0.0).to(dt).to(tl.float32)
+        o = (acc.to(dt).to(tl.float32) * wt[:, None]).to(dt).to(tl.float32)
+        tl.store(O2 + rows[:, None] * stride_o + n[None, :], o, mask=rv[:, None] & nm[None, :])
+    else:
+        t = (b - NB) * BLOCK_M + tl.arange(0, BLOCK_M)
+        tv = t < T
+        acc = _grouped_dot(Hs, Sout, t, tv, n, nm, stride_hs, stride_sn, IS, zero, BLOCK_K, PREC)
+        tl.store(S + t[:, None] * stride_s + n[None, :], acc.to(dt), mask=tv[:, None] & nm[None, :])
 
 
 def _act_code(act: Callable) -> int | None:
@@ -922,38 +999,40 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.
 
 
 @triton.jit
-def _moe_align_kernel(Ids, SortedIds, BlockExpert, Tk, NB, MAXP,
-                      BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
-    """`moe_align` in one program: counts, padded offsets, block experts, and the stable scatter
-    of pair indices to their expert's padded run (ranks by a cumulative sum of one-hot rows)."""
+def _moe_align_kernel(Ids, SortedIds, BlockExpert, Tk, NB, MAXP, E,
+                      BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, CHUNK: tl.constexpr):
+    """`moe_align`, one program per expert (and one more for the tail), each writing only its own
+    run: every program counts all pairs per expert (a histogram), takes its padded offset, and
+    scatters its pairs there in order (ranks by a cumulative sum), then pads its run and marks its
+    blocks. The last program pads the space past the last run."""
     _wait_for_previous_kernel()
-    e_off = tl.arange(0, BLOCK_E)
-    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for c0 in range(0, Tk, CHUNK):
-        a = c0 + tl.arange(0, CHUNK)
-        ids = tl.load(Ids + a, mask=a < Tk, other=BLOCK_E).to(tl.int32)
-        counts += tl.sum((ids[:, None] == e_off[None, :]).to(tl.int32), axis=0)
+    e = tl.program_id(0)
+    a = tl.arange(0, BLOCK_T)
+    am = a < Tk
+    ids = tl.load(Ids + a, mask=am, other=0).to(tl.int32)
+    eo = tl.arange(0, BLOCK_E)
+    counts = tl.histogram(ids, BLOCK_E) - tl.where(eo == 0, BLOCK_T - Tk, 0)  # less the padding's zeros
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    pad_end = tl.cumsum(padded, axis=0)
-    pad_start = pad_end - padded
-    for b0 in range(0, NB, CHUNK):
-        b = b0 + tl.arange(0, CHUNK)
-        be = tl.sum((pad_end[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32), axis=1)
-        tl.store(BlockExpert + b, be.to(tl.int64), mask=b < NB)
-    for p0 in range(0, MAXP, CHUNK):
-        p = p0 + tl.arange(0, CHUNK)
-        tl.store(SortedIds + p, tl.zeros([CHUNK], dtype=tl.int64) + Tk, mask=p < MAXP)
-    tl.debug_barrier()
-    running = pad_start
-    for c0 in range(0, Tk, CHUNK):
-        a = c0 + tl.arange(0, CHUNK)
-        am = a < Tk
-        ids = tl.load(Ids + a, mask=am, other=BLOCK_E).to(tl.int32)
-        oh = (ids[:, None] == e_off[None, :]).to(tl.int32)
-        before = tl.cumsum(oh, axis=0) - oh
-        dest = tl.sum((before + running[None, :]) * oh, axis=1)
-        tl.store(SortedIds + dest, a.to(tl.int64), mask=am)
-        running += tl.sum(oh, axis=0)
+    if e < E:
+        start = tl.sum(tl.where(eo < e, padded, 0), axis=0)
+        count = tl.sum(tl.where(eo == e, counts, 0), axis=0)
+        mine = ((ids == e) & am).to(tl.int32)
+        rank = tl.cumsum(mine, axis=0) - mine
+        tl.store(SortedIds + start + rank, a.to(tl.int64), mask=mine > 0)
+        pad = count + tl.arange(0, BLOCK_M)
+        end = start + (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        tl.store(SortedIds + start + pad, tl.zeros([BLOCK_M], dtype=tl.int64) + Tk, mask=start + pad < end)
+        for b0 in range(start // BLOCK_M, end // BLOCK_M, CHUNK):
+            b = b0 + tl.arange(0, CHUNK)
+            tl.store(BlockExpert + b, tl.zeros([CHUNK], dtype=tl.int64) + e, mask=b < end // BLOCK_M)
+    else:
+        total = tl.sum(padded, axis=0)
+        for p0 in range(total, MAXP, CHUNK):
+            p = p0 + tl.arange(0, CHUNK)
+            tl.store(SortedIds + p, tl.zeros([CHUNK], dtype=tl.int64) + Tk, mask=p < MAXP)
+        for b0 in range(total // BLOCK_M, NB, CHUNK):
+            b = b0 + tl.arange(0, CHUNK)
+            tl.store(BlockExpert + b, tl.zeros([CHUNK], dtype=tl.int64) + E, mask=b < NB)
 
 
 MOE_ALIGN_KERNEL_MAX_PAIRS = 4096
@@ -968,8 +1047,9 @@ def moe_align_triton(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple
     nb = max_padded // block_m
     sorted_ids = torch.empty(max_padded, dtype=torch.int64, device=ids.device)
     block_expert = torch.empty(nb, dtype=torch.int64, device=ids.device)
-    _moe_align_kernel[(1,)](flat, sorted_ids, block_expert, tk, nb, max_padded,
-                            BLOCK_M=block_m, BLOCK_E=_np2(num_experts), CHUNK=128, num_warps=8, **_PDL_LAUNCH)
+    _moe_align_kernel[(num_experts + 1,)](flat, sorted_ids, block_expert, tk, nb, max_padded, num_experts,
+                                          BLOCK_M=block_m, BLOCK_E=_np2(num_experts), BLOCK_T=_np2(tk), CHUNK=128,
+                                          num_warps=4, **_PDL_LAUNCH)
     return sorted_ids, block_expert
 
 
@@ -1013,26 +1093,41 @@ def moe_experts(x, w_in, w_out, weights, ids, act, gated, shared=None):
     h1 = torch.empty((tk, I), dtype=x.dtype, device=x.device)
     if tk <= MOE_GEMV_MAX_PAIRS and Hdim <= 8192 and I <= 8192:
         return _moe_gemv(x, w_in, w_out, weights, ids, code, gated, shared, h1, out)
-    bm, bn, bk, warps, stages = GEMV_CONFIG["moe_grouped"] if tk <= 2048 else (64, 128, 64, 8, 3)
+    small = tk <= MOE_GROUPED_SMALL_PAIRS
+    bm, bn, bk, warps, stages = GEMV_CONFIG["moe_grouped_up"] if small else (64, 128, 64, 8, 3)
+    dbn, dbk, dwarps, dstages = GEMV_CONFIG["moe_grouped_down"] if small else (128, 64, 8, 3)
     if tk <= MOE_ALIGN_KERNEL_MAX_PAIRS and E <= 512:
         sorted_ids, block_expert = moe_align_triton(ids, E, bm)
     else:
         sorted_ids, block_expert = moe_align(ids, E, bm)
     nblocks = block_expert.numel()
     prec = _precision(x)
-    _moe_up_grouped_kernel[(nblocks, triton.cdiv(I, bn))](
-        x, w_in, sorted_ids, block_expert, h1, x.stride(0), w_in.stride(0), w_in.stride(1), h1.stride(0), tk, Hdim, I, E,
+    # Small batches run the shared expert as extra programs of the two grouped launches; large
+    # ones (prefill) through cuBLAS, which is faster there than this GEMM.
+    fuse_shared = shared is not None and small
+    s_in, s_out = shared if fuse_shared else (w_in[0], w_out[0])  # unused stand-ins when not fused
+    i_s = s_out.shape[1] if fuse_shared else 0
+    hs = torch.empty((T, max(i_s, 1)), dtype=x.dtype, device=x.device)
+    s = torch.empty((T, Hdim), dtype=x.dtype, device=x.device) if fuse_shared else None
+    shared_blocks = triton.cdiv(T, bm) if fuse_shared else 0
+    _moe_up_grouped_kernel[(nblocks + shared_blocks, triton.cdiv(max(I, i_s), bn))](
+        x, w_in, sorted_ids, block_expert, h1, s_in, hs, x.stride(0), w_in.stride(0), w_in.stride(1), h1.stride(0),
+        s_in.stride(0), hs.stride(0), tk, T, Hdim, I, i_s, E, nblocks,
         TOPK=top_k, GATED=gated, ACT=code, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PREC=prec, num_warps=warps, num_stages=stages, **_PDL_LAUNCH
     )
     o2 = torch.empty((tk, Hdim), dtype=torch.float32, device=x.device)
-    _moe_down_grouped_kernel[(nblocks, triton.cdiv(Hdim, bn))](
-        h1, w_out, sorted_ids, block_expert, weights.reshape(-1), o2, h1.stride(0), w_out.stride(0), w_out.stride(1), o2.stride(0),
-        tk, Hdim, I, E, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PREC=prec, num_warps=warps, num_stages=stages, **_PDL_LAUNCH
+    _moe_down_grouped_kernel[(nblocks + shared_blocks, triton.cdiv(Hdim, dbn))](
+        h1, w_out, sorted_ids, block_expert, weights.reshape(-1), o2, hs, s_out, s if fuse_shared else o2,
+        h1.stride(0), w_out.stride(0), w_out.stride(1), o2.stride(0), hs.stride(0), s_out.stride(0), Hdim,  # S is contiguous [T, Hdim]
+        tk, T, Hdim, I, max(i_s, 1), E, nblocks,
+        BLOCK_M=bm, BLOCK_N=dbn, BLOCK_K=dbk, PREC=prec, num_warps=dwarps, num_stages=dstages, **_PDL_LAUNCH
     )
-    s_out = _shared_expert(x, shared, act, gated) if shared is not None else o2
+    if shared is not None and not fuse_shared:
+        s = _shared_expert(x, shared, act, gated)
+    s_arg = s if s is not None else o2
     block = min(1024, _np2(Hdim))
     _moe_combine_kernel[(T, triton.cdiv(Hdim, block))](
-        o2, s_out, out, o2.stride(0), s_out.stride(0), out.stride(0), Hdim, TOPK=top_k, HAS_SHARED=shared is not None,
+        o2, s_arg, out, o2.stride(0), s_arg.stride(0), out.stride(0), Hdim, TOPK=top_k, HAS_SHARED=shared is not None,
         BLOCK=block, num_warps=4, **_PDL_LAUNCH
     )
     return out
@@ -1116,10 +1211,15 @@ def _gemv_kernel(
 # Rows of x up to which `linear` runs the GEMV above instead of cuBLAS.
 LINEAR_GEMV_MAX_ROWS = 4
 
-# Block sizes of the small-batch kernels: (BLOCK_N, BLOCK_K, num_warps) of the GEMVs, measured on an
-# H200 with benchmarks/tune_gemv.py, and (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the
-# grouped MoE GEMM up to 2,048 routed pairs (not yet measured against others: `--rows 64` does).
-GEMV_CONFIG = {"linear": (2, 1024, 1), "moe_up": (1, 2048, 1), "moe_down": (1, 1024, 1), "moe_grouped": (16, 64, 128, 4, 3)}
+# Block sizes of the small-batch kernels, measured on an H200 with benchmarks/tune_gemv.py:
+# (BLOCK_N, BLOCK_K, num_warps) of the GEMVs; up to MOE_GROUPED_SMALL_PAIRS routed pairs, the grouped
+# MoE GEMM's (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for the up projection and
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) for the down projection (`--rows 64`).
+GEMV_CONFIG = {
+    "linear": (2, 1024, 1), "moe_up": (1, 2048, 1), "moe_down": (1, 1024, 1),
+    "moe_grouped_up": (16, 32, 64, 4, 3), "moe_grouped_down": (64, 128, 4, 3),
+}
+MOE_GROUPED_SMALL_PAIRS = 2048
 
 
 def _gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
