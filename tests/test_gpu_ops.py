@@ -343,9 +343,13 @@ def test_moe_experts(dtype, tokens, gated, shared_inter):
 
 
 @pytest.mark.parametrize("align", ["torch", "triton"])
-def test_moe_align_blocks_cover_every_pair_once(align):
+@pytest.mark.parametrize("tokens, skewed", [(50, False), (700, True)])
+def test_moe_align_blocks_cover_every_pair_once(align, tokens, skewed):
     g = _gen(11)
-    ids = torch.stack([torch.randperm(16, generator=torch.Generator().manual_seed(i))[:4] for i in range(50)]).to(DEV)
+    ids = torch.stack([torch.randperm(16, generator=torch.Generator().manual_seed(i))[:4] for i in range(tokens)])
+    if skewed:  # one expert takes 2,100 of the 2,800 pairs: its run spans more than one chunk of 128 blocks
+        ids[:, :3] = 3
+    ids = ids.to(DEV)
     fn = triton_ops.moe_align if align == "torch" else triton_ops.moe_align_triton
     sorted_ids, block_expert = fn(ids, 16, 16)
     ref_sorted, ref_blocks = triton_ops.moe_align(ids, 16, 16)
