@@ -681,15 +681,16 @@ def paged_attention(q, k_cache, v_cache, seq_lens, context_lens, block_tables, b
         pseq, pqs = progs[0], progs[1]
         grid = (progs.shape[1], Hkv)
         block_n = 64
+    # Few programs over long keys: split the keys too. A decode step splits by its batch size alone,
+    # whatever the lengths, so that its CUDA graph serves every context length.
+    programs = grid[0] * Hkv
     nsplit = 1
-    if not decode:
-        longest = max(c + n for c, n in zip(context_lens, seq_lens))
-        if longest >= ATTENTION_SPLIT_MIN_KEYS:  # few programs over long keys: split the keys too
-            nsplit = min(64, _np2(max(1, ATTENTION_TARGET_PROGRAMS // (grid[0] * Hkv))) if grid[0] * Hkv < ATTENTION_TARGET_PROGRAMS else 1)
+    if programs < ATTENTION_TARGET_PROGRAMS and (decode or max(c + n for c, n in zip(context_lens, seq_lens)) >= ATTENTION_SPLIT_MIN_KEYS):
+        nsplit = min(64, _np2(ATTENTION_TARGET_PROGRAMS // programs))
     if nsplit > 1:
+        # every (split, token, head) row is written, an empty split's as max -inf and sum 0
         part = torch.empty((nsplit * T * Hq, block_d), dtype=torch.float32, device=dev)
-        part_ml = torch.full((nsplit * T * Hq, 2), float("-inf"), dtype=torch.float32, device=dev)
-        part_ml[:, 1] = 0.0
+        part_ml = torch.empty((nsplit * T * Hq, 2), dtype=torch.float32, device=dev)
         _paged_attention_kernel[(grid[0], Hkv, nsplit)](
             q, k_cache, v_cache, out, block_tables, cu_seqlens, context_lens_t, pseq, pqs,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
@@ -711,8 +712,8 @@ def paged_attention(q, k_cache, v_cache, seq_lens, context_lens, block_tables, b
     return out
 
 
-# Prefill programs whose keys reach this far are split along the keys when there are too few
-# (query block, KV head) programs to fill the GPU (a short turn on top of a long history).
+# When there are too few (query block, KV head) programs to fill the GPU, decode steps and prefills
+# whose keys reach this far (a short turn on top of a long history) split the keys across programs.
 ATTENTION_SPLIT_MIN_KEYS = 4096
 ATTENTION_TARGET_PROGRAMS = 264
 
