@@ -111,6 +111,10 @@ def main() -> None:
     def moe(i):
         return triton_ops.moe_experts(x, w_in[i], w_out[i], weights, ids, F.silu, True, (s_in[i], s_out[i]))
 
+    tk = m * top_k
+    if not gemv and not triton_ops.MOE_GEMV_MAX_PAIRS < tk <= triton_ops.MOE_GROUPED_SMALL_PAIRS:
+        raise SystemExit(f"{tk} routed pairs do not take the tuned grouped MoE GEMM "
+                         f"(it runs for {triton_ops.MOE_GEMV_MAX_PAIRS + 1}..{triton_ops.MOE_GROUPED_SMALL_PAIRS} pairs)")
     print(f"moe: {distinct} experts + shared, {nbytes / 1e6:.1f} MB per call", flush=True)
     if gemv:
         results["moe_up"] = sweep("moe_up", moe, copies, nbytes)

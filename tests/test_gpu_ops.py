@@ -350,7 +350,7 @@ def test_moe_experts(dtype, tokens, gated, shared_inter):
 def test_moe_align_blocks_cover_every_pair_once(align, tokens, skewed):
     g = _gen(11)
     ids = torch.stack([torch.randperm(16, generator=torch.Generator().manual_seed(i))[:4] for i in range(tokens)])
-    if skewed:  # one expert takes 2,100 of the 2,800 pairs: its run spans more than one chunk of 128 blocks
+    if skewed:  # one expert takes over 2,100 of the 2,800 pairs: its run spans more than one chunk of 128 blocks
         ids[:, :3] = 3
     ids = ids.to(DEV)
     fn = triton_ops.moe_align if align == "torch" else triton_ops.moe_align_triton

@@ -78,6 +78,7 @@ class SoftmaxTopKMoE(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, residual_scale: float, shared_mlp: FusedGatedMLP
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(MoE(norm(stream)), stream) for stream = residual + x * residual_scale."""
+        assert not norm.weight_in_fp32, "add_rms_norm_linear applies the norm weight after the cast (Granite's norm)"
         k = kernels()
         h, residual, logits = k.add_rms_norm_linear(x, residual, norm.weight, norm.eps, residual_scale, self.router.layer.weight)
         weights, ids = k.route_softmax_topk(logits, self.top_k)

@@ -106,6 +106,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_fp32: 
 
 
 @triton.jit
+def _add_and_normalize(X, R, W, RO, row, cols, mask, stride_x, stride_r, N, eps, scale,
+                       SCALED: tl.constexpr, W_FP32: tl.constexpr):
+    """(stream, normalized) of one row: stream = R + X * scale in RO's dtype, then its RMS norm
+    times W (float32), with the torch reference's roundings."""
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+    if SCALED:
+        x = (x.to(tl.float32) * scale).to(x.dtype)
+    r = (tl.load(R + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32) + x.to(tl.float32)).to(RO.dtype.element_ty)
+    w = tl.load(W + cols, mask=mask, other=0.0)
+    return r, _normalize(r.to(x.dtype), w, N, eps, W_FP32)
+
+
+@triton.jit
 def _add_rms_norm_kernel(
     X, R, W, Y, RO, stride_x, stride_r, stride_y, stride_ro, N, eps, scale,
     SCALED: tl.constexpr, BLOCK: tl.constexpr, W_FP32: tl.constexpr,
@@ -114,13 +127,9 @@ def _add_rms_norm_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
-    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
-    if SCALED:
-        x = (x.to(tl.float32) * scale).to(x.dtype)
-    r = (tl.load(R + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32) + x.to(tl.float32)).to(RO.dtype.element_ty)
+    r, h = _add_and_normalize(X, R, W, RO, row, cols, mask, stride_x, stride_r, N, eps, scale, SCALED, W_FP32)
     tl.store(RO + row * stride_ro + cols, r, mask=mask)
-    w = tl.load(W + cols, mask=mask, other=0.0)
-    tl.store(Y + row * stride_y + cols, _normalize(r.to(x.dtype), w, N, eps, W_FP32).to(Y.dtype.element_ty), mask=mask)
+    tl.store(Y + row * stride_y + cols, h.to(Y.dtype.element_ty), mask=mask)
 
 
 def add_rms_norm(
@@ -155,12 +164,8 @@ def _add_rms_norm_linear_kernel(
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     lw = tl.load(L + j[:, None] * stride_l + cols[None, :], mask=jm[:, None] & mask[None, :], other=0.0)
-    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
-    if SCALED:
-        x = (x.to(tl.float32) * scale).to(x.dtype)
-    r = (tl.load(R + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32) + x.to(tl.float32)).to(RO.dtype.element_ty)
-    w = tl.load(W + cols, mask=mask, other=0.0)
-    h = _normalize(r.to(x.dtype), w, N, eps, False).to(Y.dtype.element_ty)
+    r, h = _add_and_normalize(X, R, W, RO, row, cols, mask, stride_x, stride_r, N, eps, scale, SCALED, False)
+    h = h.to(Y.dtype.element_ty)
     if tl.program_id(1) == 0:
         tl.store(RO + row * stride_ro + cols, r, mask=mask)
         tl.store(Y + row * stride_y + cols, h, mask=mask)
@@ -174,7 +179,7 @@ NORM_LINEAR_MAX_FEATURES = 512
 
 def add_rms_norm_linear(x, residual, weight, eps, scale, linear_weight):
     nl, n = linear_weight.shape
-    if nl > NORM_LINEAR_MAX_FEATURES or linear_weight.stride(-1) != 1 or weight.dtype != x.dtype:
+    if nl > NORM_LINEAR_MAX_FEATURES or linear_weight.stride(-1) != 1 or weight.dtype != x.dtype or linear_weight.dtype != x.dtype:
         return norm_ref.add_rms_norm_linear(x, residual, weight, eps, scale, linear_weight)
     x2, r2 = _rows(x), _rows(residual)
     T = x2.shape[0]
@@ -187,7 +192,7 @@ def add_rms_norm_linear(x, residual, weight, eps, scale, linear_weight):
         _add_rms_norm_linear_kernel[(T, triton.cdiv(nl, rows))](
             x2, r2, weight, y, r_out, linear_weight, out, x2.stride(0), r2.stride(0), y.stride(0), r_out.stride(0),
             linear_weight.stride(0), out.stride(0), n, nl, eps, float(scale), SCALED=scale != 1.0, BLOCK=block, ROWS=rows,
-            num_warps=4, **_PDL_LAUNCH,
+            num_warps=min(16, max(4, block // 512)), **_PDL_LAUNCH,
         )
     return y.view(*x.shape[:-1], n), r_out.view(*residual.shape[:-1], n), out.view(*x.shape[:-1], nl)
 
@@ -688,9 +693,14 @@ def paged_attention(q, k_cache, v_cache, seq_lens, context_lens, block_tables, b
     if programs < ATTENTION_TARGET_PROGRAMS and (decode or max(c + n for c, n in zip(context_lens, seq_lens)) >= ATTENTION_SPLIT_MIN_KEYS):
         nsplit = min(64, _np2(ATTENTION_TARGET_PROGRAMS // programs))
     if nsplit > 1:
-        # every (split, token, head) row is written, an empty split's as max -inf and sum 0
+        # Every split writes the rows of every real token (an empty split: max -inf, sum 0), a decode
+        # graph's padding sequences included; a prefill graph's padding tokens (past its device
+        # length) are no program's rows, so there they start as empty partial results (weight 0).
         part = torch.empty((nsplit * T * Hq, block_d), dtype=torch.float32, device=dev)
         part_ml = torch.empty((nsplit * T * Hq, 2), dtype=torch.float32, device=dev)
+        if not decode:
+            part_ml[:, 0] = float("-inf")
+            part_ml[:, 1] = 0.0
         _paged_attention_kernel[(grid[0], Hkv, nsplit)](
             q, k_cache, v_cache, out, block_tables, cu_seqlens, context_lens_t, pseq, pqs,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
