@@ -53,6 +53,7 @@ class ModelRunner:
         self._pf: dict[str, torch.Tensor] | None = None
         self._static: dict[str, torch.Tensor] | None = None
         self._graph_pool = None
+        self._inputs_sent: torch.cuda.Event | None = None  # marks the last replay's copies out of the pinned inputs
         self.num_graph_replays = 0
         # The last device-sampled step's tokens, one row per completing sequence (at most one per slot).
         self.sampled = torch.zeros(state_pool.num_slots, dtype=torch.int64, device=device)
@@ -213,7 +214,22 @@ class ModelRunner:
         batch = self._graph_batch(b)
         self._graphs[b] = self._record(lambda: self._decode_forward(batch))
 
+    def _wait_pinned_inputs_read(self) -> None:
+        """Before refilling the pinned input buffers: with overlapped steps the host can come back
+        here before the GPU has run the last replay's copy out of them."""
+        if self._inputs_sent is not None:
+            self._inputs_sent.synchronize()
+
+    def _replay(self, graph: torch.cuda.CUDAGraph) -> None:
+        """Replay after the input copies were queued, marking when those copies are done."""
+        if self._inputs_sent is None:
+            self._inputs_sent = torch.cuda.Event()
+        self._inputs_sent.record()
+        graph.replay()
+        self.num_graph_replays += 1
+
     def _run_graph(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        self._wait_pinned_inputs_read()
         n = len(chunks)
         b = self._bucket(n)
         if b not in self._graphs:
@@ -247,8 +263,7 @@ class ModelRunner:
             bmax = tables.shape[1]
             st["tables_t"].view(-1)[: width * bmax].copy_(self._host_tables.view(-1)[: width * bmax], non_blocking=True)
         graph, logits = self._graphs[b]
-        graph.replay()
-        self.num_graph_replays += 1
+        self._replay(graph)
         return logits[:n]
 
     # ---- CUDA graphs for short single-sequence prefills -------------------------------------------
@@ -311,6 +326,7 @@ class ModelRunner:
         self._prefill_graphs[tb] = self._record(lambda: self.model(batch))
 
     def _run_prefill_graph(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        self._wait_pinned_inputs_read()
         c = chunks[0]
         n = c.length
         tb = next(b for b in _PREFILL_BUCKETS if b >= n)
@@ -336,8 +352,7 @@ class ModelRunner:
             nb = len(seq.blocks)
             self._pf["table"][0, :nb].copy_(self._pf_host_table[:nb], non_blocking=True)
         graph, logits = self._prefill_graphs[tb]
-        graph.replay()
-        self.num_graph_replays += 1
+        self._replay(graph)
         return logits
 
     # ---- entry point ---------------------------------------------------------------------------
