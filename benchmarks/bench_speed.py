@@ -124,7 +124,7 @@ def build_models(config_path: Path, workdir: Path, args):
         max_running_requests=max(*args.decode_batches, 2),  # room for a retained (ACTIVE) slot beside a running one
         max_num_batched_tokens=args.max_batched_tokens,
         max_total_tokens=args.max_total_tokens,
-        context_length=max(args.resume_histories + [max(args.prefill_lens)]) + args.new_tokens + 64,
+        context_length=max(args.resume_histories + [max(args.prefill_lens), args.prompt_len + args.decode_steps]) + args.new_tokens + 64,
         enable_fast_ops=not args.reference_ops,
         enable_cuda_graph=not args.no_cuda_graph,
         enable_overlap_schedule=not args.no_overlap_schedule,
@@ -146,7 +146,7 @@ def rand_tokens(n: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(1, vocab, (n,), generator=g).tolist()
 
 
-def greedy(n: int) -> SamplingParams:
+def greedy(n: int | None) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
 
@@ -171,34 +171,38 @@ def uid(prefix: str) -> str:
 
 
 def engine_decode(eng, batch: int, prompt_len: int, steps: int, vocab: int) -> dict:
+    """`steps` timed decode steps of `batch` sequences that all decode in each of them. With long
+    prompts the sequences finish their prefills steps apart, the first ones decoding meanwhile, so
+    they run without a token limit (none finishes inside the window) and are aborted after it."""
     ids = [uid("w") for _ in range(batch)]
     for i, r in enumerate(ids):  # warm-up: compiles, captures this batch's CUDA graph
         eng.add_request(r, rand_tokens(prompt_len, vocab, 1000 + i), greedy(4))
     run_all(eng)
     ids = [uid("d") for _ in range(batch)]
     for i, r in enumerate(ids):
-        eng.add_request(r, rand_tokens(prompt_len, vocab, 2000 + i), greedy(steps + 1))
+        eng.add_request(r, rand_tokens(prompt_len, vocab, 2000 + i), greedy(None))
     first = {}
     while len(first) < batch:  # prefill until every sequence has its first token
         for out in eng.step():
             first[out.request_id] = True
     sync()
-    replays0 = eng.runner.num_graph_replays
+    replays0, preempted0 = eng.runner.num_graph_replays, eng.scheduler.num_preemptions
     t = time.perf_counter()
-    n_steps = 0
-    while eng.has_unfinished_requests():
+    for _ in range(steps):
         eng.step()
-        n_steps += 1
     sync()
     dt = time.perf_counter() - t
-    res = {"batch": batch, "steps": n_steps, "seconds": dt, "tok_s": batch * n_steps / dt,
-           "graph_replays": eng.runner.num_graph_replays - replays0}
+    res = {"batch": batch, "steps": steps, "seconds": dt, "tok_s": batch * steps / dt,
+           "graph_replays": eng.runner.num_graph_replays - replays0, "preemptions": eng.scheduler.num_preemptions - preempted0}
     # GPU time of one step alone: replay the captured graph (its buffers still hold the last step)
     graphs = getattr(eng.runner, "_graphs", {})
     bucket = eng.runner._bucket(batch) if hasattr(eng.runner, "_bucket") else None
     if bucket in graphs:
         res["gpu_step_ms"] = replay_seconds(graphs[bucket][0], 20) * 1e3
         res["gpu_tok_s"] = batch / (res["gpu_step_ms"] / 1e3)
+    for r in ids:
+        eng.abort_request(r)
+    run_all(eng)
     return res
 
 

@@ -95,7 +95,7 @@ def test_gated_rms_norm(dtype):
 def test_linear(dtype, rows, bias):
     """The small-batch GEMV (up to LINEAR_GEMV_MAX_ROWS rows; cuBLAS above) against F.linear."""
     g = _gen(14)
-    for n, k in ((40, 96), (200, 1536 + 16)):
+    for n, k in ((40, 96), (200, 1536 + 16), (24, 3072 + 16)):  # one, two and four blocks of K
         x, w = _randn(rows, k, g=g, dtype=dtype), _randn(n, k, g=g, dtype=dtype) * 0.05
         b = _randn(n, g=g, dtype=dtype) if bias else None
         torch.testing.assert_close(triton_ops.linear(x, w, b), F.linear(x, w, b), **_tol(dtype))

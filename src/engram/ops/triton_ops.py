@@ -45,7 +45,8 @@ def _pdl_supported() -> bool:
 # before it drains and waits for it (griddepcontrol.wait) before touching memory, so that the
 # launch of each small kernel of a decode step overlaps the tail of the previous one. A kernel
 # touches no memory before the wait, which returns once the previous kernel is complete and its
-# writes are visible, so no read or write can race the previous kernel.
+# writes are visible, so no read or write can race the previous kernel; the one exception is the
+# GEMV's first block of weights (model weights, which no kernel writes).
 PDL = tl.constexpr(_pdl_supported())
 _PDL_LAUNCH = {"launch_pdl": True} if PDL else {}
 
@@ -1191,16 +1192,22 @@ def _gemv_kernel(
     [conv_start, conv_start + C) are then replaced by their causal-conv update, row m being one
     token of the sequence at Slots[m] (Mamba2's in_proj and conv in one launch): each channel's
     window is read and shifted by the one program that owns the channel."""
-    _wait_for_previous_kernel()
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < N
     m = tl.arange(0, BLOCK_M)
     mm = m < M
+    k_first = tl.arange(0, BLOCK_K)
+    # The weights are constant: the first block of them is read while the previous kernel runs.
+    w_first = tl.load(W + n[:, None] * stride_w + k_first[None, :], mask=nm[:, None] & (k_first < K)[None, :], other=0.0)
+    _wait_for_previous_kernel()
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in tl.static_range(0, K, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
         km = kk < K
-        w = tl.load(W + n[:, None] * stride_w + kk[None, :], mask=nm[:, None] & km[None, :], other=0.0).to(tl.float32)
+        if k0 == 0:
+            w = w_first.to(tl.float32)
+        else:
+            w = tl.load(W + n[:, None] * stride_w + kk[None, :], mask=nm[:, None] & km[None, :], other=0.0).to(tl.float32)
         xv = tl.load(X + m[:, None] * stride_x + kk[None, :], mask=mm[:, None] & km[None, :], other=0.0).to(tl.float32)
         acc += tl.sum(xv[:, None, :] * w[None, :, :], axis=2)
     if HAS_BIAS:
