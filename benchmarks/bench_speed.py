@@ -448,47 +448,48 @@ def main() -> None:
         RESULTS["kernels"] = engine_mod.select_kernels("cuda", not args.reference_ops).name
         RESULTS["params_B"] = sum(p.numel() for p in eng.model.parameters()) / 1e9
 
-        def phase(name, fn):
+        def phase(name: str, fn, results: dict, key: str) -> None:
+            """Run one measurement and save its result (or its error) under `key` at once."""
+            t = time.perf_counter()
             try:
-                t = time.perf_counter()
                 r = fn()
                 log(f"{name}: {json.dumps(r, default=lambda x: round(x, 4) if isinstance(x, float) else str(x))} ({time.perf_counter() - t:.1f}s)")
-                return r
             except Exception as e:  # noqa: BLE001 - report and go on with the other phases
                 import traceback
 
                 traceback.print_exc()
                 log(f"{name}: FAILED {type(e).__name__}: {e}")
-                return {"error": f"{type(e).__name__}: {e}"}
-            finally:
-                save()
+                r = {"error": f"{type(e).__name__}: {e}"}
+            results[key] = r
+            save()
+
+        def decode_with_roofline(b: int) -> dict:
+            r = engine_decode(eng, b, args.prompt_len, args.decode_steps, vocab)
+            rb = decode_bytes_per_step(eng.model, spec, eng.state_pool, eng.kv_pool, b, args.prompt_len + args.decode_steps // 2)
+            roof = b / (rb["total"] / bw)
+            r.update(roofline_bytes=rb, roofline_tok_s=roof, roofline_fraction=r["tok_s"] / roof)
+            if "gpu_tok_s" in r:
+                r["roofline_fraction_gpu"] = r["gpu_tok_s"] / roof
+            return r
 
         R = RESULTS.setdefault("engine", {})
         for b in args.decode_batches:
-            r = phase(f"engine decode bs{b}", lambda b=b: engine_decode(eng, b, args.prompt_len, args.decode_steps, vocab))
-            if "tok_s" in r:
-                ctx = args.prompt_len + args.decode_steps // 2
-                rb = decode_bytes_per_step(eng.model, spec, eng.state_pool, eng.kv_pool, b, ctx)
-                roof = b / (rb["total"] / bw)
-                r.update(roofline_bytes=rb, roofline_tok_s=roof, roofline_fraction=r["tok_s"] / roof)
-                if "gpu_tok_s" in r:
-                    r["roofline_fraction_gpu"] = r["gpu_tok_s"] / roof
-            R[f"decode_bs{b}"] = r
+            phase(f"engine decode bs{b}", lambda b=b: decode_with_roofline(b), R, f"decode_bs{b}")
         if args.profile:
-            phase("engine profile", lambda: engine_profile(eng, vocab, args.decode_batches, args.prompt_len) or {})
+            phase("engine profile", lambda: engine_profile(eng, vocab, args.decode_batches, args.prompt_len) or {}, R, "profile")
         for n in args.prefill_lens:
-            R[f"prefill_{n}"] = phase(f"engine prefill {n}", lambda n=n: engine_prefill(eng, n, vocab))
+            phase(f"engine prefill {n}", lambda n=n: engine_prefill(eng, n, vocab), R, f"prefill_{n}")
         for h in args.resume_histories:
-            R[f"resume_{h}"] = phase(f"engine resume {h}", lambda h=h: engine_resume(eng, h, args.new_tokens, vocab))
-        del eng
+            phase(f"engine resume {h}", lambda h=h: engine_resume(eng, h, args.new_tokens, vocab), R, f"resume_{h}")
+        eng = None  # the engine's GPU memory goes back before the transformers runs
         torch.cuda.empty_cache()
 
         if hf is not None:
             H = RESULTS.setdefault("transformers", {})
             for n in args.hf_prefill_lens:
-                H[f"prefill_{n}"] = phase(f"transformers prefill {n}", lambda n=n: hf_prefill(hf, n, vocab))
+                phase(f"transformers prefill {n}", lambda n=n: hf_prefill(hf, n, vocab), H, f"prefill_{n}")
             for b in args.hf_decode_batches:
-                H[f"decode_bs{b}"] = phase(f"transformers decode bs{b}", lambda b=b: hf_decode(hf, b, args.prompt_len, args.hf_decode_steps, vocab))
+                phase(f"transformers decode bs{b}", lambda b=b: hf_decode(hf, b, args.prompt_len, args.hf_decode_steps, vocab), H, f"decode_bs{b}")
     print_table()
 
 
