@@ -11,10 +11,14 @@ from engram.state.conversations import (
     ConversationConflictError,
     ConversationManager,
     ConversationNotFoundError,
+    ConversationRecordError,
     SnapshotPolicy,
     SnapshotTrigger,
+    TierConfig,
     retain_key,
 )
+from engram.state.health import Decision, HealthMonitor
+from engram.state.snapshot import SnapshotCorruptError
 from engram.state.store import WarmCache
 from engram.state.identity import ModelIdentity, tokenizer_fingerprint
 
@@ -162,3 +166,189 @@ def test_delete_conversation_removes_files(engine, tmp_path):
     assert not (tmp_path / "c7").exists()
     with pytest.raises(ConversationNotFoundError):
         manager.require("c7")
+
+
+# ---- failures and damaged files ---------------------------------------------------------------------
+
+
+def _rewrite_manifest(path, **changes) -> None:
+    """Rewrite a snapshot file with its manifest changed and its tensors (and checksum) untouched."""
+    import json
+
+    import safetensors.torch
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        manifest = json.loads(f.metadata()["engram"])
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    manifest.update(changes)
+    for key in [k for k, v in changes.items() if v is None]:
+        del manifest[key]
+    safetensors.torch.save_file(tensors, str(path), metadata={"engram": json.dumps(manifest)})
+
+
+@pytest.fixture(scope="module")
+def mamba_engine(checkpoint_dir):
+    return make_engine(checkpoint_dir("mamba2"))  # no KV: a wrong state_len shows in no tensor's shape
+
+
+@pytest.mark.parametrize("damage", ["state_len", "no_turn", "other_conversation"])
+def test_a_snapshot_that_does_not_belong_to_its_turn_is_refused(mamba_engine, tmp_path, damage):
+    engine = mamba_engine
+    manager = manager_for(engine, tmp_path)
+    for cid in ("a", "b"):
+        take_turn(engine, manager, cid, random_prompt(6, 1 if cid == "a" else 2), max_tokens=3)
+    path = tmp_path / "b" / "main" / "000001.safetensors"
+    if damage == "other_conversation":
+        path.write_bytes((tmp_path / "a" / "main" / "000001.safetensors").read_bytes())
+    else:
+        turn = manager.require("b").latest("main")
+        _rewrite_manifest(path, **({"state_len": turn.state_len + 1} if damage == "state_len" else {"turn": None}))
+    restarted = manager_for(engine, tmp_path)
+    conv = restarted.require("b")
+    with pytest.raises(SnapshotCorruptError, match="manifest names"):
+        restarted.load_into_warm("b", conv.latest("main"))
+    with pytest.raises(SnapshotCorruptError):
+        restarted.snapshot_manifest("b", conv.latest("main"))
+    assert [(s["conversation_id"], s["turn"]) for s in restarted.snapshots()] == [("a", 1)]  # the damaged one left out
+
+
+def test_a_snapshot_that_cannot_be_written_leaves_the_turn_recorded_without_it(engine, tmp_path, monkeypatch):
+    manager = manager_for(engine, tmp_path)
+    take_turn(engine, manager, "f", random_prompt(6, 1), max_tokens=3)
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("engram.state.conversations.save_snapshot", disk_full)
+    turn, _, _, _ = take_turn(engine, manager, "f", random_prompt(5, 2), max_tokens=3)
+    monkeypatch.undo()
+    assert turn.turn == 2 and not turn.snapshot and manager.stats.snapshot_write_failures == 1
+    restarted = manager_for(engine, tmp_path)
+    conv = restarted.require("f")
+    assert [t.turn for t in conv.turns.values()] == [1, 2] and conv.latest("main").snapshot is False
+    history = conv.tokens(conv.latest("main"))
+    new = random_prompt(4, 3)
+    turn, out, _, plan = take_turn(engine, restarted, "f", new, max_tokens=3)
+    assert turn.turn == 3 and plan.state.state_len < len(history) - 1  # from turn 1's snapshot, turn 2 recomputed
+    assert out.token_ids == full_generation(engine, history + new, max_tokens=3)
+
+
+def test_a_record_that_cannot_be_written_undoes_the_turn(engine, tmp_path, monkeypatch):
+    from engram.state import conversations
+
+    manager = manager_for(engine, tmp_path)
+    take_turn(engine, manager, "r", random_prompt(6, 1), max_tokens=3)
+    real_write = conversations.atomic_write
+
+    def failing_record_write(path, data):
+        if path.name == conversations.RECORD_NAME:
+            raise OSError(28, "No space left on device")
+        real_write(path, data)
+
+    monkeypatch.setattr(conversations, "atomic_write", failing_record_write)
+    with pytest.raises(OSError):
+        take_turn(engine, manager, "r", random_prompt(5, 2), max_tokens=3)
+    monkeypatch.undo()
+    conv = manager.require("r")
+    assert [t.turn for t in conv.turns.values()] == [1]  # memory agrees with the disk
+    assert not (tmp_path / "r" / "main" / "000002.safetensors").exists()
+    assert take_turn(engine, manager, "r", random_prompt(5, 2), max_tokens=3)[0].turn == 2  # a retry is turn 2 again
+
+
+def test_retention_deletes_a_snapshot_only_after_the_record_stops_listing_it(engine, tmp_path, monkeypatch):
+    import json
+
+    from engram.state import conversations
+
+    manager = manager_for(engine, tmp_path, SnapshotPolicy(SnapshotTrigger.EVERY_TURN, retention_count=1))
+    real_delete = conversations.delete_snapshot
+    listed_when_deleted = []
+
+    def delete(path):
+        record = json.loads((tmp_path / "k" / conversations.RECORD_NAME).read_text())
+        turn = int(str(path)[-18:-12])
+        listed_when_deleted.append([t["snapshot"] for t in record["turns"] if t["turn"] == turn][0])
+        real_delete(path)
+
+    monkeypatch.setattr(conversations, "delete_snapshot", delete)
+    for i in range(3):
+        take_turn(engine, manager, "k", random_prompt(4, i), max_tokens=2)
+    assert listed_when_deleted == [False, False]
+    assert [s["turn"] for s in manager.snapshots("k")] == [3]
+
+
+def test_a_manual_save_that_retention_would_delete_at_once_is_refused(engine, tmp_path):
+    manager = manager_for(engine, tmp_path, SnapshotPolicy(SnapshotTrigger.MANUAL_ONLY, retention_count=1))
+    for i in range(2):
+        take_turn(engine, manager, "m", random_prompt(4, i), max_tokens=2)
+    manager.save("m", "main", 2)
+    with pytest.raises(ConversationConflictError, match="retention"):
+        manager.save("m", "main", 1)
+    assert [s["turn"] for s in manager.snapshots("m")] == [2]
+
+
+def test_deleting_a_conversation_hands_its_engine_slot_back(engine, tmp_path):
+    manager = manager_for(engine, tmp_path)
+    take_turn(engine, manager, "d", random_prompt(4, 1), max_tokens=2)
+    manager.delete_conversation("d")
+    assert manager.maintain() == [retain_key("d", "main/000001")]
+    assert manager.maintain() == []
+
+
+def test_idle_demotion_that_cannot_write_keeps_the_state_warm(engine, tmp_path, monkeypatch):
+    now = [0.0]
+    manager = ConversationManager(
+        engine.spec, engine.state_dtypes, ModelIdentity.of(engine.spec, engine.model_path), tokenizer_fingerprint(engine.model_path),
+        SnapshotPolicy(SnapshotTrigger.EVERY_N_TURNS, every_n_turns=2), tmp_path, WarmCache(8, 1 << 30),
+        TierConfig(active_timeout=10, warm_timeout=20), clock=lambda: now[0],
+    )
+    take_turn(engine, manager, "w", random_prompt(4, 1), max_tokens=2)  # turn 1: no snapshot by the policy
+    monkeypatch.setattr("engram.state.conversations.save_snapshot", lambda *a, **k: (_ for _ in ()).throw(OSError(28, "disk full")))
+    now[0] = 100.0
+    assert manager.maintain() == [retain_key("w", "main/000001")]  # the slot is released all the same
+    assert manager.warm.peek("w", "main/000001") is not None
+    monkeypatch.undo()
+    now[0] = 200.0
+    manager.maintain()  # the disk is back: written, then dropped from memory
+    assert manager.warm.peek("w", "main/000001") is None
+    assert [s["turn"] for s in manager.snapshots("w")] == [1]
+
+
+def test_idle_demotion_does_not_write_a_state_the_health_policy_kept_off_disk(engine, tmp_path):
+    class AlwaysAnomalous(HealthMonitor):
+        def decide(self, report):
+            return Decision(save=False, restore=True, quarantine=True, log=None)
+
+    now = [0.0]
+    manager = ConversationManager(
+        engine.spec, engine.state_dtypes, ModelIdentity.of(engine.spec, engine.model_path), tokenizer_fingerprint(engine.model_path),
+        SnapshotPolicy(), tmp_path, WarmCache(8, 1 << 30), TierConfig(active_timeout=10, warm_timeout=20),
+        clock=lambda: now[0], health=AlwaysAnomalous(clock=lambda: now[0]),
+    )
+    take_turn(engine, manager, "h", random_prompt(4, 1), max_tokens=2)
+    now[0] = 100.0
+    manager.maintain()
+    assert manager.warm.peek("h", "main/000001") is None and manager.snapshots("h") == []
+
+
+def test_a_damaged_record_is_refused_and_left_out_of_listings(engine, tmp_path):
+    manager = manager_for(engine, tmp_path)
+    for cid in ("ok", "bad"):
+        take_turn(engine, manager, cid, random_prompt(4, 1), max_tokens=2)
+    record = tmp_path / "bad" / "conversation.json"
+    record.write_text(record.read_text()[:20])
+    restarted = manager_for(engine, tmp_path)
+    with pytest.raises(ConversationRecordError, match="unreadable"):
+        restarted.get("bad")
+    assert [s["conversation_id"] for s in restarted.snapshots()] == ["ok"]
+    assert restarted.preload(5) == 1
+
+
+def test_temp_files_of_killed_writes_are_removed_on_load(engine, tmp_path):
+    manager = manager_for(engine, tmp_path)
+    take_turn(engine, manager, "t", random_prompt(4, 1), max_tokens=2)
+    left = tmp_path / "t" / "main" / ".000002.safetensors.tmp-999999999-0123abcd"
+    left.write_bytes(b"partial")
+    manager_for(engine, tmp_path).require("t")
+    assert not left.exists() and (tmp_path / "t" / "main" / "000001.safetensors").exists()

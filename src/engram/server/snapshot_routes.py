@@ -47,8 +47,8 @@ def _snapshot_entry(manifest: dict, tokens: list[int], quarantine: dict | None) 
         "turn_number": manifest["turn"],
         "snapshot_id": f"{manifest['branch']}/{manifest['turn']:06d}",
         "state_len": manifest["state_len"],
-        "token_count": manifest["token_count"],
-        "created_at": manifest["created_at"],
+        "token_count": manifest.get("token_count"),
+        "created_at": manifest.get("created_at"),
         "manifest": manifest,
         "fill_ids": tokens,
     }

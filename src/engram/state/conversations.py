@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -24,6 +26,7 @@ from engram.state.identity import ModelIdentity
 from engram.state.sequence_state import SequenceState, StateDtypes
 from engram.state.store import Clock, SnapshotWriter, TierStats, WarmCache
 from engram.state.snapshot import (
+    SnapshotCorruptError,
     SnapshotError,
     SnapshotMeta,
     SnapshotNotFoundError,
@@ -39,6 +42,7 @@ from engram.state.snapshot import (
 )
 
 RECORD_NAME = "conversation.json"
+_TEMP_FILE_RE = re.compile(r"\..+\.tmp-([0-9]+)-[0-9a-f]+")  # atomic_write's temp files: .<name>.tmp-<pid>-<hex>
 log = logging.getLogger(__name__)
 
 
@@ -56,6 +60,10 @@ class ConversationBusyError(ConversationError):
 
 class ConversationConflictError(ConversationError):
     pass
+
+
+class ConversationRecordError(SnapshotCorruptError):
+    """A conversation record that cannot be read (the conversation is unusable until it is fixed)."""
 
 
 class SnapshotTrigger(str, Enum):
@@ -209,6 +217,8 @@ class ConversationManager:
         self.quarantine = Quarantine(self.root / "quarantine.json" if self.root is not None else None, clock=clock)
         self._conversations: dict[str, Conversation] = {}
         self._busy: set[str] = set()
+        self._unsaved_by_health: set[tuple[str, str]] = set()  # turns whose state the health policy kept off disk
+        self._pending_release: list[str] = []  # engine slots of forgotten turns, handed out by `maintain`
         self._lock = threading.RLock()
 
     def _count(self, family: str, key: str) -> None:
@@ -229,10 +239,20 @@ class ConversationManager:
         with self._lock:
             conv = self._conversations.get(conversation_id)
             if conv is None and self.persistent and self._record_path(conversation_id).is_file():
-                conv = Conversation.from_json(json.loads(self._record_path(conversation_id).read_text()))
+                conv = self._read_record(conversation_id)
                 self._conversations[conversation_id] = conv
                 self._remove_orphans(conv)
             return conv
+
+    def _read_record(self, conversation_id: str) -> Conversation:
+        path = self._record_path(conversation_id)
+        try:
+            conv = Conversation.from_json(json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+            raise ConversationRecordError(f"the record of conversation {conversation_id!r} ({path}) is unreadable: {e!r}") from e
+        if conv.conversation_id != conversation_id:
+            raise ConversationRecordError(f"{path} is the record of conversation {conv.conversation_id!r}, not {conversation_id!r}")
+        return conv
 
     def _remove_orphans(self, conv: Conversation) -> None:
         """Delete snapshot files the record does not point at: a crash between a snapshot's commit
@@ -243,6 +263,11 @@ class ConversationManager:
             if Path(entry["path"]) not in recorded:
                 log.warning("removing snapshot %s: its conversation record does not list it (left by a crash)", entry["path"])
                 delete_snapshot(entry["path"])
+        for path in self._record_path(conv.conversation_id).parent.rglob(".*.tmp-*"):
+            match = _TEMP_FILE_RE.fullmatch(path.name)
+            if match and int(match.group(1)) != os.getpid():  # another process's unfinished write: it was killed
+                log.warning("removing %s: the temp file of a write that never finished", path)
+                path.unlink(missing_ok=True)
 
     def require(self, conversation_id: str) -> Conversation:
         conv = self.get(conversation_id)
@@ -380,6 +405,7 @@ class ConversationManager:
                 wanted = state is not None and self.persistent and self.policy.wants_snapshot(turn.turn, tool_calls)
                 if state is not None and not self._healthy(plan.conversation_id, turn, state):
                     wanted = False
+                    self._unsaved_by_health.add((plan.conversation_id, turn.ref))
             job = lambda: self._commit(conv, turn, state if wanted else None)  # noqa: E731
             if self.writer is not None:
                 self.writer.submit(job)
@@ -399,13 +425,24 @@ class ConversationManager:
         return decision.save
 
     def _commit(self, conv: Conversation, turn: Turn, state: SequenceState | None) -> None:
-        """Write the turn's snapshot (if any) and then the record that points at it."""
+        """Write the turn's snapshot (if any) and then the record that points at it. A snapshot
+        that cannot be written is logged and counted: the turn is recorded without it (its state
+        is recomputed from its tokens when needed). A record that cannot be written undoes the
+        turn, so that memory never holds a turn the disk lacks."""
         with self._lock:
             if turn.ref not in conv.turns:  # forgotten meanwhile (regenerated or deleted)
                 return
             if state is not None:
-                self._write_snapshot(conv, turn, state)
-            self._persist(conv)
+                try:
+                    self._write_snapshot(conv, turn, state)
+                except (SnapshotError, OSError) as e:
+                    log.warning("snapshot of conversation %r turn %s not written, the turn is recorded without it: %s",
+                                conv.conversation_id, turn.ref, e)
+            try:
+                self._persist_and_prune(conv, turn.branch)
+            except OSError:
+                self._forget_turn(conv, turn)
+                raise
 
     def release(self, conversation_id: str) -> None:
         with self._lock:
@@ -423,16 +460,27 @@ class ConversationManager:
             raise
         self.stats.snapshot_write_seconds.observe(time.perf_counter() - started)
         turn.snapshot = True
-        self._apply_retention(conv, turn.branch)
 
-    def _apply_retention(self, conv: Conversation, branch: str) -> None:
+    def _beyond_retention(self, conv: Conversation, branch: str, extra: Turn | None = None) -> list[Turn]:
+        """The turns of `branch` whose snapshots the retention count drops (counting `extra` as saved)."""
         keep = self.policy.retention_count
-        if keep <= 0:
-            return
-        saved = sorted((t for t in conv.turns.values() if t.branch == branch and t.snapshot), key=lambda t: t.turn)
-        for t in saved[:-keep]:
-            delete_snapshot(snapshot_path(self.root, conv.conversation_id, t.branch, t.turn))
+        saved = sorted({t.ref: t for t in conv.turns.values() if t.branch == branch and (t.snapshot or t is extra)}.values(),
+                       key=lambda t: t.turn)
+        return saved[:-keep] if keep > 0 else []
+
+    def _persist_and_prune(self, conv: Conversation, branch: str) -> None:
+        """Write the record, then delete the snapshots the retention count drops from `branch`. The
+        record stops listing them first: a crash in between leaves files it does not list, which
+        the next load removes as orphans, never a record that points at a deleted file."""
+        dropped = self._beyond_retention(conv, branch)
+        for t in dropped:
             t.snapshot = False
+        self._persist(conv)
+        for t in dropped:
+            try:
+                delete_snapshot(snapshot_path(self.root, conv.conversation_id, t.branch, t.turn))
+            except SnapshotNotFoundError:
+                pass
 
     def save(self, conversation_id: str, branch: str = "main", turn: int | None = None) -> Turn:
         """Write a snapshot of a turn whose state is still held (the manual trigger)."""
@@ -443,29 +491,58 @@ class ConversationManager:
             if target is None:
                 raise ConversationNotFoundError(f"conversation {conversation_id!r} has no turns on branch {branch!r}")
             if not target.snapshot:
+                if target in self._beyond_retention(conv, target.branch, extra=target):
+                    raise ConversationConflictError(
+                        f"turn {target.ref} is older than the {self.policy.retention_count} newest snapshots of branch "
+                        f"{target.branch!r} that --snapshot-retention-count keeps: its snapshot would be deleted at once"
+                    )
                 state = self.warm.get(conversation_id, target.ref)
                 if state is None:
                     raise ConversationConflictError(f"the state of turn {target.ref} is no longer held in memory; it cannot be saved now")
                 self._write_snapshot(conv, target, state)
-                self._persist(conv)
+                self._persist_and_prune(conv, target.branch)
             return target
 
-    def load(self, conversation_id: str, branch: str, turn: int) -> SequenceState:
+    def _check_belongs(self, manifest: dict, path: Path, conv: Conversation, turn: Turn) -> None:
+        """Raise SnapshotCorruptError unless the file's manifest names this conversation's turn
+        and the state length its record holds (the checksum covers the tensors, not the manifest)."""
+        named = (manifest.get("conversation_id"), manifest.get("branch"), manifest.get("turn"), manifest.get("state_len"))
+        recorded = (conv.conversation_id, turn.branch, turn.turn, turn.state_len)
+        if named != recorded:
+            raise SnapshotCorruptError(
+                f"{path}: the manifest names (conversation, branch, turn, state_len) {named!r}, the record {recorded!r}"
+            )
+
+    def _load_turn(self, conversation_id: str, turn: Turn) -> SequenceState:
+        """Load and verify the turn's snapshot, which must hold its recorded history's tokens."""
         self._require_persistence()
-        path = snapshot_path(self.root, conversation_id, branch, turn)
-        return load_snapshot(path, self.spec, self.dtypes, self.model, self.tokenizer_sha256)[0]
+        conv = self.require(conversation_id)
+        path = snapshot_path(self.root, conversation_id, turn.branch, turn.turn)
+        state, manifest = load_snapshot(path, self.spec, self.dtypes, self.model, self.tokenizer_sha256)
+        self._check_belongs(manifest, path, conv, turn)
+        if list(state.tokens[: state.state_len]) != conv.tokens(turn)[: state.state_len]:
+            raise SnapshotCorruptError(f"{path}: its tokens are not the recorded history of turn {turn.ref}")
+        return state
 
     def snapshots(self, conversation_id: str | None = None) -> list[dict]:
         """Manifest and path of every snapshot the conversation records point at, in order of
-        conversation, branch and turn (the records are the source of truth, see `get`)."""
+        conversation, branch and turn (the records are the source of truth, see `get`). An
+        unreadable record or snapshot is logged and left out."""
         self._require_persistence()
         out = []
         for cid in [conversation_id] if conversation_id is not None else self.list_ids():
-            conv = self.get(cid)
+            try:
+                conv = self.get(cid)
+            except ConversationRecordError as e:
+                log.warning("listing snapshots: %s", e)
+                continue
             for turn in sorted(conv.turns.values(), key=lambda t: (t.branch, t.turn)) if conv else ():
-                path = snapshot_path(self.root, cid, turn.branch, turn.turn)
-                if turn.snapshot and path.is_file():
-                    out.append({**read_manifest(path), "path": str(path)})
+                try:
+                    out.append(self.snapshot_manifest(cid, turn))
+                except SnapshotNotFoundError:
+                    continue
+                except SnapshotError as e:
+                    log.warning("listing snapshots: %s", e)
         return out
 
     def snapshot_manifest(self, conversation_id: str, turn: Turn) -> dict:
@@ -473,7 +550,9 @@ class ConversationManager:
         path = snapshot_path(self.root, conversation_id, turn.branch, turn.turn)
         if not turn.snapshot or not path.is_file():
             raise SnapshotNotFoundError(f"turn {turn.ref} of conversation {conversation_id!r} has no snapshot")
-        return {**read_manifest(path), "path": str(path)}
+        manifest = read_manifest(path)
+        self._check_belongs(manifest, path, self.require(conversation_id), turn)
+        return {**manifest, "path": str(path)}
 
     @staticmethod
     def snapshot_tokens(manifest: dict) -> list[int]:
@@ -489,7 +568,7 @@ class ConversationManager:
             return state
         if not turn.snapshot:
             raise SnapshotNotFoundError(f"turn {turn.ref} of conversation {conversation_id!r} has no snapshot and no state in memory")
-        state = self.load(conversation_id, turn.branch, turn.turn)
+        state = self._load_turn(conversation_id, turn)
         if self.tiers.enabled:
             with self._lock:
                 self.warm.put(conversation_id, turn.ref, state)
@@ -527,7 +606,9 @@ class ConversationManager:
 
     def _forget_turn(self, conv: Conversation, turn: Turn) -> None:
         self.warm.drop(conv.conversation_id, turn.ref)
-        self.active.pop((conv.conversation_id, turn.ref), None)
+        if self.active.pop((conv.conversation_id, turn.ref), None) is not None:
+            self._pending_release.append(retain_key(conv.conversation_id, turn.ref))
+        self._unsaved_by_health.discard((conv.conversation_id, turn.ref))
         self.quarantine.release(conv.conversation_id, turn.ref)
         if turn.snapshot and self.persistent:
             try:
@@ -544,19 +625,16 @@ class ConversationManager:
         idle past the cold retention. Run periodically."""
         now = self.clock()
         with self._lock:
-            release = []
             for (cid, ref), used in list(self.active.items()):
                 if now - used > self.tiers.active_timeout:
                     del self.active[(cid, ref)]
-                    release.append(retain_key(cid, ref))
+                    self._pending_release.append(retain_key(cid, ref))
                     self._count("demotions", "active_to_warm")
             for cid, ref in self.warm.idle(now - self.tiers.warm_timeout):
                 if cid in self._busy:
                     continue
-                turn = self._conversations[cid].turns.get(ref) if cid in self._conversations else None
-                if turn is not None and not turn.snapshot and self.persistent and self.policy.trigger != SnapshotTrigger.MANUAL_ONLY:
-                    self._write_snapshot(self._conversations[cid], turn, self.warm.get(cid, ref))
-                    self._persist(self._conversations[cid])
+                if not self._demote_to_cold(cid, ref):
+                    continue
                 self.warm.drop(cid, ref)
                 self._count("demotions", "warm_to_cold")
             if self.tiers.cold_retention > 0 and now >= self._next_expiry_scan:
@@ -564,9 +642,34 @@ class ConversationManager:
                 self._next_expiry_scan = now + min(60.0, self.tiers.cold_retention / 10)
                 for cid in self.list_ids():
                     if cid not in self._busy and now - self._last_use(cid) > self.tiers.cold_retention:
-                        self.delete_conversation(cid)
+                        try:
+                            self.delete_conversation(cid)
+                        except ConversationRecordError as e:
+                            log.warning("not expiring conversation %r: %s", cid, e)
+                            continue
                         self.stats.expired_conversations += 1
+            release, self._pending_release = self._pending_release, []
             return release
+
+    def _demote_to_cold(self, conversation_id: str, ref: str) -> bool:
+        """Write the snapshot an idle warm state still lacks (unless the policy is manual_only or
+        the health policy kept it off disk). False, and the state stays warm, if the write fails."""
+        conv = self._conversations.get(conversation_id)
+        turn = conv.turns.get(ref) if conv is not None else None
+        if (
+            turn is None or turn.snapshot or not self.persistent or self.policy.trigger == SnapshotTrigger.MANUAL_ONLY
+            or (conversation_id, ref) in self._unsaved_by_health
+        ):
+            return True
+        try:
+            self._write_snapshot(conv, turn, self.warm.peek(conversation_id, ref))
+            self._persist_and_prune(conv, turn.branch)
+        except (SnapshotError, OSError) as e:
+            turn.snapshot = False
+            log.warning("idle state of conversation %r turn %s stays in memory: its snapshot could not be written: %s",
+                        conversation_id, ref, e)
+            return False
+        return True
 
     def _last_use(self, conversation_id: str) -> float:
         if conversation_id in self.last_used:
@@ -581,7 +684,11 @@ class ConversationManager:
         records = sorted(self.root.glob(f"*/{RECORD_NAME}"), key=lambda p: p.stat().st_mtime, reverse=True)[:count]
         loaded = 0
         for record in records:
-            conv = self.get(record.parent.name)
+            try:
+                conv = self.get(record.parent.name)
+            except ConversationRecordError as e:
+                log.warning("preload skipped: %s", e)
+                continue
             for branch in conv.branches():
                 turn = conv.latest(branch)
                 if turn.snapshot:

@@ -83,6 +83,11 @@ class WarmCache:
         self._states.move_to_end((conversation_id, ref))
         return entry[0]
 
+    def peek(self, conversation_id: str, ref: str) -> SequenceState | None:
+        """The state without counting it as a use."""
+        entry = self._states.get((conversation_id, ref))
+        return entry[0] if entry is not None else None
+
     def put(self, conversation_id: str, ref: str, state: SequenceState) -> None:
         if self.max_entries <= 0:
             return
