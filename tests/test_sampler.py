@@ -58,3 +58,20 @@ def test_draws_follow_the_filtered_distribution_and_greedy_rows_take_the_argmax(
     expected = expected.cpu()
     assert bool((freq[expected == 0] == 0).all())
     assert float((freq - expected).abs().max()) < 0.015  # about 6 standard deviations at n = 40,000
+
+
+def test_tiny_temperature_or_top_p_keeps_the_most_likely_token():
+    logits = torch.tensor([[0.5, 3.0, 1.0, -2.0]])
+    assert SamplingParams(temperature=1e-46).greedy  # would overflow the division by the temperature
+    kept = filter_logits(logits, [SamplingParams(top_p=1e-300)])  # 0 in float32
+    assert torch.isfinite(kept).tolist() == [[False, True, False, False]]
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"repetition_penalty": float("nan")}, {"repetition_penalty": 1e-320}, {"presence_penalty": -1e308},
+     {"frequency_penalty": float("inf")}, {"temperature": float("nan")}, {"top_p": float("nan")}, {"stop": ["", "x"]}],
+)
+def test_values_the_sampler_cannot_use_are_refused(fields):
+    with pytest.raises(ValueError, match=next(iter(fields)) if "stop" not in fields else "stop"):
+        SamplingParams(**fields)

@@ -163,6 +163,18 @@ def test_honest_status_codes(checkpoint_dir, tmp_path):
         code, body = post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                                                    "conversation_id": "h", "branch": "missing"})
         assert code == 404 and "from_turn" in body["error"]["message"]
+        assert post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                             "conversation_id": "h", "branch": ""})[0] == 422
+        # A selector never falls back to another branch than the one it names.
+        code, body = post("/delete_snapshot", {"conversation_id": "h", "branch_name": "typo", "turn_number": 1})
+        assert code == 404 and "no branch 'typo'" in body["error"]["message"]
+        assert post("/get_snapshot_info", {"conversation_id": "h", "snapshot_id": "../../x/1"})[0] == 422
+        assert post("/get_snapshot_info", {"conversation_id": "h", "snapshot_id": "main/\u00b2"})[0] == 422
+        assert post("/get_snapshot_info", {"conversation_id": "h", "snapshot_id": "main/1"})[0] == 200  # still there
+        # A first turn that fails makes no conversation.
+        assert post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                             "conversation_id": "ghost", "max_tokens": 5000})[0] == 400
+        assert http.get("/v1/conversations/ghost").status_code == 404
 
 
 def test_busy_conversation_gets_409(checkpoint_dir, tmp_path):
@@ -200,3 +212,31 @@ def test_snapshot_of_another_model_or_damaged_file_is_refused(checkpoint_dir, tm
     with serving(checkpoint_dir("nemotron"), tmp_path) as (srv, http):  # the right model again: it loads
         r = http.post("/restore_snapshot", json={"conversation_id": "x", "turn_number": 1})
         assert r.status_code == 200 and r.json()["success"]
+
+
+def test_a_request_cancelled_while_its_turn_is_planned_leaves_the_conversation_free(checkpoint_dir):
+    """The client leaves while `begin` still runs in its thread (a slow snapshot load): the
+    conversation that thread reserves is released when it ends, not kept busy for good."""
+    import asyncio
+
+    from engine_utils import make_engine
+
+    from engram.server.conversations import ConversationTurns
+    from engram.state.conversations import ConversationManager, SnapshotPolicy
+    from engram.state.identity import ModelIdentity, tokenizer_fingerprint
+    from engram.state.store import WarmCache
+
+    engine = make_engine(checkpoint_dir("mamba2"))
+    manager = ConversationManager(engine.spec, engine.state_dtypes, ModelIdentity.of(engine.spec, engine.model_path),
+                                  tokenizer_fingerprint(engine.model_path), SnapshotPolicy(), None, WarmCache(4, 1 << 30))
+    plan_turn = manager.begin
+    manager.begin = lambda *args: (time.sleep(0.3), plan_turn(*args))[1]
+    turns = ConversationTurns(manager, engine.tokenizer)
+
+    async def leave_early() -> None:
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(turns.begin("c", None, None), 0.05)
+        await asyncio.sleep(0.6)  # the thread finishes meanwhile
+
+    asyncio.run(leave_early())
+    assert plan_turn("c").turn == 1  # not refused as busy

@@ -156,6 +156,13 @@ def test_client_errors(client):
         ("/v1/completions", {"model": MODEL, "prompt": "a", "logprobs": 50}, "logprobs"),
         ("/v1/completions", {"model": MODEL, "prompt": "a", "stream": "yes"}, "stream"),
         ("/v1/completions", {"model": MODEL, "prompt": "a" * 1100, "max_tokens": 1}, "context length"),
+        ("/v1/chat/completions", '{"model": "tiny-hybrid", "messages": [{"role": "user", "content": "a"}], "repetition_penalty": NaN}',
+         "repetition_penalty"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}], "presence_penalty": -1e308},
+         "presence_penalty"),
+        ("/v1/chat/completions", '{"model": "tiny-hybrid", "messages": [{"role": "user", "content": "\\ud800"}]}', "not valid Unicode"),
+        ("/v1/completions", '{"model": "tiny-hybrid", "prompt": "\\udc00"}', "not valid Unicode"),
+        ("/v1/completions", {"model": MODEL, "prompt": "a", "stop": [""]}, "stop"),
     ],
 )
 def test_bad_requests_are_4xx_with_a_message(server, route, body, says):
@@ -164,6 +171,16 @@ def test_bad_requests_are_4xx_with_a_message(server, route, body, says):
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert says in error["message"] and error["type"] == "invalid_request_error"
+
+
+def test_tiny_temperature_or_top_p_is_greedy_and_chat_has_no_default_token_limit(client, tokenizer, server):
+    kw = dict(model=MODEL, messages=MESSAGES, max_tokens=6, extra_body={"ignore_eos": True})
+    greedy = client.chat.completions.create(temperature=0, **kw).choices[0].message.content
+    assert client.chat.completions.create(temperature=1e-46, **kw).choices[0].message.content == greedy
+    assert client.chat.completions.create(top_p=1e-300, seed=3, **kw).choices[0].message.content == greedy
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, extra_body={"ignore_eos": True})
+    context = server.app.state.serving.engine.engine.max_context_length
+    assert r.usage.completion_tokens == context - chat_prompt_len(tokenizer, MESSAGES) and r.choices[0].finish_reason == "length"
 
 
 def test_unknown_route_is_json_404(server):

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import Enum
 
 from engram.state.sequence_state import SequenceState
 
 
+# Temperatures below this count as 0 (greedy), as in vLLM: dividing logits by them overflows.
+GREEDY_TEMPERATURE = 1e-5
+
+
 @dataclass
 class SamplingParams:
-    """vLLM's names and defaults. `temperature == 0` means greedy."""
+    """vLLM's names and defaults. `temperature` 0 (below GREEDY_TEMPERATURE) means greedy."""
 
     max_tokens: int | None = 16
     temperature: float = 1.0
@@ -31,6 +36,11 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
+        if "" in self.stop:
+            raise ValueError("stop strings must not be empty")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
@@ -40,14 +50,17 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not 0.01 <= self.repetition_penalty <= 100:
+            raise ValueError(f"repetition_penalty must be in [0.01, 100], got {self.repetition_penalty}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in 0..20, got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     @property
     def has_penalties(self) -> bool:

@@ -52,6 +52,7 @@ def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
         probs = torch.softmax(sorted_logits, dim=-1)
         top_p = column([p.top_p if p.top_p < 1.0 else 2.0 for p in params])  # 2: off, whatever the rounding
         drop = probs.cumsum(-1) - probs >= top_p  # keep the token that crosses top_p
+        drop[:, 0] = False  # and the most likely one, however small top_p (or its rounding to 0)
         logits = logits.masked_fill(drop.scatter(1, order, drop), -torch.inf)
     return logits
 

@@ -24,6 +24,7 @@ from engram.engine.engine import LLMEngine
 from engram.engine.request import RequestOutput
 from engram.models.embedded import default_cache_dir
 from engram.server.errors import APIError
+from engram.server.tokens import encode
 from engram.state.conversations import (
     ConversationManager,
     SnapshotPolicy,
@@ -92,8 +93,21 @@ class ConversationTurns:
     by_request: OrderedDict[str, tuple[str, str, int]] = field(default_factory=OrderedDict)  # rid -> (conversation, branch, turn)
 
     async def begin(self, conversation_id: str, branch: str | None, from_turn: int | None) -> TurnPlan:
-        # May read a snapshot file: off the event loop.
-        return await asyncio.to_thread(self.manager.begin, conversation_id, branch or "main", from_turn)
+        """Reserve the conversation and plan the turn, off the event loop (it may read a snapshot
+        file). If the request is cancelled meanwhile (its client left), the thread still finishes
+        and the conversation it reserved is released then."""
+        work = asyncio.ensure_future(
+            asyncio.to_thread(self.manager.begin, conversation_id, branch if branch is not None else "main", from_turn)
+        )
+        try:
+            return await asyncio.shield(work)
+        except asyncio.CancelledError:
+            work.add_done_callback(self._release_unused)
+            raise
+
+    def _release_unused(self, work: asyncio.Future) -> None:
+        if not work.cancelled() and work.exception() is None:
+            self.manager.release(work.result().conversation_id)
 
     def engine_kwargs(self, plan: TurnPlan) -> dict[str, Any]:
         """How the engine should start the turn: the state to restore (or the slot to adopt), and
@@ -109,13 +123,13 @@ class ConversationTurns:
             raise APIError(400, "the model has no tokenizer: conversations need a chat template")
         render = self._render
         if not plan.history_messages:
-            return self.tokenizer.encode(render(new_messages, True), add_special_tokens=False)
+            return encode(self.tokenizer, render(new_messages, True), add_special_tokens=False)
         before = render(plan.history_messages, False)
         after = render(plan.history_messages + new_messages, True)
         if not after.startswith(before):
             raise APIError(422, "the chat template does not render this conversation incrementally; send the whole conversation without conversation_id")
         delta = self._unclosed_reply(plan, before) + after[len(before) :]
-        return plan.history_tokens + self.tokenizer.encode(delta, add_special_tokens=False)
+        return plan.history_tokens + encode(self.tokenizer, delta, add_special_tokens=False)
 
     def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
         try:

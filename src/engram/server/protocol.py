@@ -8,6 +8,7 @@ Requests validate strictly (no "5" for 5) and ignore unknown fields, except SGLa
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Annotated, Any, Literal
 
@@ -321,6 +322,9 @@ class GenerateResponse(BaseModel):
 # ---- snapshot routes (the SGLang-based predecessor's bodies) ----------------------------------
 
 
+_SNAPSHOT_ID_RE = re.compile(r"(?:[^/]{1,128}/)?[0-9]{1,6}")  # "<branch>/<turn>" or "<turn>", ASCII digits
+
+
 class SnapshotSelector(_Request):
     """A turn of a conversation: `turn_number` on `branch_name`, or `snapshot_id` ("branch/000003"
     or "3"); the latest turn of the branch when neither is given."""
@@ -332,15 +336,17 @@ class SnapshotSelector(_Request):
 
     @model_validator(mode="after")
     def _snapshot_id_form(self) -> SnapshotSelector:
-        if self.snapshot_id is not None and not self.snapshot_id.rpartition("/")[2].isdigit():
-            raise ValueError(f"snapshot_id {self.snapshot_id!r} is not '<branch>/<turn>' or '<turn>'")
+        if self.snapshot_id is not None and not _SNAPSHOT_ID_RE.fullmatch(self.snapshot_id):
+            raise ValueError(f"snapshot_id {self.snapshot_id!r:.80} is not '<branch>/<turn>' or '<turn>'")
         return self
 
     def target(self) -> tuple[str, int | None]:
+        """(branch, turn); the branch is not checked here (the conversation manager validates it)."""
+        default = self.branch_name if self.branch_name is not None else "main"
         if self.snapshot_id is None:
-            return self.branch_name or "main", self.turn_number
+            return default, self.turn_number
         head, _, tail = self.snapshot_id.rpartition("/")
-        return head or self.branch_name or "main", int(tail)
+        return head or default, int(tail)
 
 
 class SaveSnapshotRequest(SnapshotSelector):

@@ -20,6 +20,7 @@ from engram.engine.request import RequestOutput, SamplingParams, TokenLogprob
 from engram.server.conversations import ConversationTurns
 from engram.server.errors import APIError
 from engram.server.metrics import Metrics, RequestTimer
+from engram.server.tokens import encode
 
 
 MAX_STAGED_STATES = 64
@@ -60,19 +61,20 @@ class Serving:
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except (ValueError, jinja2.TemplateError) as e:
             raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
-        return tokenizer.encode(text, add_special_tokens=False)
+        return encode(tokenizer, text, add_special_tokens=False)
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
-        return self._require_tokenizer().encode(prompt) if isinstance(prompt, str) else prompt
+        return encode(self._require_tokenizer(), prompt) if isinstance(prompt, str) else prompt
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else ""
 
     @staticmethod
     def sampling_params(fields: dict[str, Any]) -> SamplingParams:
-        """Build SamplingParams from request fields named like its own; None keeps its default."""
+        """Build SamplingParams from request fields named like its own; None keeps its default,
+        except for max_tokens, where None means up to the context length (OpenAI's chat default)."""
         try:
-            return SamplingParams(**{k: v for k, v in fields.items() if v is not None})
+            return SamplingParams(**{k: v for k, v in fields.items() if v is not None or k == "max_tokens"})
         except ValueError as e:
             raise APIError(400, str(e)) from None
 

@@ -23,6 +23,7 @@ from engram.server.protocol import (
 from engram.server.serving import Serving, collect, get_serving
 from engram.server.streaming import cancel_on_disconnect, sse_response
 from engram.state.conversations import Conversation, ConversationManager, Turn
+from engram.state.snapshot import validate_id
 
 admin_router = APIRouter(tags=[SNAPSHOT_TAG])  # guarded by --admin-api-key
 router = APIRouter()
@@ -32,6 +33,8 @@ def _turn_of(s: Serving, selector: SnapshotSelector) -> tuple[Conversation, Turn
     manager = s.conversations.manager
     conv = manager.require(selector.conversation_id)
     branch, turn = selector.target()
+    if validate_id(branch, "branch") not in conv.branches():
+        raise APIError(404, f"conversation {selector.conversation_id!r} has no branch {branch!r}")
     found = manager.find_turn(conv, branch, turn)
     if found is None:
         raise APIError(404, f"conversation {selector.conversation_id!r} has no turns on branch {branch!r}")

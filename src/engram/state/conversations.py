@@ -447,6 +447,10 @@ class ConversationManager:
     def release(self, conversation_id: str) -> None:
         with self._lock:
             self._busy.discard(conversation_id)
+            conv = self._conversations.get(conversation_id)
+            if conv is not None and not conv.turns:  # its first turn failed: there is no conversation
+                del self._conversations[conversation_id]
+                self.last_used.pop(conversation_id, None)
 
     # ---- snapshots ------------------------------------------------------------------------------
 
