@@ -97,6 +97,13 @@ def test_stop_string_and_seed(client):
     assert stop and full.index(stop) >= 1
     stopped = client.completions.create(**kw, stop=[stop]).choices[0]
     assert stopped.text == full[: full.index(stop)] and stopped.finish_reason == "stop"
+    # Streamed, the start of a stop string that spans two tokens is held back until the rest shows.
+    tokens = client.completions.create(**kw, logprobs=1).choices[0].logprobs.tokens
+    at = [len("".join(tokens[: i + 1])) for i in range(len(tokens) - 1) if tokens[i] and tokens[i + 1]]
+    cut = next(c for c in at if full.index(full[c - 1 : c + 1]) == c - 1)
+    spanning = full[cut - 1 : cut + 1]
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**kw, stop=[spanning], stream=True))
+    assert streamed == full[: cut - 1]
 
     sampled = [client.completions.create(model=MODEL, prompt="The cat", max_tokens=16, temperature=1.0, seed=7).choices[0].text
                for _ in range(2)]

@@ -42,3 +42,16 @@ def find_stop_string(seq: Sequence, new_chars: int) -> str | None:
             seq.text = seq.text[:idx]
             return stop
     return None
+
+
+def stop_prefix_len(seq: Sequence) -> int:
+    """Characters at the end of the text not yet emitted that could begin a stop string: a stream
+    holds them back until the next tokens show whether the stop string follows."""
+    pending = len(seq.text) - seq.emitted_chars
+    held = 0
+    for stop in seq.params.stop:
+        for k in range(min(len(stop) - 1, pending), held, -1):
+            if seq.text.endswith(stop[:k]):
+                held = k
+                break
+    return held

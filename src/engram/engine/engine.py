@@ -12,7 +12,7 @@ import torch
 
 from engram.args import EngineArgs
 from engram.engine import memory_planner
-from engram.engine.detokenizer import detokenize_step, find_stop_string
+from engram.engine.detokenizer import detokenize_step, find_stop_string, stop_prefix_len
 from engram.engine.pools import HostCopier, KVPool, StatePool, capture_state, restore_state
 from engram.engine.request import FinishReason, RequestOutput, SamplingParams
 from engram.engine.runner import ModelRunner
@@ -324,13 +324,14 @@ class LLMEngine:
 
     def _output(self, seq: Sequence) -> RequestOutput:
         new_ids = seq.output_ids(seq.emitted_tokens)
+        text_end = len(seq.text) - (0 if seq.is_finished else stop_prefix_len(seq))
         out = RequestOutput(
             request_id=seq.request_id,
             prompt_token_ids=seq.prompt_token_ids,
             token_ids=seq.output_token_ids,
             text=seq.text,
             new_token_ids=new_ids,
-            new_text=seq.text[seq.emitted_chars :],
+            new_text=seq.text[seq.emitted_chars : text_end],
             finished=seq.is_finished,
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
@@ -340,7 +341,7 @@ class LLMEngine:
             state=seq.captured_state,
         )
         seq.emitted_tokens += len(new_ids)
-        seq.emitted_chars = len(seq.text)
+        seq.emitted_chars = text_end
         seq.pending_logprobs = []
         if seq.is_finished:
             self._requests.pop(seq.request_id, None)
