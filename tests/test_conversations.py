@@ -352,3 +352,11 @@ def test_temp_files_of_killed_writes_are_removed_on_load(engine, tmp_path):
     left.write_bytes(b"partial")
     manager_for(engine, tmp_path).require("t")
     assert not left.exists() and (tmp_path / "t" / "main" / "000001.safetensors").exists()
+
+
+def test_a_state_pushed_out_of_memory_by_pressure_is_written_first(engine, tmp_path):
+    manager = manager_for(engine, tmp_path, SnapshotPolicy(SnapshotTrigger.EVERY_N_TURNS, every_n_turns=2), warm_entries=1)
+    take_turn(engine, manager, "p1", random_prompt(4, 1), max_tokens=2)  # turn 1: no snapshot by the policy
+    assert manager.snapshots("p1") == []
+    take_turn(engine, manager, "p2", random_prompt(4, 2), max_tokens=2)  # pushes p1's state out of the warm cache
+    assert [s["turn"] for s in manager.snapshots("p1")] == [1] and manager.stats.demotions["warm_evicted"] == 1

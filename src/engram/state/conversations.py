@@ -207,7 +207,7 @@ class ConversationManager:
         self.clock = clock
         self.warm = warm
         self.warm.clock = clock
-        self.warm.on_evict = lambda cid, ref: self._count("demotions", "warm_evicted")
+        self.warm.on_evict = self._evicted
         self.stats = TierStats()
         self.active: OrderedDict[tuple[str, str], float] = OrderedDict()  # (conversation, ref) -> last use
         self.last_used: dict[str, float] = {}  # conversation -> last use (for cold expiry)
@@ -637,7 +637,7 @@ class ConversationManager:
             for cid, ref in self.warm.idle(now - self.tiers.warm_timeout):
                 if cid in self._busy:
                     continue
-                if not self._demote_to_cold(cid, ref):
+                if not self._demote_to_cold(cid, ref, self.warm.peek(cid, ref)):
                     continue
                 self.warm.drop(cid, ref)
                 self._count("demotions", "warm_to_cold")
@@ -655,9 +655,14 @@ class ConversationManager:
             release, self._pending_release = self._pending_release, []
             return release
 
-    def _demote_to_cold(self, conversation_id: str, ref: str) -> bool:
-        """Write the snapshot an idle warm state still lacks (unless the policy is manual_only or
-        the health policy kept it off disk). False, and the state stays warm, if the write fails."""
+    def _evicted(self, conversation_id: str, ref: str, state: SequenceState) -> None:
+        """A state pushed out of the warm cache by pressure goes to disk first, as an idle one does."""
+        self._count("demotions", "warm_evicted")
+        self._demote_to_cold(conversation_id, ref, state)
+
+    def _demote_to_cold(self, conversation_id: str, ref: str, state: SequenceState) -> bool:
+        """Write the snapshot a state leaving the warm cache still lacks (unless the policy is
+        manual_only or the health policy kept it off disk). False if the write fails."""
         conv = self._conversations.get(conversation_id)
         turn = conv.turns.get(ref) if conv is not None else None
         if (
@@ -666,12 +671,11 @@ class ConversationManager:
         ):
             return True
         try:
-            self._write_snapshot(conv, turn, self.warm.peek(conversation_id, ref))
+            self._write_snapshot(conv, turn, state)
             self._persist_and_prune(conv, turn.branch)
         except (SnapshotError, OSError) as e:
             turn.snapshot = False
-            log.warning("idle state of conversation %r turn %s stays in memory: its snapshot could not be written: %s",
-                        conversation_id, ref, e)
+            log.warning("snapshot of conversation %r turn %s leaving memory not written: %s", conversation_id, ref, e)
             return False
         return True
 

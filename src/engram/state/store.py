@@ -62,7 +62,7 @@ class TierStats:
 class WarmCache:
     """Host-memory states of recent turns, least recently used first out.
 
-    Bounded by entry count and bytes; `on_evict` hears of states pushed out by pressure."""
+    Bounded by entry count and bytes; `on_evict` gets each state pushed out by pressure."""
 
     def __init__(self, max_entries: int, max_bytes: int, clock: Clock = time.time):
         self.max_entries = max_entries
@@ -70,7 +70,7 @@ class WarmCache:
         self.clock = clock
         self.nbytes = 0
         self._states: OrderedDict[tuple[str, str], tuple[SequenceState, float]] = OrderedDict()
-        self.on_evict: Callable[[str, str], None] = lambda conversation_id, ref: None
+        self.on_evict: Callable[[str, str, SequenceState], None] = lambda conversation_id, ref, state: None
 
     def __len__(self) -> int:
         return len(self._states)
@@ -95,9 +95,9 @@ class WarmCache:
         self._states[(conversation_id, ref)] = (state, self.clock())
         self.nbytes += state.nbytes
         while self._states and (len(self._states) > self.max_entries or self.nbytes > self.max_bytes):
-            (cid, old_ref), _ = next(iter(self._states.items()))
+            (cid, old_ref), (old_state, _) = next(iter(self._states.items()))
             self.drop(cid, old_ref)
-            self.on_evict(cid, old_ref)
+            self.on_evict(cid, old_ref, old_state)
 
     def drop(self, conversation_id: str, ref: str | None = None) -> None:
         for key in [k for k in self._states if k[0] == conversation_id and (ref is None or k[1] == ref)]:
