@@ -91,9 +91,14 @@ def test_branch_fork_and_regenerate(engine, tmp_path):
     assert computed == len(new) + 1
     assert manager.require("c2").latest("main").turn == 2  # main is untouched
 
-    # regenerate turn 2 of main from turn 1
+    # regenerate turn 2 of main from turn 1: the new turn 2 keeps its engine slot
     t2b, o2b, *_ = take_turn(engine, manager, "c2", random_prompt(6, 4), from_turn=1)
     assert t2b.turn == 2 and manager.require("c2").latest("main") is t2b
+    assert manager.maintain() == []
+    # a branch sees its own turns and its ancestors', never main's later ones
+    take_turn(engine, manager, "c2", random_prompt(3, 5))  # main/000003
+    with pytest.raises(ConversationNotFoundError, match="no turn 3 on branch 'alt'"):
+        manager.find_turn(manager.require("c2"), "alt", 3)
 
     with pytest.raises(ConversationNotFoundError, match="from_turn"):
         manager.begin("c2", branch="nope")
@@ -348,7 +353,7 @@ def test_a_damaged_record_is_refused_and_left_out_of_listings(engine, tmp_path):
 def test_temp_files_of_killed_writes_are_removed_on_load(engine, tmp_path):
     manager = manager_for(engine, tmp_path)
     take_turn(engine, manager, "t", random_prompt(4, 1), max_tokens=2)
-    left = tmp_path / "t" / "main" / ".000002.safetensors.tmp-999999999-0123abcd"
+    left = tmp_path / "t" / "main" / ".000002.safetensors.tmp-0123456789ab-0123abcd"
     left.write_bytes(b"partial")
     manager_for(engine, tmp_path).require("t")
     assert not left.exists() and (tmp_path / "t" / "main" / "000001.safetensors").exists()
@@ -360,3 +365,65 @@ def test_a_state_pushed_out_of_memory_by_pressure_is_written_first(engine, tmp_p
     assert manager.snapshots("p1") == []
     take_turn(engine, manager, "p2", random_prompt(4, 2), max_tokens=2)  # pushes p1's state out of the warm cache
     assert [s["turn"] for s in manager.snapshots("p1")] == [1] and manager.stats.demotions["warm_evicted"] == 1
+
+
+def test_async_durability_keeps_a_turn_whose_record_write_failed(engine, tmp_path, monkeypatch):
+    """Answered already: the turn stays, and the next turn's record write records it."""
+    import threading
+
+    from engram.state import conversations
+
+    manager = ConversationManager(
+        engine.spec, engine.state_dtypes, ModelIdentity.of(engine.spec, engine.model_path), tokenizer_fingerprint(engine.model_path),
+        SnapshotPolicy(), tmp_path, WarmCache(8, 1 << 30), TierConfig(durability="async"),
+    )
+    gate = threading.Event()
+    manager.writer.submit(gate.wait)  # the writer is held until both turns are recorded in memory
+    real_write, failures = conversations.atomic_write, []
+
+    def first_record_write_fails(path, data):
+        if path.name == conversations.RECORD_NAME and not failures:
+            failures.append(path)
+            raise OSError(5, "Input/output error")
+        real_write(path, data)
+
+    monkeypatch.setattr(conversations, "atomic_write", first_record_write_fails)
+    take_turn(engine, manager, "as", random_prompt(5, 1), max_tokens=2)
+    take_turn(engine, manager, "as", random_prompt(5, 2), max_tokens=2)
+    gate.set()
+    manager.close()
+    assert failures
+    conv = manager.require("as")
+    assert [t.turn for t in conv.turns.values()] == [1, 2] and conv.tokens(conv.latest("main"))
+    restarted = manager_for(engine, tmp_path)
+    assert [t.turn for t in restarted.require("as").turns.values()] == [1, 2]
+
+
+@pytest.mark.parametrize("policy, health", [(SnapshotPolicy(SnapshotTrigger.EVERY_N_TURNS, every_n_turns=2), None), (SnapshotPolicy(), "anomalous")])
+def test_a_state_too_large_for_the_warm_budget_is_not_written_against_the_policies(engine, tmp_path, policy, health):
+    class AlwaysAnomalous(HealthMonitor):
+        def decide(self, report):
+            return Decision(save=False, restore=True, quarantine=True, log=None)
+
+    manager = ConversationManager(
+        engine.spec, engine.state_dtypes, ModelIdentity.of(engine.spec, engine.model_path), tokenizer_fingerprint(engine.model_path),
+        policy, tmp_path, WarmCache(8, 1), health=AlwaysAnomalous() if health else None,
+    )
+    take_turn(engine, manager, "big", random_prompt(4, 1), max_tokens=2)
+    assert manager.snapshots("big") == [] and len(manager.warm) == 0
+
+
+def test_a_snapshot_retention_cannot_delete_does_not_undo_the_turn(engine, tmp_path, monkeypatch):
+    manager = manager_for(engine, tmp_path, SnapshotPolicy(SnapshotTrigger.EVERY_TURN, retention_count=1))
+    take_turn(engine, manager, "e", random_prompt(4, 1), max_tokens=2)
+
+    def io_error(path):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr("engram.state.conversations.delete_snapshot", io_error)
+    turn = take_turn(engine, manager, "e", random_prompt(4, 2), max_tokens=2)[0]
+    monkeypatch.undo()
+    assert turn.snapshot and [t.turn for t in manager.require("e").turns.values()] == [1, 2]
+    restarted = manager_for(engine, tmp_path)
+    assert [s["turn"] for s in restarted.snapshots("e")] == [2]
+    assert not (tmp_path / "e" / "main" / "000001.safetensors").exists()  # the orphan went on load

@@ -329,7 +329,7 @@ class LLMEngine:
             request_id=seq.request_id,
             prompt_token_ids=seq.prompt_token_ids,
             token_ids=seq.output_token_ids,
-            text=seq.text,
+            text=seq.text[:text_end],  # what has been emitted (text that may begin a stop string waits)
             new_token_ids=new_ids,
             new_text=seq.text[seq.emitted_chars : text_end],
             finished=seq.is_finished,

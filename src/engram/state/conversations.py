@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import re
 import threading
 import time
 from collections import OrderedDict
@@ -32,6 +30,7 @@ from engram.state.snapshot import (
     SnapshotNotFoundError,
     atomic_write,
     delete_snapshot,
+    is_stale_temp_file,
     list_snapshots,
     load_snapshot,
     read_manifest,
@@ -42,7 +41,6 @@ from engram.state.snapshot import (
 )
 
 RECORD_NAME = "conversation.json"
-_TEMP_FILE_RE = re.compile(r"\..+\.tmp-([0-9]+)-[0-9a-f]+")  # atomic_write's temp files: .<name>.tmp-<pid>-<hex>
 log = logging.getLogger(__name__)
 
 
@@ -264,8 +262,7 @@ class ConversationManager:
                 log.warning("removing snapshot %s: its conversation record does not list it (left by a crash)", entry["path"])
                 delete_snapshot(entry["path"])
         for path in self._record_path(conv.conversation_id).parent.rglob(".*.tmp-*"):
-            match = _TEMP_FILE_RE.fullmatch(path.name)
-            if match and int(match.group(1)) != os.getpid():  # another process's unfinished write: it was killed
+            if is_stale_temp_file(path):
                 log.warning("removing %s: the temp file of a write that never finished", path)
                 path.unlink(missing_ok=True)
 
@@ -289,14 +286,15 @@ class ConversationManager:
     # ---- turns --------------------------------------------------------------------------------
 
     def find_turn(self, conv: Conversation, branch: str, turn: int | None) -> Turn | None:
-        """Turn `turn` as seen from `branch` (its own turns or an ancestor's); the latest if None."""
+        """Turn `turn` as seen from `branch` (its own turns or an ancestor's; for a branch without
+        turns yet, the one it forks from, main's); the latest if None."""
         if turn is None:
             return conv.latest(branch)
-        for source in (branch, "main"):
-            match = next((t for t in conv.chain(conv.latest(source)) if t.turn == turn), None)
-            if match is not None:
-                return match
-        raise ConversationNotFoundError(f"conversation {conv.conversation_id!r} has no turn {turn} on branch {branch!r}")
+        source = branch if conv.latest(branch) is not None else "main"
+        match = next((t for t in conv.chain(conv.latest(source)) if t.turn == turn), None)
+        if match is None:
+            raise ConversationNotFoundError(f"conversation {conv.conversation_id!r} has no turn {turn} on branch {branch!r}")
+        return match
 
     def begin(self, conversation_id: str, branch: str = "main", from_turn: int | None = None) -> TurnPlan:
         """Reserve the conversation for one new turn (409 if already busy) and say what it starts
@@ -397,15 +395,18 @@ class ConversationManager:
                     tool_calls=tool_calls,
                 )
                 conv.turns[turn.ref] = turn
+                key = retain_key(plan.conversation_id, turn.ref)
+                if key in self._pending_release:  # a forgotten turn's key, now naming this turn's slot
+                    self._pending_release.remove(key)
                 now = self.clock()
                 self.last_used[plan.conversation_id] = now
-                if state is not None and self.tiers.enabled:
-                    self.warm.put(plan.conversation_id, turn.ref, state)
-                    self.active[(plan.conversation_id, turn.ref)] = now
                 wanted = state is not None and self.persistent and self.policy.wants_snapshot(turn.turn, tool_calls)
                 if state is not None and not self._healthy(plan.conversation_id, turn, state):
                     wanted = False
                     self._unsaved_by_health.add((plan.conversation_id, turn.ref))
+                if state is not None and self.tiers.enabled:
+                    self.warm.put(plan.conversation_id, turn.ref, state)
+                    self.active[(plan.conversation_id, turn.ref)] = now
             job = lambda: self._commit(conv, turn, state if wanted else None)  # noqa: E731
             if self.writer is not None:
                 self.writer.submit(job)
@@ -441,7 +442,8 @@ class ConversationManager:
             try:
                 self._persist_and_prune(conv, turn.branch)
             except OSError:
-                self._forget_turn(conv, turn)
+                if self.writer is None:  # sync: the request fails; async: it was answered, a later write records it
+                    self._forget_turn(conv, turn)
                 raise
 
     def release(self, conversation_id: str) -> None:
@@ -479,12 +481,19 @@ class ConversationManager:
         dropped = self._beyond_retention(conv, branch)
         for t in dropped:
             t.snapshot = False
-        self._persist(conv)
+        try:
+            self._persist(conv)
+        except OSError:
+            for t in dropped:
+                t.snapshot = True
+            raise
         for t in dropped:
             try:
                 delete_snapshot(snapshot_path(self.root, conv.conversation_id, t.branch, t.turn))
             except SnapshotNotFoundError:
                 pass
+            except OSError as e:  # the record no longer lists it: an orphan, removed on the next load
+                log.warning("snapshot %s beyond the retention count not deleted: %s", t.ref, e)
 
     def save(self, conversation_id: str, branch: str = "main", turn: int | None = None) -> Turn:
         """Write a snapshot of a turn whose state is still held (the manual trigger)."""
@@ -656,9 +665,18 @@ class ConversationManager:
             return release
 
     def _evicted(self, conversation_id: str, ref: str, state: SequenceState) -> None:
-        """A state pushed out of the warm cache by pressure goes to disk first, as an idle one does."""
+        """A state pushed out of the warm cache by pressure goes to disk first, as an idle one does
+        (written behind with async durability)."""
         self._count("demotions", "warm_evicted")
-        self._demote_to_cold(conversation_id, ref, state)
+
+        def write() -> None:
+            with self._lock:
+                self._demote_to_cold(conversation_id, ref, state)
+
+        if self.writer is not None:
+            self.writer.submit(write)
+        else:
+            write()
 
     def _demote_to_cold(self, conversation_id: str, ref: str, state: SequenceState) -> bool:
         """Write the snapshot a state leaving the warm cache still lacks (unless the policy is

@@ -35,6 +35,10 @@ MAX_TURN = 999_999  # turns are six digits in file names
 _ID_RE = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 _PARENT_RE = re.compile(r"(?!\.\.?/)[A-Za-z0-9_.-]{1,128}/[0-9]{6}")
 _SNAPSHOT_NAME_RE = re.compile(r"[0-9]{6}\.safetensors")
+# atomic_write's temp files are named .<name>.tmp-<writer>-<hex>, <writer> unique to this process
+# (a PID is not: a container's server is PID 1 after every restart).
+_WRITER = secrets.token_hex(6)
+_TEMP_NAME_RE = re.compile(r"\..+\.tmp-([0-9a-f]{12})-[0-9a-f]{8}")
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +168,7 @@ def _make_dirs(folder: Path) -> None:
 def atomic_write(path: Path, data: bytes) -> None:
     """Readers see the old file or the complete new one, never a part; a failure leaves no temp file."""
     _make_dirs(path.parent)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    tmp = path.with_name(f".{path.name}.tmp-{_WRITER}-{secrets.token_hex(4)}")
     try:
         with open(tmp, "xb") as f:
             f.write(data)
@@ -175,6 +179,12 @@ def atomic_write(path: Path, data: bytes) -> None:
         tmp.unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)
+
+
+def is_stale_temp_file(path: Path) -> bool:
+    """Whether `path` is the temp file of a write by an earlier process (killed before it finished)."""
+    match = _TEMP_NAME_RE.fullmatch(path.name)
+    return match is not None and match.group(1) != _WRITER
 
 
 def save_snapshot(

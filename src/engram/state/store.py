@@ -97,7 +97,8 @@ class WarmCache:
         while self._states and (len(self._states) > self.max_entries or self.nbytes > self.max_bytes):
             (cid, old_ref), (old_state, _) = next(iter(self._states.items()))
             self.drop(cid, old_ref)
-            self.on_evict(cid, old_ref, old_state)
+            if (cid, old_ref) != (conversation_id, ref):  # a state larger than the whole budget is just not kept
+                self.on_evict(cid, old_ref, old_state)
 
     def drop(self, conversation_id: str, ref: str | None = None) -> None:
         for key in [k for k in self._states if k[0] == conversation_id and (ref is None or k[1] == ref)]:
