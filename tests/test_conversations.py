@@ -348,6 +348,8 @@ def test_a_damaged_record_is_refused_and_left_out_of_listings(engine, tmp_path):
         restarted.get("bad")
     assert [s["conversation_id"] for s in restarted.snapshots()] == ["ok"]
     assert restarted.preload(5) == 1
+    restarted.delete_conversation("bad")  # deleting it still works
+    assert not (tmp_path / "bad").exists() and restarted.get("bad") is None
 
 
 def test_temp_files_of_killed_writes_are_removed_on_load(engine, tmp_path):

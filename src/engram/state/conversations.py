@@ -599,13 +599,21 @@ class ConversationManager:
                 self._persist(conv)
 
     def delete_conversation(self, conversation_id: str) -> None:
+        """Forget the conversation and delete its files (also when its record is unreadable)."""
         with self._lock:
-            conv = self.require(conversation_id)
+            try:
+                conv = self.require(conversation_id)
+            except ConversationRecordError:
+                conv = None
             if conversation_id in self._busy:
                 raise ConversationBusyError(f"conversation {conversation_id!r} has a request in flight")
-            for t in list(conv.turns.values()):
+            for t in list(conv.turns.values()) if conv is not None else ():
                 self._forget_turn(conv, t)
             if self.persistent:
+                if conv is None:  # no record to say which files are its snapshots: every file of its branches
+                    for path in self._record_path(conversation_id).parent.glob("*/*"):
+                        if path.is_file():
+                            path.unlink()
                 self._record_path(conversation_id).unlink(missing_ok=True)
                 for folder in sorted(self._record_path(conversation_id).parent.glob("*"), reverse=True):
                     if folder.is_dir() and not any(folder.iterdir()):
