@@ -180,10 +180,14 @@ class ModelRunner:
             context_lens_t=packed[4, :b],
         )
 
-    def _fill_padding(self) -> None:
+    def _clear_host_rows(self, b: int) -> None:
+        """Columns :b of the pinned inputs as padding: token and position 0, no slot, no in-flight row."""
         h = self._host_np
-        h[0:2] = 0
-        h[2:6] = -1
+        h[0:2, :b] = 0
+        h[2:6, :b] = -1
+
+    def _fill_padding(self) -> None:
+        self._clear_host_rows(self._host_np.shape[1])
         self._static["packed"].copy_(self._host, non_blocking=True)
 
     def _decode_forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -234,9 +238,8 @@ class ModelRunner:
         b = self._bucket(n)
         if b not in self._graphs:
             self._capture(b)
+        self._clear_host_rows(b)
         h = self._host_np
-        h[0:2, :b] = 0
-        h[2:6, :b] = -1
         bs = self.kv_pool.block_size
         width = 1
         paged = self.kv_pool.needs_pages

@@ -1182,6 +1182,13 @@ def _moe_gemv(x, w_in, w_out, weights, ids, code, gated, shared, h1, out):
 
 
 @triton.jit
+def _weight_block(W, n, nm, stride_w, k0, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Rows n, columns k0..k0+BLOCK_K of a weight matrix (zeros outside it)."""
+    kk = k0 + tl.arange(0, BLOCK_K)
+    return tl.load(W + n[:, None] * stride_w + kk[None, :], mask=nm[:, None] & (kk < K)[None, :], other=0.0)
+
+
+@triton.jit
 def _gemv_kernel(
     X, W, B, Y, M, N, stride_x, stride_w, stride_y,
     CW, CB, Pool, Slots, conv_start, C, stride_wc, stride_wk, stride_ps, stride_pk,
@@ -1196,18 +1203,14 @@ def _gemv_kernel(
     nm = n < N
     m = tl.arange(0, BLOCK_M)
     mm = m < M
-    k_first = tl.arange(0, BLOCK_K)
     # The weights are constant: the first block of them is read while the previous kernel runs.
-    w_first = tl.load(W + n[:, None] * stride_w + k_first[None, :], mask=nm[:, None] & (k_first < K)[None, :], other=0.0)
+    w_first = _weight_block(W, n, nm, stride_w, 0, K, BLOCK_K)
     _wait_for_previous_kernel()
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in tl.static_range(0, K, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
         km = kk < K
-        if k0 == 0:
-            w = w_first.to(tl.float32)
-        else:
-            w = tl.load(W + n[:, None] * stride_w + kk[None, :], mask=nm[:, None] & km[None, :], other=0.0).to(tl.float32)
+        w = (w_first if k0 == 0 else _weight_block(W, n, nm, stride_w, k0, K, BLOCK_K)).to(tl.float32)
         xv = tl.load(X + m[:, None] * stride_x + kk[None, :], mask=mm[:, None] & km[None, :], other=0.0).to(tl.float32)
         acc += tl.sum(xv[:, None, :] * w[None, :, :], axis=2)
     if HAS_BIAS:

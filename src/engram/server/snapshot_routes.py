@@ -35,10 +35,7 @@ def _turn_of(s: Serving, selector: SnapshotSelector) -> tuple[Conversation, Turn
     branch, turn = selector.target()
     if validate_id(branch, "branch") not in conv.branches():
         raise APIError(404, f"conversation {selector.conversation_id!r} has no branch {branch!r}")
-    found = manager.find_turn(conv, branch, turn)
-    if found is None:
-        raise APIError(404, f"conversation {selector.conversation_id!r} has no turns on branch {branch!r}")
-    return conv, found
+    return conv, manager.find_turn(conv, branch, turn)  # an existing branch has a latest turn
 
 
 def _snapshot_entry(manifest: dict, tokens: list[int], quarantine: dict | None) -> dict[str, Any]:

@@ -470,8 +470,7 @@ class ConversationManager:
     def _beyond_retention(self, conv: Conversation, branch: str, extra: Turn | None = None) -> list[Turn]:
         """The turns of `branch` whose snapshots the retention count drops (counting `extra` as saved)."""
         keep = self.policy.retention_count
-        saved = sorted({t.ref: t for t in conv.turns.values() if t.branch == branch and (t.snapshot or t is extra)}.values(),
-                       key=lambda t: t.turn)
+        saved = sorted((t for t in conv.turns.values() if t.branch == branch and (t.snapshot or t is extra)), key=lambda t: t.turn)
         return saved[:-keep] if keep > 0 else []
 
     def _persist_and_prune(self, conv: Conversation, branch: str) -> None:
