@@ -42,11 +42,12 @@ def _pdl_supported() -> bool:
 
 
 # Programmatic dependent launch (Hopper and later): every kernel here is launched while the one
-# before it drains and waits for it (griddepcontrol.wait) before touching memory, so that the
-# launch of each small kernel of a decode step overlaps the tail of the previous one. A kernel
-# touches no memory before the wait, which returns once the previous kernel is complete and its
-# writes are visible, so no read or write can race the previous kernel; the one exception is the
-# GEMV's first block of weights (model weights, which no kernel writes).
+# before it drains, so that the launch of each small kernel of a decode step overlaps the tail of
+# the previous one. A kernel waits for the one before it (griddepcontrol.wait: it is complete and
+# its writes are visible) before it writes anything or reads what that kernel may write. Before the
+# wait it may read what the kernel just before it does not write: every earlier kernel is complete
+# once every program of that one has passed its own wait, which is when the next one is let in.
+# Read so: model weights (the GEMV's first block) and the SSD update's state and parameters.
 PDL = tl.constexpr(_pdl_supported())
 _PDL_LAUNCH = {"launch_pdl": True} if PDL else {}
 
@@ -453,19 +454,22 @@ def _ssd_update_kernel(
     stride_ys, stride_yh, P, N, HPG, dt_min, dt_max,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    _wait_for_previous_kernel()
     s = tl.program_id(0).to(tl.int64)
     h, g, p, n, pm, nm, ptr, m2 = _ssd_tile(Pool, Slots, s, stride_ps, stride_ph, stride_pp, P, N, HPG, BLOCK_P, BLOCK_N)
-    dt = _ssd_dt(tl.load(DT + s * stride_dts + h).to(tl.float32), tl.load(DtBias + h).to(tl.float32), dt_min, dt_max)
+    # Read before the wait: the state (the previous kernel, in_proj or the conv update, does not
+    # write it) and the parameters. x, dt, B and C come from the previous kernel.
+    st = tl.load(ptr, mask=m2, other=0.0).to(tl.float32)
+    dt_bias = tl.load(DtBias + h).to(tl.float32)
     A = -tl.exp(tl.load(ALog + h).to(tl.float32))
-    decay = tl.exp(dt * A)
+    Dh = tl.load(Dp + h).to(tl.float32)
+    _wait_for_previous_kernel()
+    dt = _ssd_dt(tl.load(DT + s * stride_dts + h).to(tl.float32), dt_bias, dt_min, dt_max)
     x = tl.load(X + s * stride_xs + h * stride_xh + p, mask=pm, other=0.0).to(tl.float32)
     b = tl.load(Bm + s * stride_bs + g * stride_bg + n, mask=nm, other=0.0).to(tl.float32)
     c = tl.load(Cm + s * stride_cs + g * stride_cg + n, mask=nm, other=0.0).to(tl.float32)
-    st = tl.load(ptr, mask=m2, other=0.0).to(tl.float32)
-    st = st * decay + (x * dt)[:, None] * b[None, :]
+    st = st * tl.exp(dt * A) + (x * dt)[:, None] * b[None, :]
     tl.store(ptr, st.to(Pool.dtype.element_ty), mask=m2)
-    y = tl.sum(st * c[None, :], axis=1) + x * tl.load(Dp + h).to(tl.float32)
+    y = tl.sum(st * c[None, :], axis=1) + x * Dh
     tl.store(Y + s * stride_ys + h * stride_yh + p, y, mask=pm)
 
 
