@@ -488,10 +488,10 @@ def ssd_state_update(ssm_pool, slots, x, dt, dt_bias, dt_limit, A_log, B, C, D):
     assert x.stride(2) == 1 and B.stride(2) == 1 and C.stride(2) == 1 and ssm_pool.stride(3) == 1
     y = torch.empty((S, H, P), dtype=torch.float32, device=x.device)
     if S:
-        bp = min(16, _np2(P))
+        bp = min(8, _np2(P))
         _ssd_update_kernel[(S, H, triton.cdiv(P, bp))](
             ssm_pool, slots, x, dt, dt_bias, A_log, B, C, D, y, *_ssd_strides(ssm_pool, x, dt, B, C, y, dt_limit),
-            BLOCK_P=bp, BLOCK_N=_np2(N), num_warps=4, **_PDL_LAUNCH
+            BLOCK_P=bp, BLOCK_N=_np2(N), num_warps=2, **_PDL_LAUNCH
         )
     return y
 
@@ -953,8 +953,8 @@ def _moe_down_grouped_kernel(
     stride_hs, stride_sn, stride_s, Tk, T, Hdim, I, IS, E, NB,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Routed blocks: O2[pair] = weight * (W_down h) in float32, each rounded as the reference; then
-    (with a shared expert) S[token] = W_shared_down h_shared."""
+    """Routed blocks: O2[pair] = weight * (W_down h), each rounded as the reference (so O2 holds them
+    exactly in the model's dtype); then (with a shared expert) S[token] = W_shared_down h_shared."""
     _wait_for_previous_kernel()
     b = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -1077,7 +1077,7 @@ MOE_GEMV_MAX_PAIRS = 32
 @triton.jit
 def _moe_combine_kernel(O2, S, Out, stride_o, stride_s, stride_out, HDIM, TOPK: tl.constexpr, HAS_SHARED: tl.constexpr,
                         BLOCK: tl.constexpr):
-    """out[t] = sum of the token's TOPK weighted expert rows (float32), rounded, + its shared row."""
+    """out[t] = sum of the token's TOPK weighted expert rows (in float32), rounded, + its shared row."""
     _wait_for_previous_kernel()
     t = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -1085,7 +1085,7 @@ def _moe_combine_kernel(O2, S, Out, stride_o, stride_s, stride_out, HDIM, TOPK: 
     dt = Out.dtype.element_ty
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for j in tl.static_range(TOPK):
-        acc += tl.load(O2 + (t * TOPK + j) * stride_o + n, mask=nm, other=0.0)
+        acc += tl.load(O2 + (t * TOPK + j) * stride_o + n, mask=nm, other=0.0).to(tl.float32)
     if HAS_SHARED:
         acc = acc.to(dt).to(tl.float32) + tl.load(S + t * stride_s + n, mask=nm, other=0.0).to(tl.float32)
     tl.store(Out + t * stride_out + n, acc.to(dt), mask=nm)
@@ -1131,7 +1131,7 @@ def moe_experts(x, w_in, w_out, weights, ids, act, gated, shared=None):
         s_in.stride(0), hs.stride(0), tk, T, Hdim, I, i_s, E, nblocks,
         TOPK=top_k, GATED=gated, ACT=code, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PREC=prec, num_warps=warps, num_stages=stages, **_PDL_LAUNCH
     )
-    o2 = torch.empty((tk, Hdim), dtype=torch.float32, device=x.device)
+    o2 = torch.empty((tk, Hdim), dtype=x.dtype, device=x.device)
     _moe_down_grouped_kernel[(nblocks + shared_blocks, triton.cdiv(Hdim, dbn))](
         h1, w_out, sorted_ids, block_expert, weights.reshape(-1), o2, hs, s_out, s if fuse_shared else o2,
         h1.stride(0), w_out.stride(0), w_out.stride(1), o2.stride(0), hs.stride(0), s_out.stride(0), Hdim,  # S is contiguous [T, Hdim]
@@ -1141,10 +1141,10 @@ def moe_experts(x, w_in, w_out, weights, ids, act, gated, shared=None):
     if shared is not None and not fuse_shared:
         s = _shared_expert(x, shared, act, gated)
     s_arg = s if s is not None else o2
-    block = min(1024, _np2(Hdim))
+    block = min(256, _np2(Hdim))
     _moe_combine_kernel[(T, triton.cdiv(Hdim, block))](
         o2, s_arg, out, o2.stride(0), s_arg.stride(0), out.stride(0), Hdim, TOPK=top_k, HAS_SHARED=shared is not None,
-        BLOCK=block, num_warps=4, **_PDL_LAUNCH
+        BLOCK=block, num_warps=2, **_PDL_LAUNCH
     )
     return out
 
