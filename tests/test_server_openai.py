@@ -134,6 +134,17 @@ def test_completion_with_token_ids(client):
     assert by_ids.choices[0].text == by_text.choices[0].text
 
 
+def test_logit_bias_forces_a_token_and_ignored_tools_are_allowed(client, tokenizer):
+    (z,) = tokenizer.encode("z", add_special_tokens=False)
+    kw = dict(model=MODEL, prompt="abc", max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    assert client.completions.create(**kw).choices[0].text != "z" * 6
+    assert client.completions.create(logit_bias={str(z): 100}, **kw).choices[0].text == "z" * 6
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, tools=tools, tool_choice="none",
+                                       response_format={"type": "text"})
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
 def test_client_errors(client):
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.chat.completions.create(model="no-such-model", messages=MESSAGES)
@@ -170,6 +181,16 @@ def test_client_errors(client):
         ("/v1/chat/completions", '{"model": "tiny-hybrid", "messages": [{"role": "user", "content": "\\ud800"}]}', "not valid Unicode"),
         ("/v1/completions", '{"model": "tiny-hybrid", "prompt": "\\udc00"}', "not valid Unicode"),
         ("/v1/completions", {"model": MODEL, "prompt": "a", "stop": [""]}, "stop"),
+        ("/v1/completions", {"model": MODEL, "prompt": "a", "logit_bias": {"5": 200}}, "logit_bias"),
+        ("/v1/completions", {"model": MODEL, "prompt": "a", "logit_bias": {"99999": 1}}, "logit_bias token ids outside the vocabulary"),
+        ("/v1/completions", {"model": MODEL, "prompt": "a", "logit_bias": {"x": 1}}, "logit_bias"),
+        ("/generate", {"text": "a", "sampling_params": {"logit_bias": {"-1": 1}}}, "outside the vocabulary"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}],
+                                  "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool calling is not supported"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}], "tool_choice": "required"},
+         "tool calling is not supported"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}],
+                                  "response_format": {"type": "json_object"}}, "response_format 'json_object' is not supported"),
     ],
 )
 def test_bad_requests_are_4xx_with_a_message(server, route, body, says):

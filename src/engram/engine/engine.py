@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -141,9 +141,8 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.spec.vocab_size]
-        if bad:
-            raise ValueError(f"token ids outside the vocabulary (0..{self.spec.vocab_size - 1}): {bad[:5]}")
+        self._check_in_vocabulary("token ids", prompt_token_ids)
+        self._check_in_vocabulary("logit_bias token ids", params.logit_bias)
         limit = self.max_context_length
         if len(prompt_token_ids) >= limit:
             raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; the context length is {limit}")
@@ -165,6 +164,11 @@ class LLMEngine:
         self.scheduler.add(seq)
         self._counters["prompt"] += len(prompt_token_ids)
         self._counters["cached"] += seq.num_cached_tokens
+
+    def _check_in_vocabulary(self, what: str, token_ids: Iterable[int]) -> None:
+        bad = [t for t in token_ids if not 0 <= t < self.spec.vocab_size]
+        if bad:
+            raise ValueError(f"{what} outside the vocabulary (0..{self.spec.vocab_size - 1}): {bad[:5]}")
 
     def _adopt(self, key: str | None, prompt: list[int]) -> RetainedSlot | None:
         adopted = self.scheduler.adopt(key) if key is not None else None

@@ -31,6 +31,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs to return per token (0: only the sampled one)
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -57,6 +58,10 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in 0..20, got {self.logprobs}")
+        self.logit_bias = dict(self.logit_bias or {})
+        for token, bias in self.logit_bias.items():
+            if not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {token}")
 
     @property
     def greedy(self) -> bool:
@@ -65,6 +70,11 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or bool(self.frequency_penalty) or bool(self.presence_penalty)
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Penalties or a logit bias: the row is sampled on its own (`sampler.sample_row`)."""
+        return self.has_penalties or bool(self.logit_bias)
 
 
 class FinishReason(str, Enum):

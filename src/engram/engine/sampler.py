@@ -1,12 +1,12 @@
-"""Next-token choice from logits: penalties, temperature, top-k, top-p, min-p, seeded sampling,
-and logprobs of the model's own distribution.
+"""Next-token choice from logits: logit bias, penalties, temperature, top-k, top-p, min-p, seeded
+sampling, and logprobs of the model's own distribution.
 
-Logits may live on the GPU. `sample_on_device` picks the tokens of every row without penalties or
-its own seed at once, on the logits' device and with no host sync: greedy rows take the argmax, the
+Logits may live on the GPU. `sample_on_device` picks the tokens of every row without penalties,
+logit bias or its own seed at once, on the logits' device and with no host sync: greedy rows take the argmax, the
 others filter in one batch and draw by an exponential race (the argmax of p / Exp(1), which picks
 token i with probability p_i) from the engine's generator on that device. `sample_batch` takes a
 whole step: those rows go through `sample_on_device`, every other row through `sample_row`, which
-applies penalties and filters on the logits' device and draws from the request's own (CPU)
+applies the bias and penalties and filters on the logits' device and draws from the request's own (CPU)
 generator when it has a seed, so seeded sampling gives the same tokens on any device."""
 
 from __future__ import annotations
@@ -18,8 +18,12 @@ import torch
 from engram.engine.request import SamplingParams, TokenLogprob
 
 
-def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int]) -> torch.Tensor:
-    """vLLM semantics: repetition over prompt and output; frequency/presence over the output."""
+def adjust_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int]) -> torch.Tensor:
+    """The logit bias, then vLLM's penalties: repetition over prompt and output, frequency and
+    presence over the output."""
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=logits.device)
+        logits[ids] += torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype, device=logits.device)
     if params.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long, device=logits.device)
         if seen.numel():
@@ -58,7 +62,7 @@ def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
 
 
 def sample_row(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int], generator: torch.Generator | None) -> int:
-    logits = apply_penalties(logits.clone(), params, prompt_ids, output_ids)
+    logits = adjust_logits(logits.clone(), params, prompt_ids, output_ids)
     if params.greedy:
         return int(logits.argmax())
     probs = torch.softmax(filter_logits(logits[None], [params])[0], dim=-1)
@@ -68,8 +72,9 @@ def sample_row(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[in
 
 
 def samples_on_device(params: SamplingParams) -> bool:
-    """Whether `sample_on_device` serves a row: no penalties, no seed of its own for a random draw."""
-    return not params.has_penalties and (params.greedy or params.seed is None)
+    """Whether `sample_on_device` serves a row: no penalties or logit bias, no seed of its own for a
+    random draw."""
+    return not params.adjusts_logits and (params.greedy or params.seed is None)
 
 
 def sample_on_device(logits: torch.Tensor, params: list[SamplingParams], generator: torch.Generator, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -12,7 +12,7 @@ import re
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, model_serializer, model_validator
 
 from engram.engine.request import RequestOutput
 
@@ -24,6 +24,8 @@ def _only_one(n: int) -> int:
 
 
 SingleChoice = Annotated[int, AfterValidator(_only_one)]
+# logit_bias maps token ids to biases; JSON object keys are strings ("50256"), so they are parsed.
+LogitBias = dict[Annotated[int, Strict(False)], float]
 
 
 class _Request(BaseModel):
@@ -48,6 +50,7 @@ class _OpenAIRequest(_Request):
     seed: int | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
+    logit_bias: LogitBias | None = None
     # vLLM's extensions
     top_k: int | None = None
     min_p: float | None = None
@@ -61,7 +64,7 @@ class _OpenAIRequest(_Request):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def _common_fields(self) -> dict[str, Any]:
-        names = ("temperature", "top_p", "stop", "seed", "frequency_penalty", "presence_penalty", "top_k",
+        names = ("temperature", "top_p", "stop", "seed", "frequency_penalty", "presence_penalty", "logit_bias", "top_k",
                  "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens")
         return {name: getattr(self, name) for name in names}
 
@@ -85,12 +88,21 @@ class ChatMessage(_Request):
         return message
 
 
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
 class ChatCompletionRequest(_OpenAIRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # Named so that a request relying on them is refused rather than answered as if they were honored.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
     # Engram's extensions: continue a server-side conversation (send only the new messages).
     conversation_id: str | None = None
     branch: str | None = None
@@ -100,6 +112,15 @@ class ChatCompletionRequest(_OpenAIRequest):
     def _conversation_fields_need_an_id(self) -> ChatCompletionRequest:
         if self.conversation_id is None and (self.branch is not None or self.from_turn is not None):
             raise ValueError("branch and from_turn need a conversation_id")
+        return self
+
+    @model_validator(mode="after")
+    def _no_tool_calls_or_constrained_output(self) -> ChatCompletionRequest:
+        if self.tool_choice not in (None, "none") or (self.tools and self.tool_choice is None):
+            raise ValueError("tool calling is not supported; send tool_choice 'none' to have the tools ignored")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise ValueError(f"response_format {self.response_format.type!r} is not supported (no constrained decoding); "
+                             "only 'text'")
         return self
 
     @model_validator(mode="after")
@@ -274,6 +295,7 @@ class NativeSamplingParams(_Request):
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
     sampling_seed: int | None = None
+    logit_bias: LogitBias | None = None
     n: SingleChoice = 1
 
 
