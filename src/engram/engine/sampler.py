@@ -2,12 +2,13 @@
 sampling, and logprobs of the model's own distribution.
 
 Logits may live on the GPU. `sample_on_device` picks the tokens of every row without penalties,
-logit bias or its own seed at once, on the logits' device and with no host sync: greedy rows take the argmax, the
-others filter in one batch and draw by an exponential race (the argmax of p / Exp(1), which picks
-token i with probability p_i) from the engine's generator on that device. `sample_batch` takes a
-whole step: those rows go through `sample_on_device`, every other row through `sample_row`, which
-applies the bias and penalties and filters on the logits' device and draws from the request's own (CPU)
-generator when it has a seed, so seeded sampling gives the same tokens on any device."""
+logit bias or a seed of its own at once, on the logits' device and with no host sync: greedy rows
+take the argmax, the others filter in one batch and draw by an exponential race (the argmax of
+p / Exp(1), which picks token i with probability p_i) from the engine's generator on that device.
+`sample_batch` takes a whole step: those rows go through `sample_on_device`, every other row
+through `sample_row`, which applies the bias and penalties and filters on the logits' device and
+draws from the request's own (CPU) generator when it has a seed, so seeded sampling gives the same
+tokens on any device."""
 
 from __future__ import annotations
 
