@@ -71,7 +71,7 @@ def test_tiny_temperature_or_top_p_keeps_the_most_likely_token():
     "fields",
     [{"repetition_penalty": float("nan")}, {"repetition_penalty": 1e-320}, {"presence_penalty": -1e308},
      {"frequency_penalty": float("inf")}, {"temperature": float("nan")}, {"top_p": float("nan")}, {"stop": ["", "x"]},
-     {"logit_bias": {3: 101.0}}, {"logit_bias": {3: float("nan")}}],
+     {"logit_bias": {3: 101.0}}, {"logit_bias": {3: float("nan")}}, {"seed": 2**64}, {"seed": -(2**63) - 1}],
 )
 def test_values_the_sampler_cannot_use_are_refused(fields):
     with pytest.raises(ValueError, match=next(iter(fields)) if "stop" not in fields else "stop"):

@@ -14,6 +14,7 @@ from engram.models.embedded import ensure_embedded_model
 
 MODEL = "tiny-hybrid"
 LONG = {"max_new_tokens": 900, "temperature": 0, "ignore_eos": True}
+LONG_OPENAI = {"max_tokens": LONG["max_new_tokens"], "temperature": 0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
@@ -150,6 +151,23 @@ def test_streaming_disconnect_aborts_and_health_stays_fast(http, server):
     assert stats.state_slots_used == 0 and stats.kv_blocks_used == 0
     assert stats.generation_tokens_total - before < LONG["max_new_tokens"]  # it was cut short
     assert max(latencies) < 0.5, latencies
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_leaving_a_request_of_several_choices_aborts_them_all(server, stream):
+    before = engine_of(server).stats().generation_tokens_total
+    body = {"model": MODEL, "prompt": "abc", "n": 3, "stream": stream, **LONG_OPENAI}
+    if stream:
+        with httpx.stream("POST", server.url + "/v1/completions", json=body) as r:
+            assert next(r.iter_lines()).startswith("data: ")
+            assert engine_of(server).stats().num_running == 3
+    else:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url + "/v1/completions", json=body, timeout=0.5)
+    wait_until_idle(server)
+    stats = engine_of(server).stats()
+    assert stats.state_slots_used == 0 and stats.kv_blocks_used == 0
+    assert stats.generation_tokens_total - before < 3 * LONG["max_new_tokens"]
 
 
 def test_non_streaming_disconnect_aborts(server):

@@ -145,13 +145,35 @@ def test_logit_bias_forces_a_token_and_ignored_tools_are_allowed(client, tokeniz
     assert r.choices[0].finish_reason in ("stop", "length")
 
 
+def test_n_choices_are_separate_requests_of_one_prompt(client):
+    kw = dict(model=MODEL, prompt="abc", max_tokens=5, extra_body={"ignore_eos": True})
+    greedy = client.completions.create(temperature=0, n=3, **kw)
+    assert [c.index for c in greedy.choices] == [0, 1, 2] and len({c.text for c in greedy.choices}) == 1
+    assert greedy.usage.prompt_tokens == 3 and greedy.usage.completion_tokens == 15
+    seeded = client.completions.create(temperature=1.0, n=2, seed=7, **kw)
+    for i, seed in enumerate((7, 8)):  # choice i draws with seed + i
+        assert seeded.choices[i].text == client.completions.create(temperature=1.0, seed=seed, **kw).choices[0].text
+
+    chat = dict(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(n=2, **chat)
+    texts, finished = {0: "", 1: ""}, set()
+    stream = client.chat.completions.create(n=2, stream=True, stream_options={"include_usage": True}, **chat)
+    for c in stream:
+        for choice in c.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finished.add(choice.index)
+    assert texts == {i: whole.choices[i].message.content for i in (0, 1)} and finished == {0, 1}
+    assert c.usage.completion_tokens == 12 == whole.usage.completion_tokens
+
+
 def test_client_errors(client):
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.chat.completions.create(model="no-such-model", messages=MESSAGES)
     with pytest.raises(openai.BadRequestError, match="context length"):
         client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=10**6)
-    with pytest.raises(openai.BadRequestError, match="n=1"):
-        client.chat.completions.create(model=MODEL, messages=MESSAGES, n=2)
+    with pytest.raises(openai.BadRequestError, match="less than or equal to 64"):
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, n=65)
     with pytest.raises(openai.BadRequestError, match="messages"):
         client.chat.completions.create(model=MODEL, messages=[])
 
@@ -191,6 +213,8 @@ def test_client_errors(client):
          "tool calling is not supported"),
         ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}],
                                   "response_format": {"type": "json_object"}}, "response_format 'json_object' is not supported"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}], "conversation_id": "c", "n": 2},
+         "n must be 1 with a conversation_id"),
     ],
 )
 def test_bad_requests_are_4xx_with_a_message(server, route, body, says):

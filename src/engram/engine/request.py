@@ -11,6 +11,7 @@ from engram.state.sequence_state import SequenceState
 
 # Temperatures below this count as 0 (greedy), as in vLLM: dividing logits by them overflows.
 GREEDY_TEMPERATURE = 1e-5
+SEED_RANGE = 2**64  # seeds are -2^63 .. 2^64 - 1, what torch.Generator takes
 
 
 @dataclass
@@ -56,6 +57,8 @@ class SamplingParams:
         for name in ("frequency_penalty", "presence_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if self.seed is not None and not -SEED_RANGE // 2 <= self.seed < SEED_RANGE:
+            raise ValueError(f"seed must be in [-2^63, 2^64), got {self.seed}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in 0..20, got {self.logprobs}")
         self.logit_bias = dict(self.logit_bias or {})

@@ -30,7 +30,7 @@ from engram.server.protocol import (
     TopLogprob,
     Usage,
 )
-from engram.server.serving import Serving, collect, get_serving
+from engram.server.serving import Serving, collect_choices, get_serving, interleave
 from engram.server.streaming import cancel_on_disconnect, sse, sse_response
 
 router = APIRouter()
@@ -54,18 +54,24 @@ async def chat_completions(request: ChatCompletionRequest, raw_request: Request)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     if request.conversation_id is None:
         where = ConversationFields()
-        outputs = await s.generate(rid, s.encode_chat(messages), params)
-    else:
+        streams = await s.generate_choices(rid, s.encode_chat(messages), params, request.n)
+    else:  # one choice (the protocol refuses n > 1 there)
         where, outputs = await _conversation_turn(s, request, rid, messages, params)
+        streams = [outputs]
     if request.stream:
-        return sse_response(_chat_events(s, request, rid, outputs, where))
-    out, logprobs = await collect(outputs)
-    choice = ChatChoice(
-        message=AssistantMessage(content=out.text),
-        logprobs=_chat_logprobs(s, logprobs if params.logprobs is not None else None),
-        finish_reason=_finish_reason(out),
-    )
-    return ChatCompletionResponse(id=rid, model=s.model_name, choices=[choice], usage=Usage.of(out), **where.model_dump())
+        return sse_response(_chat_events(s, request, rid, streams, where))
+    results = await collect_choices(streams)
+    choices = [
+        ChatChoice(
+            index=i,
+            message=AssistantMessage(content=out.text),
+            logprobs=_chat_logprobs(s, logprobs if params.logprobs is not None else None),
+            finish_reason=_finish_reason(out),
+        )
+        for i, (out, logprobs) in enumerate(results)
+    ]
+    usage = Usage.of(*(out for out, _ in results))
+    return ChatCompletionResponse(id=rid, model=s.model_name, choices=choices, usage=usage, **where.model_dump())
 
 
 async def _conversation_turn(
@@ -84,21 +90,24 @@ async def _conversation_turn(
 
 
 async def _chat_events(
-    s: Serving, request: ChatCompletionRequest, rid: str, outputs: AsyncIterator[RequestOutput], where: ConversationFields
+    s: Serving, request: ChatCompletionRequest, rid: str, streams: list[AsyncIterator[RequestOutput]], where: ConversationFields
 ) -> AsyncIterator[str]:
     created = int(time.time())
 
     def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
         return sse(ChatCompletionChunk(id=rid, created=created, model=s.model_name, choices=choices, usage=usage, **where.model_dump()))
 
-    yield chunk([ChatChunkChoice(delta=DeltaMessage(role="assistant", content=""))])
-    async with aclosing(outputs):
-        async for out in outputs:
+    yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(len(streams))])
+    last: dict[int, RequestOutput] = {}
+    async with aclosing(interleave(streams)) as outputs:
+        async for i, out in outputs:
+            last[i] = out
             if out.new_text or out.logprobs or out.finished:
                 delta = DeltaMessage(content=out.new_text or None)
-                yield chunk([ChatChunkChoice(delta=delta, logprobs=_chat_logprobs(s, out.logprobs), finish_reason=_finish_reason(out))])
+                logprobs = _chat_logprobs(s, out.logprobs)
+                yield chunk([ChatChunkChoice(index=i, delta=delta, logprobs=logprobs, finish_reason=_finish_reason(out))])
     if request.include_usage:
-        yield chunk([], Usage.of(out))
+        yield chunk([], Usage.of(*(last[i] for i in sorted(last))))
 
 
 @router.post("/v1/completions", response_model=None)
@@ -109,31 +118,40 @@ async def completions(request: CompletionRequest, raw_request: Request):
     prompt_ids = s.encode_prompt(request.prompt)
     params = s.sampling_params(request.sampling_fields())
     rid = f"cmpl-{uuid.uuid4().hex}"
-    outputs = await s.generate(rid, prompt_ids, params)
+    streams = await s.generate_choices(rid, prompt_ids, params, request.n)
     if request.stream:
-        return sse_response(_completion_events(s, request, rid, outputs))
-    out, logprobs = await collect(outputs)
-    choice = CompletionChoice(
-        text=out.text,
-        logprobs=_completion_logprobs(s, logprobs if params.logprobs is not None else None, 0),
-        finish_reason=_finish_reason(out),
-    )
-    return CompletionResponse(id=rid, model=s.model_name, choices=[choice], usage=Usage.of(out))
+        return sse_response(_completion_events(s, request, rid, streams))
+    results = await collect_choices(streams)
+    choices = [
+        CompletionChoice(
+            index=i,
+            text=out.text,
+            logprobs=_completion_logprobs(s, logprobs if params.logprobs is not None else None, 0),
+            finish_reason=_finish_reason(out),
+        )
+        for i, (out, logprobs) in enumerate(results)
+    ]
+    return CompletionResponse(id=rid, model=s.model_name, choices=choices, usage=Usage.of(*(out for out, _ in results)))
 
 
-async def _completion_events(s: Serving, request: CompletionRequest, rid: str, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+async def _completion_events(
+    s: Serving, request: CompletionRequest, rid: str, streams: list[AsyncIterator[RequestOutput]]
+) -> AsyncIterator[str]:
     created = int(time.time())
 
     def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> str:
         return sse(CompletionResponse(id=rid, created=created, model=s.model_name, choices=choices, usage=usage))
 
-    async for out in outputs:
-        if out.new_text or out.logprobs or out.finished:
-            offset = len(out.text) - len(out.new_text)
-            logprobs = _completion_logprobs(s, out.logprobs, offset)
-            yield chunk([CompletionChoice(text=out.new_text, logprobs=logprobs, finish_reason=_finish_reason(out))])
+    last: dict[int, RequestOutput] = {}
+    async with aclosing(interleave(streams)) as outputs:
+        async for i, out in outputs:
+            last[i] = out
+            if out.new_text or out.logprobs or out.finished:
+                offset = len(out.text) - len(out.new_text)
+                logprobs = _completion_logprobs(s, out.logprobs, offset)
+                yield chunk([CompletionChoice(index=i, text=out.new_text, logprobs=logprobs, finish_reason=_finish_reason(out))])
     if request.include_usage:
-        yield chunk([], Usage.of(out))
+        yield chunk([], Usage.of(*(last[i] for i in sorted(last))))
 
 
 def _finish_reason(out: RequestOutput) -> str | None:

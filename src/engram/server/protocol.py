@@ -24,6 +24,7 @@ def _only_one(n: int) -> int:
 
 
 SingleChoice = Annotated[int, AfterValidator(_only_one)]
+MAX_CHOICES = 64  # OpenAI's `n`: each choice is its own engine request
 # logit_bias maps token ids to biases; JSON object keys are strings ("50256"), so they are parsed.
 LogitBias = dict[Annotated[int, Strict(False)], float]
 
@@ -43,7 +44,7 @@ class _OpenAIRequest(_Request):
     model: str
     temperature: float | None = None
     top_p: float | None = None
-    n: SingleChoice = 1
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -112,6 +113,8 @@ class ChatCompletionRequest(_OpenAIRequest):
     def _conversation_fields_need_an_id(self) -> ChatCompletionRequest:
         if self.conversation_id is None and (self.branch is not None or self.from_turn is not None):
             raise ValueError("branch and from_turn need a conversation_id")
+        if self.conversation_id is not None and self.n != 1:
+            raise ValueError("a conversation turn has one answer: n must be 1 with a conversation_id")
         return self
 
     @model_validator(mode="after")
@@ -160,10 +163,11 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails
 
     @classmethod
-    def of(cls, out: RequestOutput) -> Usage:
-        prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
+    def of(cls, *outs: RequestOutput) -> Usage:
+        """The usage of one prompt's choices: the prompt counted once, every choice's tokens."""
+        prompt, completion = len(outs[0].prompt_token_ids), sum(len(out.token_ids) for out in outs)
         return cls(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                   prompt_tokens_details=PromptTokensDetails(cached_tokens=out.num_cached_tokens))
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=outs[0].num_cached_tokens))
 
 
 class TopLogprob(BaseModel):

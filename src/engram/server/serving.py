@@ -6,6 +6,8 @@ request fields become `SamplingParams`, and a request is started on the engine.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
@@ -16,7 +18,7 @@ import jinja2
 from fastapi import Request
 
 from engram.engine.async_engine import AsyncEngine
-from engram.engine.request import RequestOutput, SamplingParams, TokenLogprob
+from engram.engine.request import SEED_RANGE, RequestOutput, SamplingParams, TokenLogprob
 from engram.server.conversations import ConversationTurns
 from engram.server.errors import APIError
 from engram.server.metrics import Metrics, RequestTimer
@@ -90,6 +92,27 @@ class Serving:
             raise APIError(400, str(e)) from None
         return _timed(outputs, first, timer)
 
+    async def generate_choices(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, n: int
+    ) -> list[AsyncIterator[RequestOutput]]:
+        """`generate` for OpenAI's n choices of one prompt, each its own engine request, started
+        together. With a seed, choice i draws from seed + i (the same choices for the same seed)."""
+        if n == 1:
+            return [await self.generate(request_id, prompt_ids, params)]
+        starts = [
+            asyncio.ensure_future(self.generate(f"{request_id}-{i}", prompt_ids, _nth_choice(params, i))) for i in range(n)
+        ]
+        try:
+            return list(await asyncio.gather(*starts))
+        finally:  # after a failure or a cancellation: abort the choices still starting (no-op
+            # otherwise); those already started are aborted when their dropped streams are collected
+            for start in starts:
+                start.cancel()
+
+
+def _nth_choice(params: SamplingParams, i: int) -> SamplingParams:
+    return params if params.seed is None or i == 0 else dataclasses.replace(params, seed=(params.seed + i) % SEED_RANGE)
+
 
 async def _timed(outputs: AsyncIterator[RequestOutput], first: RequestOutput, timer: RequestTimer) -> AsyncIterator[RequestOutput]:
     async with aclosing(outputs):  # closing this generator aborts the request
@@ -108,6 +131,51 @@ async def collect(outputs: AsyncIterator[RequestOutput]) -> tuple[RequestOutput,
     async for out in outputs:
         logprobs += out.logprobs or []
     return out, logprobs
+
+
+async def collect_choices(streams: list[AsyncIterator[RequestOutput]]) -> list[tuple[RequestOutput, list[TokenLogprob]]]:
+    """`collect` for every choice at once; one that fails aborts the others."""
+    if len(streams) == 1:
+        return [await collect(streams[0])]
+    drains = [asyncio.ensure_future(collect(stream)) for stream in streams]
+    try:
+        return list(await asyncio.gather(*drains))
+    finally:
+        for drain in drains:
+            drain.cancel()
+
+
+async def interleave(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(choice index, output) from every stream as they come; closing this closes them all."""
+    if len(streams) == 1:
+        async with aclosing(streams[0]):
+            async for out in streams[0]:
+                yield 0, out
+        return
+    pending = {asyncio.ensure_future(anext(stream)): i for i, stream in enumerate(streams)}
+    yielding: int | None = None
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for step in done:
+                i = pending.pop(step)
+                try:
+                    out = step.result()
+                except StopAsyncIteration:
+                    continue
+                yielding = i
+                yield i, out
+                yielding = None
+                pending[asyncio.ensure_future(anext(streams[i]))] = i
+    finally:  # closed early: a choice waiting for its next output is aborted by the cancellation,
+        # one that has just given one by closing its stream
+        for step, i in pending.items():
+            if step.done():
+                await streams[i].aclose()
+            else:
+                step.cancel()
+        if yielding is not None:
+            await streams[yielding].aclose()
 
 
 def get_serving(request: Request) -> Serving:
