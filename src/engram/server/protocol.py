@@ -25,6 +25,7 @@ def _only_one(n: int) -> int:
 
 SingleChoice = Annotated[int, AfterValidator(_only_one)]
 MAX_CHOICES = 64  # OpenAI's `n`: each choice is its own engine request
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 # logit_bias maps token ids to biases; JSON object keys are strings ("50256"), so they are parsed.
 LogitBias = dict[Annotated[int, Strict(False)], float]
 
@@ -59,6 +60,19 @@ class _OpenAIRequest(_Request):
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
+    # vLLM's constrained decoding, named so that a request relying on it is refused, not ignored
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+
+    @model_validator(mode="after")
+    def _no_guided_decoding(self) -> _OpenAIRequest:
+        used = [name for name in GUIDED_FIELDS if getattr(self, name) is not None]
+        if used:
+            raise ValueError(f"{', '.join(used)}: constrained decoding is not supported")
+        return self
 
     @property
     def include_usage(self) -> bool:
@@ -103,6 +117,8 @@ class ChatCompletionRequest(_OpenAIRequest):
     # Named so that a request relying on them is refused rather than answered as if they were honored.
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None  # the deprecated form of tools
+    function_call: str | dict[str, Any] | None = None
     response_format: ResponseFormat | None = None
     # Engram's extensions: continue a server-side conversation (send only the new messages).
     conversation_id: str | None = None
@@ -119,8 +135,10 @@ class ChatCompletionRequest(_OpenAIRequest):
 
     @model_validator(mode="after")
     def _no_tool_calls_or_constrained_output(self) -> ChatCompletionRequest:
-        if self.tool_choice not in (None, "none") or (self.tools and self.tool_choice is None):
-            raise ValueError("tool calling is not supported; send tool_choice 'none' to have the tools ignored")
+        for tools, choice in ((self.tools, self.tool_choice), (self.functions, self.function_call)):
+            if choice not in (None, "none") or (tools and choice is None):
+                raise ValueError("tool calling is not supported; send tool_choice (or function_call) 'none' to have "
+                                 "the tools ignored")
         if self.response_format is not None and self.response_format.type != "text":
             raise ValueError(f"response_format {self.response_format.type!r} is not supported (no constrained decoding); "
                              "only 'text'")

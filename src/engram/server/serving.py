@@ -96,18 +96,34 @@ class Serving:
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, n: int
     ) -> list[AsyncIterator[RequestOutput]]:
         """`generate` for OpenAI's n choices of one prompt, each its own engine request, started
-        together. With a seed, choice i draws from seed + i (the same choices for the same seed)."""
+        together. Returns once the first has its first output (bad input fails them all alike), so a
+        stream begins while choices beyond the free engine slots still wait for one. With a seed,
+        choice i draws from seed + i (the same choices for the same seed)."""
         if n == 1:
             return [await self.generate(request_id, prompt_ids, params)]
         starts = [
             asyncio.ensure_future(self.generate(f"{request_id}-{i}", prompt_ids, _nth_choice(params, i))) for i in range(n)
         ]
         try:
-            return list(await asyncio.gather(*starts))
-        finally:  # after a failure or a cancellation: abort the choices still starting (no-op
-            # otherwise); those already started are aborted when their dropped streams are collected
+            done, _ = await asyncio.wait(starts, return_when=asyncio.FIRST_COMPLETED)
+            for start in done:
+                start.result()  # raises the failure of a choice that could not start
+        except BaseException:
             for start in starts:
                 start.cancel()
+            raise
+        return [_started(start) for start in starts]
+
+
+async def _started(start: asyncio.Future[AsyncIterator[RequestOutput]]) -> AsyncIterator[RequestOutput]:
+    """The outputs of a choice whose start may still be pending; closing this aborts it either way."""
+    try:
+        stream = await start
+    finally:
+        start.cancel()  # a no-op once it has started
+    async with aclosing(stream):
+        async for out in stream:
+            yield out
 
 
 def _nth_choice(params: SamplingParams, i: int) -> SamplingParams:
