@@ -154,10 +154,11 @@ def test_streaming_disconnect_aborts_and_health_stays_fast(http, server):
 
 
 @pytest.mark.parametrize("stream", [True, False])
-def test_leaving_a_request_of_several_choices_aborts_them_all(server, stream):
+@pytest.mark.parametrize("prompt", ["abc", "ab" * 200])  # the long one: the choices share a prefill
+def test_leaving_a_request_of_several_choices_aborts_them_all(server, stream, prompt):
     # 4 engine slots: choices 0..3 start, 4 and 5 wait for a slot.
     before = engine_of(server).stats().generation_tokens_total
-    body = {"model": MODEL, "prompt": "abc", "n": 6, "stream": stream, **LONG_OPENAI}
+    body = {"model": MODEL, "prompt": prompt, "n": 6, "stream": stream, **LONG_OPENAI, "max_tokens": 1000 - len(prompt)}
     if stream:
         with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
             assert next(r.iter_lines()).startswith("data: ")  # before the running choices finish

@@ -167,6 +167,15 @@ def test_n_choices_are_separate_requests_of_one_prompt(client):
     assert c.usage.completion_tokens == 12 == whole.usage.completion_tokens
 
 
+def test_n_choices_of_a_long_prompt_share_its_prefill_exactly(client):
+    kw = dict(model=MODEL, prompt="ab" * 200, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    alone = client.completions.create(**kw)
+    shared = client.completions.create(n=3, **kw)
+    assert alone.usage.prompt_tokens >= 256 and alone.usage.prompt_tokens_details.cached_tokens == 0
+    assert [c.text for c in shared.choices] == [alone.choices[0].text] * 3
+    assert shared.usage.prompt_tokens_details.cached_tokens == shared.usage.prompt_tokens - 1  # restored, not recomputed
+
+
 def test_client_errors(client):
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.chat.completions.create(model="no-such-model", messages=MESSAGES)

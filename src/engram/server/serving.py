@@ -26,6 +26,9 @@ from engram.server.tokens import encode
 
 
 MAX_STAGED_STATES = 64
+# From this many prompt tokens, the n choices of a request share one prefill: the state one token
+# short of the prompt is computed once and restored into every choice, which computes the last one.
+SHARED_PREFILL_MIN_TOKENS = 256
 
 
 class Serving:
@@ -96,13 +99,18 @@ class Serving:
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, n: int
     ) -> list[AsyncIterator[RequestOutput]]:
         """`generate` for OpenAI's n choices of one prompt, each its own engine request, started
-        together. Returns once the first has its first output (bad input fails them all alike), so a
-        stream begins while choices beyond the free engine slots still wait for one. With a seed,
-        choice i draws from seed + i (the same choices for the same seed)."""
+        together (after their shared prefill, for long prompts). Returns once the first has its first
+        output (bad input fails them all alike), so a stream begins while choices beyond the free
+        engine slots still wait for one. With a seed, choice i draws from seed + i (the same choices
+        for the same seed)."""
         if n == 1:
             return [await self.generate(request_id, prompt_ids, params)]
+        shared: dict[str, Any] = {}
+        if len(prompt_ids) >= SHARED_PREFILL_MIN_TOKENS:
+            shared["initial_state"] = await self._prefill_state(f"{request_id}-prompt", prompt_ids[:-1])
         starts = [
-            asyncio.ensure_future(self.generate(f"{request_id}-{i}", prompt_ids, _nth_choice(params, i))) for i in range(n)
+            asyncio.ensure_future(self.generate(f"{request_id}-{i}", prompt_ids, _nth_choice(params, i), **shared))
+            for i in range(n)
         ]
         try:
             done, _ = await asyncio.wait(starts, return_when=asyncio.FIRST_COMPLETED)
@@ -113,6 +121,11 @@ class Serving:
                 start.cancel()
             raise
         return [_started(start) for start in starts]
+
+    async def _prefill_state(self, request_id: str, prompt_ids: list[int]) -> Any:
+        """The state of a sequence after `prompt_ids` (an engine `SequenceState`), from a request of one token."""
+        out, _ = await collect(await self.generate(request_id, prompt_ids, SamplingParams(max_tokens=1, temperature=0), capture_state=True))
+        return out.state
 
 
 async def _started(start: asyncio.Future[AsyncIterator[RequestOutput]]) -> AsyncIterator[RequestOutput]:
