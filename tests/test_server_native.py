@@ -172,6 +172,14 @@ def test_leaving_a_request_of_several_choices_aborts_them_all(server, stream, pr
     assert stats.generation_tokens_total - before < 4 * LONG["max_new_tokens"]
 
 
+def test_choices_refused_by_the_engine_compute_no_shared_prefill(server):
+    before = engine_of(server).stats().prompt_tokens_total
+    body = {"model": MODEL, "prompt": "ab" * 200, "n": 3, "max_tokens": 900}  # 400 + 900 tokens > the context
+    r = httpx.post(server.url + "/v1/completions", json=body)
+    assert r.status_code == 400 and "context length" in r.json()["error"]["message"]
+    assert engine_of(server).stats().prompt_tokens_total == before
+
+
 def test_non_streaming_disconnect_aborts(server):
     before = engine_of(server).stats().generation_tokens_total
     with pytest.raises(httpx.ReadTimeout):

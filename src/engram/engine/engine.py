@@ -139,17 +139,7 @@ class LLMEngine:
         the output; `retain_key` keeps the final state in its slot under that key."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty")
-        self._check_in_vocabulary("token ids", prompt_token_ids)
-        self._check_in_vocabulary("logit_bias token ids", params.logit_bias)
-        limit = self.max_context_length
-        if len(prompt_token_ids) >= limit:
-            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; the context length is {limit}")
-        if params.max_tokens is not None and len(prompt_token_ids) + params.max_tokens > limit:
-            raise ValueError(
-                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context length {limit}"
-            )
+        self.check_request(prompt_token_ids, params)
         if initial_state is not None:
             self._check_prefix(initial_state.tokens, initial_state.state_len, prompt_token_ids)
             # Structure only: values were checked where the state came from (a verified snapshot
@@ -164,6 +154,20 @@ class LLMEngine:
         self.scheduler.add(seq)
         self._counters["prompt"] += len(prompt_token_ids)
         self._counters["cached"] += seq.num_cached_tokens
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """What `add_request` refuses of a prompt and its parameters (ValueError); reads no engine state."""
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        self._check_in_vocabulary("token ids", prompt_token_ids)
+        self._check_in_vocabulary("logit_bias token ids", params.logit_bias)
+        limit = self.max_context_length
+        if len(prompt_token_ids) >= limit:
+            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; the context length is {limit}")
+        if params.max_tokens is not None and len(prompt_token_ids) + params.max_tokens > limit:
+            raise ValueError(
+                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context length {limit}"
+            )
 
     def _check_in_vocabulary(self, what: str, token_ids: Iterable[int]) -> None:
         bad = [t for t in token_ids if not 0 <= t < self.spec.vocab_size]

@@ -7,10 +7,11 @@ request fields become `SamplingParams`, and a request is started on the engine.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import aclosing
 from typing import Any
 
@@ -78,10 +79,8 @@ class Serving:
     def sampling_params(fields: dict[str, Any]) -> SamplingParams:
         """Build SamplingParams from request fields named like its own; None keeps its default,
         except for max_tokens, where None means up to the context length (OpenAI's chat default)."""
-        try:
+        with _bad_input_is_400():
             return SamplingParams(**{k: v for k, v in fields.items() if v is not None or k == "max_tokens"})
-        except ValueError as e:
-            raise APIError(400, str(e)) from None
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, **kwargs: Any) -> AsyncIterator[RequestOutput]:
         """Start a request and wait for its first output, so that bad input (the engine raises
@@ -89,10 +88,8 @@ class Serving:
         `kwargs` go to the engine (a state to restore, whether to capture the final state)."""
         timer = self.metrics.timer()
         outputs = self.engine.generate(request_id, prompt_ids, params, **kwargs)
-        try:
+        with _bad_input_is_400():
             first = await anext(outputs)
-        except ValueError as e:
-            raise APIError(400, str(e)) from None
         return _timed(outputs, first, timer)
 
     async def generate_choices(
@@ -107,6 +104,8 @@ class Serving:
             return [await self.generate(request_id, prompt_ids, params)]
         shared: dict[str, Any] = {}
         if len(prompt_ids) >= SHARED_PREFILL_MIN_TOKENS:
+            with _bad_input_is_400():  # before computing the prefix for nothing
+                self.engine.engine.check_request(prompt_ids, params)
             shared["initial_state"] = await self._prefill_state(f"{request_id}-prompt", prompt_ids[:-1])
         starts = [
             asyncio.ensure_future(self.generate(f"{request_id}-{i}", prompt_ids, _nth_choice(params, i), **shared))
@@ -126,6 +125,15 @@ class Serving:
         """The state of a sequence after `prompt_ids` (an engine `SequenceState`), from a request of one token."""
         out, _ = await collect(await self.generate(request_id, prompt_ids, SamplingParams(max_tokens=1, temperature=0), capture_state=True))
         return out.state
+
+
+@contextlib.contextmanager
+def _bad_input_is_400() -> Iterator[None]:
+    """Bad input (the engine and SamplingParams raise ValueError) is answered with 400."""
+    try:
+        yield
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
 
 
 async def _started(start: asyncio.Future[AsyncIterator[RequestOutput]]) -> AsyncIterator[RequestOutput]:
