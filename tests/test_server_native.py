@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import json
+import re
 import threading
 import time
 
@@ -11,6 +13,7 @@ import pytest
 from server_utils import running_server
 
 from engram.models.embedded import ensure_embedded_model
+from engram.state.sequence_state import SequenceState
 
 MODEL = "tiny-hybrid"
 LONG = {"max_new_tokens": 900, "temperature": 0, "ignore_eos": True}
@@ -178,6 +181,27 @@ def test_choices_refused_by_the_engine_compute_no_shared_prefill(server):
     r = httpx.post(server.url + "/v1/completions", json=body)
     assert r.status_code == 400 and "context length" in r.json()["error"]["message"]
     assert engine_of(server).stats().prompt_tokens_total == before
+
+
+def _metric(http, name: str) -> float:
+    return float(re.search(rf"^{re.escape(name)} (\S+)$", http.get("/metrics").text, re.M).group(1))
+
+
+def test_a_shared_prefill_is_no_clients_request(http, server):
+    """The n choices' shared prefill is internal: outside the latency metrics and token counts,
+    and its captured state is not kept once the choices are done."""
+    counts = ("engram:e2e_request_latency_seconds_count", "engram:time_to_first_token_seconds_count")
+    wait_until_idle(server)
+    before, stats = [_metric(http, name) for name in counts], engine_of(server).stats()
+    body = {"model": MODEL, "prompt": "ba" * 200, "n": 3, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    usage = http.post("/v1/completions", json=body).json()["usage"]
+    wait_until_idle(server)
+    after = engine_of(server).stats()
+    assert [_metric(http, name) - b for name, b in zip(counts, before)] == [3, 3]
+    assert after.generation_tokens_total - stats.generation_tokens_total == 3 * 4
+    assert after.prompt_tokens_total - stats.prompt_tokens_total == 3 * usage["prompt_tokens"]
+    gc.collect()
+    assert not [o for o in gc.get_objects() if type(o) is SequenceState]
 
 
 def test_non_streaming_disconnect_aborts(server):

@@ -146,6 +146,7 @@ class AsyncEngine:
                         future.set_result(fn())
                     except Exception as e:  # reported to the caller
                         future.set_exception(e)
+            commands = fn = future = None  # the last command may hold a state to restore: not kept while idle
             outputs: list[RequestOutput] = []
             if self.engine.has_unfinished_requests():
                 try:

@@ -132,11 +132,14 @@ class LLMEngine:
         capture_state: bool = False,
         retain_key: str | None = None,
         resume_key: str | None = None,
+        internal: bool = False,
     ) -> None:
         """Queue a request. `initial_state` covers a prefix of the prompt (restored, not computed);
         `resume_key` names a retained slot holding such a state (adopted without a copy when it is
         still there, else `initial_state` is used). `capture_state` returns the final state in
-        the output; `retain_key` keeps the final state in its slot under that key."""
+        the output; `retain_key` keeps the final state in its slot under that key. An `internal`
+        request (the server's own, such as a prefill shared by several choices) is left out of
+        the received, cached and generated token counts."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.check_request(prompt_token_ids, params)
@@ -147,13 +150,14 @@ class LLMEngine:
             check_state(self.spec, self.state_dtypes, initial_state, check_finite=False)
         generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         seq = Sequence(request_id, list(prompt_token_ids), params, generator, initial_state, capture_state)
-        seq.retain_key = retain_key
+        seq.retain_key, seq.internal = retain_key, internal
         seq.adopted = self._adopt(resume_key, prompt_token_ids)
         seq.num_cached_tokens = seq.adopted.state_len if seq.adopted else (initial_state.state_len if initial_state else 0)
         self._requests[request_id] = seq
         self.scheduler.add(seq)
-        self._counters["prompt"] += len(prompt_token_ids)
-        self._counters["cached"] += seq.num_cached_tokens
+        if not internal:
+            self._counters["prompt"] += len(prompt_token_ids)
+            self._counters["cached"] += seq.num_cached_tokens
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """What `add_request` refuses of a prompt and its parameters (ValueError); reads no engine state."""
@@ -306,7 +310,7 @@ class LLMEngine:
         if p.logprobs is not None:
             seq.pending_logprobs.append(token_logprob(logits, token, p.logprobs))
         seq.token_ids.append(token)
-        self._counters["generation"] += 1
+        self._counters["generation"] += not seq.internal
         chars_before = len(seq.text)
         detokenize_step(self.tokenizer, seq)
         if not p.ignore_eos and token in self.eos_token_ids:

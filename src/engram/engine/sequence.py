@@ -31,6 +31,7 @@ class Sequence:
     initial_state: SequenceState | None = None  # restored on (re)admission
     capture_state: bool = False
     retain_key: str | None = None  # keep the slot and pages under this key when finished
+    internal: bool = False  # made by the server for itself: its tokens count as neither received nor generated
     adopted: RetainedSlot | None = None  # a retained slot this request continues (until admitted)
     num_cached_tokens: int = 0  # prompt tokens whose state was restored or adopted, not computed
     restore_seconds: float = 0.0  # time to copy the restored state into the pools

@@ -82,11 +82,14 @@ class Serving:
         with _bad_input_is_400():
             return SamplingParams(**{k: v for k, v in fields.items() if v is not None or k == "max_tokens"})
 
-    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, **kwargs: Any) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, timer: RequestTimer | None = None, **kwargs: Any
+    ) -> AsyncIterator[RequestOutput]:
         """Start a request and wait for its first output, so that bad input (the engine raises
-        ValueError) is answered with 400 before a response, streaming or not, has begun.
-        `kwargs` go to the engine (a state to restore, whether to capture the final state)."""
-        timer = self.metrics.timer()
+        ValueError) is answered with 400 before a response, streaming or not, has begun. `timer`:
+        when the request arrived, if before now. `kwargs` go to the engine (a state to restore,
+        whether to capture the final state)."""
+        timer = timer or self.metrics.timer()
         outputs = self.engine.generate(request_id, prompt_ids, params, **kwargs)
         with _bad_input_is_400():
             first = await anext(outputs)
@@ -102,13 +105,14 @@ class Serving:
         for the same seed)."""
         if n == 1:
             return [await self.generate(request_id, prompt_ids, params)]
+        timers = [self.metrics.timer() for _ in range(n)]
         shared: dict[str, Any] = {}
         if len(prompt_ids) >= SHARED_PREFILL_MIN_TOKENS:
             with _bad_input_is_400():  # before computing the prefix for nothing
                 self.engine.engine.check_request(prompt_ids, params)
             shared["initial_state"] = await self._prefill_state(f"{request_id}-prompt", prompt_ids[:-1])
         starts = [
-            asyncio.ensure_future(self.generate(f"{request_id}-{i}", prompt_ids, _nth_choice(params, i), **shared))
+            asyncio.ensure_future(self.generate(f"{request_id}-{i}", prompt_ids, _nth_choice(params, i), timers[i], **shared))
             for i in range(n)
         ]
         try:
@@ -119,11 +123,16 @@ class Serving:
             for start in starts:
                 start.cancel()
             raise
-        return [_started(start) for start in starts]
+        shared_len = len(prompt_ids) - 1 if shared else 0
+        return [_started(start, shared_len) for start in starts]
 
     async def _prefill_state(self, request_id: str, prompt_ids: list[int]) -> Any:
-        """The state of a sequence after `prompt_ids` (an engine `SequenceState`), from a request of one token."""
-        out, _ = await collect(await self.generate(request_id, prompt_ids, SamplingParams(max_tokens=1, temperature=0), capture_state=True))
+        """The state of a sequence after `prompt_ids` (an engine `SequenceState`), from an internal
+        request of one token (no client's: outside the request metrics and token counts)."""
+        params = SamplingParams(max_tokens=1, temperature=0)
+        outputs = self.engine.generate(request_id, prompt_ids, params, capture_state=True, internal=True)
+        with _bad_input_is_400():
+            out, _ = await collect(outputs)
         return out.state
 
 
@@ -136,15 +145,17 @@ def _bad_input_is_400() -> Iterator[None]:
         raise APIError(400, str(e)) from None
 
 
-async def _started(start: asyncio.Future[AsyncIterator[RequestOutput]]) -> AsyncIterator[RequestOutput]:
-    """The outputs of a choice whose start may still be pending; closing this aborts it either way."""
+async def _started(start: asyncio.Future[AsyncIterator[RequestOutput]], shared_len: int) -> AsyncIterator[RequestOutput]:
+    """The outputs of a choice whose start may still be pending; closing this aborts it either way.
+    The `shared_len` tokens of the choices' shared prefill were computed for this request, so they
+    are not reported as cached."""
     try:
         stream = await start
     finally:
         start.cancel()  # a no-op once it has started
     async with aclosing(stream):
         async for out in stream:
-            yield out
+            yield dataclasses.replace(out, num_cached_tokens=out.num_cached_tokens - shared_len) if shared_len else out
 
 
 def _nth_choice(params: SamplingParams, i: int) -> SamplingParams:
