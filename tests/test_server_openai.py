@@ -176,6 +176,22 @@ def test_n_choices_of_a_long_prompt_share_its_prefill_exactly(client):
     assert shared.usage.prompt_tokens_details.cached_tokens == 0  # computed in this request, once
 
 
+def test_tokenize_and_detokenize(client, server, tokenizer):
+    post = lambda route, body: httpx.post(server.url + route, json=body)  # noqa: E731
+    r = post("/tokenize", {"model": MODEL, "prompt": "abc def"}).json()
+    completion = client.completions.create(model=MODEL, prompt="abc def", max_tokens=1)
+    assert r["count"] == len(r["tokens"]) == completion.usage.prompt_tokens and r["max_model_len"] == 1024
+    assert post("/detokenize", {"tokens": r["tokens"]}).json() == {"prompt": "abc def"}
+    chat = post("/tokenize", {"messages": MESSAGES}).json()
+    assert chat["count"] == chat_prompt_len(tokenizer, MESSAGES)
+    assert post("/tokenize", {"messages": MESSAGES, "add_generation_prompt": False}).json()["count"] < chat["count"]
+    for route, body, status, says in (("/detokenize", {"tokens": [99999]}, 400, "outside the vocabulary"),
+                                      ("/tokenize", {"prompt": "a", "messages": MESSAGES}, 400, "exactly one"),
+                                      ("/tokenize", {"model": "other", "prompt": "a"}, 404, "does not exist")):
+        bad = post(route, body)
+        assert bad.status_code == status and says in bad.json()["error"]["message"], bad.text
+
+
 def test_client_errors(client):
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.chat.completions.create(model="no-such-model", messages=MESSAGES)

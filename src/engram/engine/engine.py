@@ -163,8 +163,8 @@ class LLMEngine:
         """What `add_request` refuses of a prompt and its parameters (ValueError); reads no engine state."""
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
-        self._check_in_vocabulary("token ids", prompt_token_ids)
-        self._check_in_vocabulary("logit_bias token ids", params.logit_bias)
+        self.check_in_vocabulary("token ids", prompt_token_ids)
+        self.check_in_vocabulary("logit_bias token ids", params.logit_bias)
         limit = self.max_context_length
         if len(prompt_token_ids) >= limit:
             raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; the context length is {limit}")
@@ -173,7 +173,7 @@ class LLMEngine:
                 f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context length {limit}"
             )
 
-    def _check_in_vocabulary(self, what: str, token_ids: Iterable[int]) -> None:
+    def check_in_vocabulary(self, what: str, token_ids: Iterable[int]) -> None:
         bad = [t for t in token_ids if not 0 <= t < self.spec.vocab_size]
         if bad:
             raise ValueError(f"{what} outside the vocabulary (0..{self.spec.vocab_size - 1}): {bad[:5]}")

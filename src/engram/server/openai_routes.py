@@ -1,4 +1,5 @@
-"""OpenAI-compatible routes: `/v1/models`, `/v1/chat/completions`, `/v1/completions`."""
+"""OpenAI-compatible routes: `/v1/models`, `/v1/chat/completions`, `/v1/completions`, and vLLM's
+`/tokenize` and `/detokenize`."""
 
 from __future__ import annotations
 
@@ -25,8 +26,12 @@ from engram.server.protocol import (
     CompletionResponse,
     ConversationFields,
     DeltaMessage,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ModelCard,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
     TopLogprob,
     Usage,
 )
@@ -42,6 +47,26 @@ async def list_models(raw_request: Request) -> ModelList:
     core = s.engine.engine
     card = ModelCard(id=s.model_name, created=s.created, root=str(core.model_path), max_model_len=core.max_context_length)
     return ModelList(data=[card])
+
+
+@router.post("/tokenize")
+async def tokenize(request: TokenizeRequest, raw_request: Request) -> TokenizeResponse:
+    s = get_serving(raw_request)
+    if request.model is not None:
+        s.check_model(request.model)
+    if request.messages is not None:
+        tokens = s.encode_chat([m.template_dict() for m in request.messages], request.add_generation_prompt)
+    else:
+        tokens = s.encode_prompt(request.prompt, request.add_special_tokens)
+    return TokenizeResponse(count=len(tokens), max_model_len=s.engine.engine.max_context_length, tokens=tokens)
+
+
+@router.post("/detokenize")
+async def detokenize(request: DetokenizeRequest, raw_request: Request) -> DetokenizeResponse:
+    s = get_serving(raw_request)
+    if request.model is not None:
+        s.check_model(request.model)
+    return DetokenizeResponse(prompt=s.decode(request.tokens))
 
 
 @router.post("/v1/chat/completions", response_model=None)

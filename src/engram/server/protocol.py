@@ -167,6 +167,27 @@ class CompletionRequest(_OpenAIRequest):
         return {**self._common_fields(), "max_tokens": self.max_tokens, "logprobs": self.logprobs}
 
 
+class TokenizeRequest(_Request):
+    """vLLM's `/tokenize`: a prompt, or chat messages rendered by the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # for a prompt
+    add_generation_prompt: bool = True  # for messages
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+
 # ---- OpenAI responses -----------------------------------------------------------------------
 
 
@@ -282,6 +303,16 @@ class CompletionResponse(_Response):
     object: Literal["text_completion"] = "text_completion"
     choices: list[CompletionChoice]
     usage: Usage | None = None  # None on stream chunks
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ModelCard(BaseModel):

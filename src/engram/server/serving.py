@@ -61,16 +61,21 @@ class Serving:
             raise APIError(400, "the model has no tokenizer: send token ids instead of text")
         return self.tokenizer
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
         tokenizer = self._require_tokenizer()
         try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
         except (ValueError, jinja2.TemplateError) as e:
             raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
         return encode(tokenizer, text, add_special_tokens=False)
 
-    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
-        return encode(self._require_tokenizer(), prompt) if isinstance(prompt, str) else prompt
+    def encode_prompt(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+        return encode(self._require_tokenizer(), prompt, add_special_tokens) if isinstance(prompt, str) else prompt
+
+    def decode(self, token_ids: list[int]) -> str:
+        with _bad_input_is_400():
+            self.engine.engine.check_in_vocabulary("token ids", token_ids)
+        return self._require_tokenizer().decode(token_ids)
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else ""
