@@ -111,11 +111,12 @@ class Serving:
         if n == 1:
             return [await self.generate(request_id, prompt_ids, params)]
         timers = [self.metrics.timer() for _ in range(n)]
-        shared: dict[str, Any] = {}
+        state = None
         if len(prompt_ids) >= SHARED_PREFILL_MIN_TOKENS:
             with _bad_input_is_400():  # before computing the prefix for nothing
                 self.engine.engine.check_request(prompt_ids, params)
-            shared["initial_state"] = await self._prefill_state(f"{request_id}-prompt", prompt_ids[:-1])
+            state = await self._prefill_state(f"{request_id}-prompt", prompt_ids[:-1])
+        shared = {"initial_state": state} if state is not None else {}  # None: the prefill was cut short
         starts = [
             asyncio.ensure_future(self.generate(f"{request_id}-{i}", prompt_ids, _nth_choice(params, i), timers[i], **shared))
             for i in range(n)
