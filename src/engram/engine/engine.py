@@ -149,8 +149,7 @@ class LLMEngine:
             # load, or this engine's own capture, which the health monitor also watches).
             check_state(self.spec, self.state_dtypes, initial_state, check_finite=False)
         generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        seq = Sequence(request_id, list(prompt_token_ids), params, generator, initial_state, capture_state)
-        seq.retain_key, seq.internal = retain_key, internal
+        seq = Sequence(request_id, list(prompt_token_ids), params, generator, initial_state, capture_state, retain_key, internal)
         seq.adopted = self._adopt(resume_key, prompt_token_ids)
         seq.num_cached_tokens = seq.adopted.state_len if seq.adopted else (initial_state.state_len if initial_state else 0)
         self._requests[request_id] = seq
@@ -310,7 +309,8 @@ class LLMEngine:
         if p.logprobs is not None:
             seq.pending_logprobs.append(token_logprob(logits, token, p.logprobs))
         seq.token_ids.append(token)
-        self._counters["generation"] += not seq.internal
+        if not seq.internal:
+            self._counters["generation"] += 1
         chars_before = len(seq.text)
         detokenize_step(self.tokenizer, seq)
         if not p.ignore_eos and token in self.eos_token_ids:

@@ -132,7 +132,7 @@ async def _chat_events(
                 logprobs = _chat_logprobs(s, out.logprobs)
                 yield chunk([ChatChunkChoice(index=i, delta=delta, logprobs=logprobs, finish_reason=_finish_reason(out))])
     if request.include_usage:
-        yield chunk([], Usage.of(*(last[i] for i in sorted(last))))
+        yield chunk([], Usage.of(*last.values()))
 
 
 @router.post("/v1/completions", response_model=None)
@@ -176,7 +176,7 @@ async def _completion_events(
                 logprobs = _completion_logprobs(s, out.logprobs, offset)
                 yield chunk([CompletionChoice(index=i, text=out.new_text, logprobs=logprobs, finish_reason=_finish_reason(out))])
     if request.include_usage:
-        yield chunk([], Usage.of(*(last[i] for i in sorted(last))))
+        yield chunk([], Usage.of(*last.values()))
 
 
 def _finish_reason(out: RequestOutput) -> str | None:
