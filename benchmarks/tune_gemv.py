@@ -4,9 +4,10 @@
 
 For the config's decode shapes it times every configuration in a small grid, each call replayed
 from a CUDA graph that cycles through enough weight copies to defeat the L2 cache, and prints the
-best per kernel with the bandwidth reached: up to LINEAR_GEMV_MAX_ROWS rows, the GEMVs (Mamba2
-in_proj / out_proj next to cuBLAS, the MoE with its shared expert); above, the grouped MoE GEMM
-(`--rows 64`: a decode batch of 64).
+best per kernel with the bandwidth reached: Mamba2's in_proj / out_proj next to cuBLAS (the GEMV up
+to LINEAR_GEMV_MAX_ROWS rows, the tensor-core kernel up to LINEAR_DOT_MAX_ROWS), and the MoE with
+its shared expert (the GEMVs up to MOE_GEMV_MAX_PAIRS routed pairs, the grouped GEMM above:
+`--rows 64` is a decode batch of 64).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from bench_speed import find_config, replay_seconds  # noqa: E402
 from engram.ops import triton_ops  # noqa: E402
 
 GRID = list(itertools.product((1, 2, 4, 8), (512, 1024, 2048), (1, 2, 4, 8)))
+LINEAR_DOT_GRID = list(itertools.product((16, 32, 64), (64, 128, 256), (4,), (3, 4, 5)))
 GROUPED_UP_GRID = list(itertools.product((16,), (16, 32, 64), (32, 64, 128), (2, 4), (3, 4, 5)))
 GROUPED_DOWN_GRID = list(itertools.product((32, 64, 128), (64, 128, 256), (4, 8), (3, 4)))
 COPIES = 12  # weight copies cycled through: more bytes than the L2 cache holds
@@ -67,35 +69,9 @@ def sweep(key: str, fn, copies: int, nbytes: int, grid: list[tuple] = GRID) -> d
     return {"best": best, "best_us": best_t * 1e6, "table": [(c, t * 1e6) for t, c in rows]}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default="granite-4.0-h-tiny")
-    ap.add_argument("--rows", type=int, default=1, help="tokens per step (decode batch)")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-    cfg = json.loads(find_config(args.config).read_text())
-    dt, dev, m = torch.bfloat16, "cuda", args.rows
+def tune_moe(cfg: dict, m: int, rnd, results: dict) -> None:
     H = cfg["hidden_size"]
-    d_in = cfg["mamba_expand"] * H
-    conv_dim = d_in + 2 * cfg["mamba_n_groups"] * cfg["mamba_d_state"]
-    results = {"gpu": torch.cuda.get_device_name(), "rows": m, "config": args.config}
     gemv = m <= triton_ops.LINEAR_GEMV_MAX_ROWS
-
-    def rnd(*shape):
-        return torch.randn(*shape, device=dev, dtype=dt) * 0.02
-
-    # The linear layers take the GEMV only up to LINEAR_GEMV_MAX_ROWS rows (cuBLAS above).
-    linear_shapes = {"in_proj": (d_in + conv_dim + cfg["mamba_n_heads"], H), "out_proj": (H, d_in)} if gemv else {}
-    for name, (n, k) in linear_shapes.items():
-        ws = [rnd(n, k) for _ in range(COPIES)]
-        x = rnd(m, k)
-        nbytes = n * k * 2
-        t_cublas = time_graph(lambda i: F.linear(x, ws[i]), COPIES)
-        print(f"{name} [{n} x {k}], {m} row(s): cuBLAS {t_cublas * 1e6:.2f} us ({nbytes / t_cublas / 1e12:.2f} TB/s)", flush=True)
-        r = sweep("linear", lambda i: triton_ops.linear(x, ws[i]), COPIES, nbytes)
-        r["cublas_us"] = t_cublas * 1e6
-        results[name] = r
-
     E, I, top_k, Is = cfg["num_local_experts"], cfg["intermediate_size"], cfg["num_experts_per_tok"], cfg["shared_intermediate_size"]
     copies = 4
     w_in = [rnd(E, 2 * I, H) for _ in range(copies)]
@@ -103,8 +79,8 @@ def main() -> None:
     s_in = [rnd(2 * Is, H) for _ in range(copies)]
     s_out = [rnd(H, Is) for _ in range(copies)]
     x = rnd(m, H)
-    weights = torch.full((m, top_k), 1.0 / top_k, device=dev)
-    ids = torch.stack([torch.randperm(E, device=dev)[:top_k] for _ in range(m)])
+    weights = torch.full((m, top_k), 1.0 / top_k, device=x.device)
+    ids = torch.stack([torch.randperm(E, device=x.device)[:top_k] for _ in range(m)])
     distinct = ids.unique().numel()
     nbytes = distinct * 3 * I * H * 2 + 3 * Is * H * 2
 
@@ -124,6 +100,43 @@ def main() -> None:
         results["moe_grouped_up"] = sweep("moe_grouped_up", moe, copies, nbytes, GROUPED_UP_GRID)
         triton_ops.GEMV_CONFIG["moe_grouped_up"] = tuple(results["moe_grouped_up"]["best"])
         results["moe_grouped_down"] = sweep("moe_grouped_down", moe, copies, nbytes, GROUPED_DOWN_GRID)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="granite-4.0-h-tiny")
+    ap.add_argument("--rows", type=int, default=1, help="tokens per step (decode batch)")
+    ap.add_argument("--kernels", default="linear,moe", help="which to tune: linear, moe or both")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    cfg = json.loads(find_config(args.config).read_text())
+    dt, dev, m = torch.bfloat16, "cuda", args.rows
+    H = cfg["hidden_size"]
+    mamba = {key: cfg.get(f"mamba_{key}", cfg.get(alias)) for key, alias in
+             (("expand", "expand"), ("n_groups", "n_groups"), ("d_state", "state_size"), ("n_heads", "num_heads"))}
+    d_in = mamba["expand"] * H
+    conv_dim = d_in + 2 * mamba["n_groups"] * mamba["d_state"]
+    results = {"gpu": torch.cuda.get_device_name(), "rows": m, "config": args.config}
+    gemv = m <= triton_ops.LINEAR_GEMV_MAX_ROWS
+
+    def rnd(*shape):
+        return torch.randn(*shape, device=dev, dtype=dt) * 0.02
+
+    linear_shapes = {"in_proj": (d_in + conv_dim + mamba["n_heads"], H), "out_proj": (H, d_in)}
+    tune_linear = "linear" in args.kernels and m <= triton_ops.LINEAR_DOT_MAX_ROWS
+    for name, (n, k) in linear_shapes.items() if tune_linear else ():
+        ws = [rnd(n, k) for _ in range(COPIES)]
+        x = rnd(m, k)
+        nbytes = n * k * 2
+        key, grid = ("linear", GRID) if gemv else (triton_ops.linear_dot_config_key(n, x.device), LINEAR_DOT_GRID)
+        t_cublas = time_graph(lambda i: F.linear(x, ws[i]), COPIES)
+        print(f"{name} [{n} x {k}], {m} row(s): cuBLAS {t_cublas * 1e6:.2f} us ({nbytes / t_cublas / 1e12:.2f} TB/s)", flush=True)
+        r = sweep(key, lambda i: triton_ops.linear(x, ws[i]), COPIES, nbytes, grid)
+        r["cublas_us"] = t_cublas * 1e6
+        results[name] = r
+
+    if "moe" in args.kernels:
+        tune_moe(cfg, m, rnd, results)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
 

@@ -90,10 +90,11 @@ def test_gated_rms_norm(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 3, 4, 9])
+@pytest.mark.parametrize("rows", [1, 3, 4, 9, 40, 64, 65])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear(dtype, rows, bias):
-    """The small-batch GEMV (up to LINEAR_GEMV_MAX_ROWS rows; cuBLAS above) against F.linear."""
+    """The small-batch kernels (the GEMV up to LINEAR_GEMV_MAX_ROWS rows, the tensor-core kernel up to
+    LINEAR_DOT_MAX_ROWS; cuBLAS above) against F.linear."""
     g = _gen(14)
     for n, k in ((40, 96), (200, 1536 + 16), (24, 3072 + 16)):  # one, two and four blocks of K
         x, w = _randn(rows, k, g=g, dtype=dtype), _randn(n, k, g=g, dtype=dtype) * 0.05
@@ -116,12 +117,12 @@ def _conv_inputs(g, dtype, C=144, K=4, slots_total=6):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("K", [2, 3, 4])
-@pytest.mark.parametrize("slots", [[4, 0, -1, 2], [3], [5, 1, -1, 0, 2, 4]])  # one GEMV launch up to 4 rows
+@pytest.mark.parametrize("slots", [[4, 0, -1, 2], [3], [5, 1, -1, 0, 2, 4], [-1 if i % 7 == 3 else (i * 5) % 41 for i in range(41)]])  # GEMV, tensor cores
 @pytest.mark.parametrize("bias", [True, False])
 def test_linear_conv_update_in_place_by_slot(dtype, K, slots, bias):
     """Mamba2's in_proj with the conv update of its xBC columns (C = 144 of 200, starting at 10)."""
     g = _gen(3)
-    w, b, pool = _conv_inputs(g, dtype, K=K)
+    w, b, pool = _conv_inputs(g, dtype, K=K, slots_total=max(slots) + 1)
     b = b if bias else None
     slots = torch.tensor(slots, device=DEV)  # -1: a CUDA-graph padding row
     x = _randn(len(slots), 96, g=g, dtype=dtype)

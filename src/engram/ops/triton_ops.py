@@ -10,6 +10,7 @@ decode step can be captured in a CUDA graph.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Callable
 
@@ -927,23 +928,25 @@ def _moe_up_grouped_kernel(
     TOPK: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Programs (b, nb): for b < NB, block b of the routed pairs sorted by expert; after that (with a
-    shared expert, IS > 0) blocks of BLOCK_M tokens through the shared expert."""
+    """A flat grid: (block b, column block nb) for every block of the routed pairs sorted by expert
+    (b fastest); after them (with a shared expert, IS > 0) the same over blocks of BLOCK_M tokens
+    through the shared expert, whose hidden size may differ."""
     _wait_for_previous_kernel()
-    b = tl.program_id(0).to(tl.int64)
-    nb = tl.program_id(1)
-    if b < NB:
+    pid = tl.program_id(0).to(tl.int64)
+    routed = NB * tl.cdiv(I, BLOCK_N)
+    if pid < routed:
+        b = pid % NB
         e = tl.load(BlockExpert + b).to(tl.int64)
-        if (e >= E) | (nb * BLOCK_N >= I):
+        if e >= E:
             return
         rows = tl.load(SortedIds + b * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-        _grouped_up_tile(X, Win + e * stride_we, H1, rows // TOPK, rows, rows < Tk, nb, stride_x, stride_wn, stride_h, Hdim, I,
+        _grouped_up_tile(X, Win + e * stride_we, H1, rows // TOPK, rows, rows < Tk, pid // NB, stride_x, stride_wn, stride_h, Hdim, I,
                          GATED, ACT, BLOCK_M, BLOCK_N, BLOCK_K, PREC)
     else:
-        if nb * BLOCK_N >= IS:
-            return
-        t = (b - NB) * BLOCK_M + tl.arange(0, BLOCK_M)
-        _grouped_up_tile(X, Sin, Hs, t, t, t < T, nb, stride_x, stride_sn, stride_hs, Hdim, IS,
+        q = pid - routed
+        sb = tl.cdiv(T, BLOCK_M)
+        t = (q % sb) * BLOCK_M + tl.arange(0, BLOCK_M)
+        _grouped_up_tile(X, Sin, Hs, t, t, t < T, q // sb, stride_x, stride_sn, stride_hs, Hdim, IS,
                          GATED, ACT, BLOCK_M, BLOCK_N, BLOCK_K, PREC)
 
 
@@ -1126,7 +1129,7 @@ def moe_experts(x, w_in, w_out, weights, ids, act, gated, shared=None):
     hs = torch.empty((T, max(i_s, 1)), dtype=x.dtype, device=x.device)
     s = torch.empty((T, Hdim), dtype=x.dtype, device=x.device) if fuse_shared else None
     shared_blocks = triton.cdiv(T, bm) if fuse_shared else 0
-    _moe_up_grouped_kernel[(nblocks + shared_blocks, triton.cdiv(max(I, i_s), bn))](
+    _moe_up_grouped_kernel[(nblocks * triton.cdiv(I, bn) + shared_blocks * triton.cdiv(i_s, bn),)](
         x, w_in, sorted_ids, block_expert, h1, s_in, hs, x.stride(0), w_in.stride(0), w_in.stride(1), h1.stride(0),
         s_in.stride(0), hs.stride(0), tk, T, Hdim, I, i_s, E, nblocks,
         TOPK=top_k, GATED=gated, ACT=code, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PREC=prec, num_warps=warps, num_stages=stages, **_PDL_LAUNCH
@@ -1233,16 +1236,38 @@ def _gemv_kernel(
     tl.store(Y + m[:, None] * stride_y + n[None, :], out, mask=mm[:, None] & nm[None, :])
 
 
-# Rows of x up to which `linear` runs the GEMV above instead of cuBLAS.
+@triton.jit
+def _linear_dot_kernel(
+    X, W, B, Y, M, N, stride_x, stride_w, stride_y,
+    K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """y = x W^T (+ b) for up to BLOCK_M rows on tensor cores (decode batches of a few dozen): one
+    program per BLOCK_N output columns, all rows at once, so each weight is read once."""
+    _wait_for_previous_kernel()
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nm = n < N
+    m = tl.arange(0, BLOCK_M)
+    mm = m < M
+    acc = _grouped_dot(X, W, m, mm, n, nm, stride_x, stride_w, K, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), BLOCK_K, PREC)
+    if HAS_BIAS:
+        acc += tl.load(B + n, mask=nm, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + m[:, None] * stride_y + n[None, :], acc.to(Y.dtype.element_ty), mask=mm[:, None] & nm[None, :])
+
+
+# Rows of x up to which `linear` runs the GEMV above, and then the tensor-core kernel, instead of cuBLAS.
 LINEAR_GEMV_MAX_ROWS = 4
+LINEAR_DOT_MAX_ROWS = 64
 
 # Block sizes of the small-batch kernels, measured on an H200 with benchmarks/tune_gemv.py:
-# (BLOCK_N, BLOCK_K, num_warps) of the GEMVs; up to MOE_GROUPED_SMALL_PAIRS routed pairs, the grouped
-# MoE GEMM's (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for the up projection and
-# (BLOCK_N, BLOCK_K, num_warps, num_stages) for the down projection (`--rows 64`).
+# (BLOCK_N, BLOCK_K, num_warps) of the GEMVs; (BLOCK_N, BLOCK_K, num_warps, num_stages) of the
+# linear layers' tensor-core kernel, for layers wide enough to give every SM a program at that
+# BLOCK_N and for narrower ones; up to MOE_GROUPED_SMALL_PAIRS routed pairs, the grouped MoE GEMM's
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for the up projection and (BLOCK_N, BLOCK_K,
+# num_warps, num_stages) for the down projection (`--rows 64`).
 GEMV_CONFIG = {
-    "linear": (2, 1024, 1), "moe_up": (1, 2048, 1), "moe_down": (1, 1024, 1),
-    "moe_grouped_up": (16, 32, 64, 4, 3), "moe_grouped_down": (64, 128, 4, 3),
+    "linear": (2, 1024, 1), "linear_dot": (32, 128, 4, 4), "linear_dot_narrow": (16, 256, 4, 4),
+    "moe_up": (1, 2048, 1), "moe_down": (1, 1024, 1), "moe_grouped_up": (16, 32, 64, 4, 3), "moe_grouped_down": (64, 128, 4, 3),
 }
 MOE_GROUPED_SMALL_PAIRS = 2048
 
@@ -1250,6 +1275,11 @@ MOE_GROUPED_SMALL_PAIRS = 2048
 def _gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     rows = x.numel() // x.shape[-1]
     return 0 < rows <= LINEAR_GEMV_MAX_ROWS and x.shape[-1] <= 16384 and weight.stride(-1) == 1 and x.dtype == weight.dtype
+
+
+def _linear_dot_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    rows = x.numel() // x.shape[-1]
+    return LINEAR_GEMV_MAX_ROWS < rows <= LINEAR_DOT_MAX_ROWS and weight.stride(-1) == 1 and x.dtype == weight.dtype
 
 
 def _gemv(x, weight, bias, conv=None):
@@ -1268,17 +1298,47 @@ def _gemv(x, weight, bias, conv=None):
     return y.view(*x.shape[:-1], N)
 
 
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def linear_dot_config_key(n: int, device: torch.device) -> str:
+    """Which GEMV_CONFIG entry the tensor-core kernel takes for a layer of n output columns."""
+    return "linear_dot" if triton.cdiv(n, GEMV_CONFIG["linear_dot"][0]) >= _sm_count(device) else "linear_dot_narrow"
+
+
+def _linear_dot(x, weight, bias):
+    K = x.shape[-1]
+    x2 = _rows(x)
+    M, N = x2.shape[0], weight.shape[0]
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    bn, bk, warps, stages = GEMV_CONFIG[linear_dot_config_key(N, x.device)]
+    bk = bk * 2 // x.element_size()  # the blocks are tuned for 2-byte types: the same shared memory for float32
+    _linear_dot_kernel[(triton.cdiv(N, bn),)](
+        x2, weight, bias if bias is not None else weight, y, M, N, x2.stride(0), weight.stride(0), y.stride(0),
+        K=K, HAS_BIAS=bias is not None, BLOCK_M=max(16, _np2(M)), BLOCK_N=bn, BLOCK_K=min(bk, _np2(K)), PREC=_precision(x),
+        num_warps=warps, num_stages=stages, **_PDL_LAUNCH,
+    )
+    return y.view(*x.shape[:-1], N)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if not _gemv_applies(x, weight):
-        return F.linear(x, weight, bias)
-    return _gemv(x, weight, bias)
+    if _gemv_applies(x, weight):
+        return _gemv(x, weight, bias)
+    if _linear_dot_applies(x, weight):
+        return _linear_dot(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def linear_conv_update(x, weight, bias, conv_weight, conv_bias, conv_pool, slots, conv_start):
+    """Up to LINEAR_GEMV_MAX_ROWS rows the conv update rides in the GEMV's epilogue; above, it is
+    its own kernel after the projection (in the tensor-core kernel's accumulator layout its pool
+    reads and writes would be scattered)."""
     if _gemv_applies(x, weight):
         assert 2 <= conv_weight.shape[1] <= 4, "the fused conv update handles kernel widths 2..4"
         return _gemv(x, weight, bias, (conv_weight, conv_bias, conv_pool, slots, conv_start))
-    proj = F.linear(x, weight, bias)
+    proj = linear(x, weight, bias)
     xbc = proj[:, conv_start : conv_start + conv_weight.shape[0]]
     _launch_conv_update(xbc, conv_weight, conv_bias, conv_pool, slots, xbc)  # in place: each element read, then written
     return proj
