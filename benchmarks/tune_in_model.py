@@ -1,0 +1,108 @@
+"""Block sizes of the decode kernels, timed inside the whole model (`triton_ops.GEMV_CONFIG`).
+
+    python benchmarks/tune_in_model.py [--config granite-4.0-h-tiny] [--batch 64] [--keys moe_grouped_up,moe_grouped_down]
+
+tune_gemv.py times one kernel alone, on uniform routing; inside a decode step a kernel can rank the
+configurations differently (the model's own routing, the kernels around it). This builds the engine
+once with random weights, prints how the model's tokens spread over the experts, and for each
+configuration of each GEMV_CONFIG entry recaptures the decode graph and times its replay (the GPU
+time of one step). Each entry keeps its best configuration for the entries after it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_speed import build_models, engine_decode, find_config  # noqa: E402
+from engram.ops import dispatch, triton_ops  # noqa: E402
+
+GRIDS = {
+    "moe_grouped_up": list(itertools.product((16, 32), (32, 64), (64, 128), (4,), (3, 4))),
+    "moe_grouped_down": list(itertools.product((64, 128), (64, 128), (4,), (3, 4))),
+    "linear_dot": list(itertools.product((16, 32, 64), (64, 128, 256), (4,), (3, 4))),
+    "linear_dot_narrow": list(itertools.product((16, 32), (128, 256), (4,), (3, 4))),
+}
+
+
+def step_ms(eng, batch: int, vocab: int) -> float:
+    """GPU time of one decode step at this batch, from a freshly captured graph."""
+    eng.runner._graphs.clear()
+    return engine_decode(eng, batch, 128, 16, vocab)["gpu_step_ms"]
+
+
+def routing_report(eng, batch: int) -> None:
+    """Routed pairs per expert in each MoE layer of one eager decode step (the graph's last inputs)."""
+    kernels = dispatch.kernels()
+    counts = []
+
+    def spy(x, w_in, w_out, weights, ids, *args, **kw):
+        counts.append(torch.bincount(ids.flatten(), minlength=w_in.shape[0]).cpu())
+        return kernels.moe_experts(x, w_in, w_out, weights, ids, *args, **kw)
+
+    dispatch.use_kernels(replace(kernels, moe_experts=spy))
+    try:
+        with torch.inference_mode():
+            eng.runner.model(eng.runner._graph_batch(eng.runner._bucket(batch)))
+    finally:
+        dispatch.use_kernels(kernels)
+    if not counts:
+        return
+    c = torch.stack(counts)
+    bm = triton_ops.GEMV_CONFIG["moe_grouped_up"][0]
+    blocks = ((c + bm - 1) // bm).sum(1)
+    print(f"routing at batch {batch}: experts used per layer {c.gt(0).sum(1).float().mean():.1f} of {c.shape[1]}; "
+          f"most pairs on one expert per layer: mean {c.max(1).values.float().mean():.1f}, max {int(c.max())}; "
+          f"blocks of {bm} per layer: mean {blocks.float().mean():.1f} (uniform routing: about {c.gt(0).sum(1).float().mean():.0f})", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="granite-4.0-h-tiny")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--keys", default="moe_grouped_up,moe_grouped_down", help=f"GEMV_CONFIG entries, of {sorted(GRIDS)}")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    setup = argparse.Namespace(
+        decode_batches=[args.batch], max_batched_tokens=16384, max_total_tokens=args.batch * 256 + 4096, resume_histories=[],
+        prefill_lens=[256], prompt_len=128, decode_steps=16, new_tokens=0, reference_ops=False, no_cuda_graph=False,
+        no_overlap_schedule=False, mamba_ssm_dtype="float32", no_hf=True,
+    )
+    results = {"gpu": torch.cuda.get_device_name(), "batch": args.batch, "config": args.config}
+    with tempfile.TemporaryDirectory() as tmp:
+        _, eng = build_models(find_config(args.config), Path(tmp), setup)
+        vocab = eng.spec.vocab_size
+        base = step_ms(eng, args.batch, vocab)
+        print(f"current {dict(triton_ops.GEMV_CONFIG)}: {base:.3f} ms per step", flush=True)
+        routing_report(eng, args.batch)
+        for key in args.keys.split(","):
+            saved, rows = triton_ops.GEMV_CONFIG[key], []
+            for cfg in GRIDS[key]:
+                triton_ops.GEMV_CONFIG[key] = cfg
+                try:
+                    rows.append((step_ms(eng, args.batch, vocab), cfg))
+                except Exception as e:  # noqa: BLE001 - a config may not compile (registers, shared memory)
+                    print(f"  {key} {cfg}: {type(e).__name__}", flush=True)
+            rows.sort()
+            triton_ops.GEMV_CONFIG[key] = rows[0][1]
+            print(f"{key}: best {rows[0][1]} {rows[0][0]:.3f} ms; current {saved} "
+                  f"{dict((c, t) for t, c in rows).get(saved, float('nan')):.3f} ms; "
+                  f"next {[(c, round(t, 3)) for t, c in rows[1:5]]}", flush=True)
+            results[key] = {"best": rows[0][1], "table": [(c, t) for t, c in rows]}
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
