@@ -253,3 +253,26 @@ def test_retained_slot_is_adopted_without_a_copy_and_reclaimed_under_pressure(ch
     engine.add_request("t3", history + prompt[20:], greedy(8), initial_state=first.state, resume_key="a")
     assert run_to_end(engine)["t3"].token_ids == resumed.token_ids
     assert engine.flush_cache() and engine.stats().kv_blocks_used == 0
+
+
+def test_resumed_request_checks_only_its_new_tokens_and_drops_a_retained_slot_of_another_prompt(checkpoint_dir):
+    """The covered history is restored, never computed, so only the tokens after it are checked
+    against the vocabulary; a bad new token is refused before the retained slot is touched. A
+    retained slot whose tokens are not the prompt's prefix is freed and the prompt computed whole."""
+    engine = make_engine(checkpoint_dir("nemotron"), max_running_requests=2)
+    prompt = random_prompt(30, seed=21)
+    engine.add_request("t1", prompt[:20], greedy(1), capture_state=True, retain_key="conv")
+    first = run_to_end(engine)["t1"]
+    history = first.prompt_token_ids + first.token_ids
+    vocab = engine.spec.vocab_size
+
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add_request("bad", history + [vocab], greedy(2), resume_key="conv")
+    assert engine.stats().retained_slots == 1  # untouched by the refused request
+
+    other = list(reversed(history)) + prompt[20:]
+    engine.add_request("other", other, greedy(4), resume_key="conv")
+    out = run_to_end(engine)["other"]
+    assert out.num_cached_tokens == 0 and engine.stats().retained_slots == 0
+    engine.add_request("plain", other, greedy(4))
+    assert run_to_end(engine)["plain"].token_ids == out.token_ids

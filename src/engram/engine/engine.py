@@ -17,7 +17,7 @@ from engram.engine.pools import HostCopier, KVPool, StatePool, capture_state, re
 from engram.engine.request import FinishReason, RequestOutput, SamplingParams
 from engram.engine.runner import ModelRunner
 from engram.engine.sampler import sample_batch, sample_on_device, samples_on_device, token_logprob
-from engram.engine.scheduler import RetainedSlot, Scheduler
+from engram.engine.scheduler import Scheduler
 from engram.engine.sequence import Sequence, SequenceStatus
 from engram.models.loader import load_model, load_model_from_state_dict
 from engram.models.spec import load_model_spec
@@ -69,6 +69,18 @@ def load_tokenizer(model_path: Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+
+
+def _prefix_mismatch(tokens: list[int], state_len: int, prompt: list[int]) -> str | None:
+    """Why a state of `state_len` tokens cannot start this prompt, or None when it can."""
+    if state_len >= len(prompt):
+        return f"the state covers {state_len} tokens but the prompt has only {len(prompt)}: nothing new to compute"
+    head, start = tokens[:state_len], prompt[:state_len]
+    if type(head) is not type(start):  # a tuple never equals a list
+        head, start = list(head), list(start)
+    if head != start:
+        return "the state's tokens are not a prefix of the prompt"
+    return None
 
 
 class LLMEngine:
@@ -142,15 +154,23 @@ class LLMEngine:
         the received, cached and generated token counts."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self.check_request(prompt_token_ids, params)
         if initial_state is not None:
             self._check_prefix(initial_state.tokens, initial_state.state_len, prompt_token_ids)
+        retained = self.scheduler.retained.get(resume_key) if resume_key is not None else None
+        adoptable = retained is not None and _prefix_mismatch(retained.tokens, retained.state_len, prompt_token_ids) is None
+        # A prefix that a state covers is never computed: only the tokens after it need checking (a
+        # long conversation's resumed turn would otherwise re-check its whole history).
+        covered = max(initial_state.state_len if initial_state is not None else 0, retained.state_len if adoptable else 0)
+        self.check_request(prompt_token_ids, params, covered)
+        if initial_state is not None:
             # Structure only: values were checked where the state came from (a verified snapshot
             # load, or this engine's own capture, which the health monitor also watches).
             check_state(self.spec, self.state_dtypes, initial_state, check_finite=False)
+        if retained is not None and not adoptable:  # not this prompt's state
+            self.scheduler.drop_retained(resume_key)
         generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         seq = Sequence(request_id, list(prompt_token_ids), params, generator, initial_state, capture_state, retain_key, internal)
-        seq.adopted = self._adopt(resume_key, prompt_token_ids)
+        seq.adopted = self.scheduler.adopt(resume_key) if adoptable else None
         seq.num_cached_tokens = seq.adopted.state_len if seq.adopted else (initial_state.state_len if initial_state else 0)
         self._requests[request_id] = seq
         self.scheduler.add(seq)
@@ -158,11 +178,13 @@ class LLMEngine:
             self._counters["prompt"] += len(prompt_token_ids)
             self._counters["cached"] += seq.num_cached_tokens
 
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """What `add_request` refuses of a prompt and its parameters (ValueError); reads no engine state."""
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams, covered_prefix: int = 0) -> None:
+        """What `add_request` refuses of a prompt and its parameters (ValueError); reads no engine
+        state. Tokens of a `covered_prefix` (restored from a state, never computed) are not checked
+        against the vocabulary."""
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
-        self.check_in_vocabulary("token ids", prompt_token_ids)
+        self.check_in_vocabulary("token ids", prompt_token_ids[covered_prefix:])
         self.check_in_vocabulary("logit_bias token ids", params.logit_bias)
         limit = self.max_context_length
         if len(prompt_token_ids) >= limit:
@@ -177,23 +199,11 @@ class LLMEngine:
         if bad:
             raise ValueError(f"{what} outside the vocabulary (0..{self.spec.vocab_size - 1}): {bad[:5]}")
 
-    def _adopt(self, key: str | None, prompt: list[int]) -> RetainedSlot | None:
-        adopted = self.scheduler.adopt(key) if key is not None else None
-        if adopted is None:
-            return None
-        try:
-            self._check_prefix(adopted.tokens, adopted.state_len, prompt)
-        except ValueError:  # not this prompt's state
-            self.scheduler.free_retained(adopted)
-            return None
-        return adopted
-
     @staticmethod
     def _check_prefix(tokens: list[int], state_len: int, prompt: list[int]) -> None:
-        if state_len >= len(prompt):
-            raise ValueError(f"the state covers {state_len} tokens but the prompt has only {len(prompt)}: nothing new to compute")
-        if list(tokens[:state_len]) != list(prompt[:state_len]):
-            raise ValueError("the state's tokens are not a prefix of the prompt")
+        reason = _prefix_mismatch(tokens, state_len, prompt)
+        if reason is not None:
+            raise ValueError(reason)
 
     def release_retained(self, key: str) -> bool:
         """Free a retained slot (its state moves to the WARM tier through the captured copy)."""
