@@ -315,9 +315,9 @@ def engine_profile(eng, vocab: int, batches: list[int], prompt_len: int) -> None
 
 def replay_critical_path(graph: torch.cuda.CUDAGraph, reps: int = 5) -> str:
     """Per kernel name, the time by which it moves the end of the step: its end minus the latest end
-    of the kernels that started before it (0 when it ends inside one), averaged over `reps` replays. Kernels
-    overlap under programmatic dependent launch, so the eager profile's durations overstate the small
-    ones; these shares add up to the step's GPU time."""
+    of the kernels that started before it (0 when it ends inside one), averaged over `reps` replays.
+    Kernels overlap under programmatic dependent launch, so the eager profile's durations overstate
+    the small ones; these shares add up to the step's GPU time."""
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(3):

@@ -64,7 +64,7 @@ def routing_report(eng, batch: int) -> None:
     blocks = ((c + bm - 1) // bm).sum(1)
     print(f"routing at batch {batch}: experts used per layer {c.gt(0).sum(1).float().mean():.1f} of {c.shape[1]}; "
           f"most pairs on one expert per layer: mean {c.max(1).values.float().mean():.1f}, max {int(c.max())}; "
-          f"blocks of {bm} per layer: mean {blocks.float().mean():.1f} (uniform routing: about {c.gt(0).sum(1).float().mean():.0f})", flush=True)
+          f"blocks of {bm} pairs per layer: mean {blocks.float().mean():.1f}", flush=True)
 
 
 def main() -> None:
