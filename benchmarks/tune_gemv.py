@@ -26,6 +26,7 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_speed import find_config, replay_seconds  # noqa: E402
+from engram.models.spec import parse_model_spec  # noqa: E402
 from engram.ops import triton_ops  # noqa: E402
 
 GRID = list(itertools.product((1, 2, 4, 8), (512, 1024, 2048), (1, 2, 4, 8)))
@@ -110,19 +111,16 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cfg = json.loads(find_config(args.config).read_text())
+    spec = parse_model_spec(cfg)
     dt, dev, m = torch.bfloat16, "cuda", args.rows
-    H = cfg["hidden_size"]
-    mamba = {key: cfg.get(f"mamba_{key}", cfg.get(alias)) for key, alias in
-             (("expand", "expand"), ("n_groups", "n_groups"), ("d_state", "state_size"), ("n_heads", "num_heads"))}
-    d_in = mamba["expand"] * H
-    conv_dim = d_in + 2 * mamba["n_groups"] * mamba["d_state"]
+    H, mamba = spec.hidden_size, spec.mamba
     results = {"gpu": torch.cuda.get_device_name(), "rows": m, "config": args.config}
     gemv = m <= triton_ops.LINEAR_GEMV_MAX_ROWS
 
     def rnd(*shape):
         return torch.randn(*shape, device=dev, dtype=dt) * 0.02
 
-    linear_shapes = {"in_proj": (d_in + conv_dim + mamba["n_heads"], H), "out_proj": (H, d_in)}
+    linear_shapes = {"in_proj": (mamba.intermediate_size + mamba.conv_dim + mamba.num_heads, H), "out_proj": (H, mamba.intermediate_size)}
     tune_linear = "linear" in args.kernels and m <= triton_ops.LINEAR_DOT_MAX_ROWS
     for name, (n, k) in linear_shapes.items() if tune_linear else ():
         ws = [rnd(n, k) for _ in range(COPIES)]
@@ -136,6 +134,8 @@ def main() -> None:
         results[name] = r
 
     if "moe" in args.kernels:
+        if "num_local_experts" not in cfg:
+            raise SystemExit("the MoE sweep builds Granite's gated experts: the config has no num_local_experts")
         tune_moe(cfg, m, rnd, results)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))

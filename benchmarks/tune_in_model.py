@@ -94,6 +94,10 @@ def main() -> None:
                     rows.append((step_ms(eng, args.batch, vocab), cfg))
                 except Exception as e:  # noqa: BLE001 - a config may not compile (registers, shared memory)
                     print(f"  {key} {cfg}: {type(e).__name__}", flush=True)
+            if not rows:
+                triton_ops.GEMV_CONFIG[key] = saved
+                print(f"{key}: no configuration ran", flush=True)
+                continue
             rows.sort()
             triton_ops.GEMV_CONFIG[key] = rows[0][1]
             print(f"{key}: best {rows[0][1]} {rows[0][0]:.3f} ms; current {saved} "

@@ -255,22 +255,37 @@ def test_retained_slot_is_adopted_without_a_copy_and_reclaimed_under_pressure(ch
     assert engine.flush_cache() and engine.stats().kv_blocks_used == 0
 
 
-def test_resumed_request_checks_only_its_new_tokens_and_drops_a_retained_slot_of_another_prompt(checkpoint_dir):
-    """The covered history is restored, never computed, so only the tokens after it are checked
-    against the vocabulary; a bad new token is refused before the retained slot is touched. A
-    retained slot whose tokens are not the prompt's prefix is freed and the prompt computed whole."""
+def test_resumed_request_checks_only_the_tokens_it_computes_and_drops_a_retained_slot_of_another_prompt(checkpoint_dir, monkeypatch):
+    """A restored prefix is never computed, so a resumed turn checks only its new tokens against
+    the vocabulary (a long history is not checked again), unless a repetition penalty reads the
+    whole prompt. A bad new token is refused before the retained slot is touched. A retained slot
+    whose tokens are not the prompt's prefix is freed and the prompt computed whole."""
     engine = make_engine(checkpoint_dir("nemotron"), max_running_requests=2)
     prompt = random_prompt(30, seed=21)
     engine.add_request("t1", prompt[:20], greedy(1), capture_state=True, retain_key="conv")
     first = run_to_end(engine)["t1"]
     history = first.prompt_token_ids + first.token_ids
-    vocab = engine.spec.vocab_size
+    new = prompt[20:]
+    computed = len(history + new) - first.state.state_len  # the generated token is not in the state yet
+    checked = []
+    check = engine.check_in_vocabulary
+    monkeypatch.setattr(engine, "check_in_vocabulary", lambda what, ids: (checked.append((what, len(ids))), check(what, ids))[1])
 
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        engine.add_request("bad", history + [vocab], greedy(2), resume_key="conv")
+        engine.add_request("bad", history + [engine.spec.vocab_size], greedy(2), resume_key="conv")
     assert engine.stats().retained_slots == 1  # untouched by the refused request
+    engine.add_request("adopted", history + new, greedy(4), resume_key="conv")
+    assert run_to_end(engine)["adopted"].num_cached_tokens == first.state.state_len
+    engine.add_request("host", history + new, greedy(4), initial_state=first.state)
+    penalized = SamplingParams(max_tokens=4, temperature=0.0, repetition_penalty=1.2)
+    engine.add_request("penalized", history + new, penalized, initial_state=first.state)
+    run_to_end(engine)
+    bad_tail = len(history) + 1 - first.state.state_len
+    assert [n for what, n in checked if what == "token ids"] == [bad_tail, computed, computed, len(history + new)]
 
-    other = list(reversed(history)) + prompt[20:]
+    engine.add_request("t2", prompt[:20], greedy(1), retain_key="conv")
+    run_to_end(engine)
+    other = list(reversed(history)) + new
     engine.add_request("other", other, greedy(4), resume_key="conv")
     out = run_to_end(engine)["other"]
     assert out.num_cached_tokens == 0 and engine.stats().retained_slots == 0

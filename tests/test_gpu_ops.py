@@ -96,10 +96,15 @@ def test_linear(dtype, rows, bias):
     """The small-batch kernels (the GEMV up to LINEAR_GEMV_MAX_ROWS rows, the tensor-core kernel up to
     LINEAR_DOT_MAX_ROWS; cuBLAS above) against F.linear."""
     g = _gen(14)
-    for n, k in ((40, 96), (200, 1536 + 16), (24, 3072 + 16)):  # one, two and four blocks of K
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if HAS_CUDA else 1
+    # one, two and four blocks of K; layers narrow and wide for the tensor-core kernel's blocks; a K
+    # too short for tensor cores (cuBLAS then)
+    shapes = ((40, 96), (200, 1536 + 16), (24, 3072 + 16), (triton_ops.LINEAR_DOT_WIDE_COLUMNS_PER_SM * sms + 8, 256), (40, 8))
+    assert {triton_ops.linear_dot_config_key(n, torch.device(DEV)) for n, _ in shapes} == {"linear_dot", "linear_dot_narrow"}
+    for n, k in shapes:
         x, w = _randn(rows, k, g=g, dtype=dtype), _randn(n, k, g=g, dtype=dtype) * 0.05
-        b = _randn(n, g=g, dtype=dtype) if bias else None
-        torch.testing.assert_close(triton_ops.linear(x, w, b), F.linear(x, w, b), **_tol(dtype))
+        for b in (_randn(n, g=g, dtype=dtype), _randn(2 * n, g=g, dtype=dtype)[::2]) if bias else (None,):  # the second strided
+            torch.testing.assert_close(triton_ops.linear(x, w, b), F.linear(x, w, b), **_tol(dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

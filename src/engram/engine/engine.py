@@ -154,15 +154,12 @@ class LLMEngine:
         the received, cached and generated token counts."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if initial_state is not None:
-            self._check_prefix(initial_state.tokens, initial_state.state_len, prompt_token_ids)
         retained = self.scheduler.retained.get(resume_key) if resume_key is not None else None
         adoptable = retained is not None and _prefix_mismatch(retained.tokens, retained.state_len, prompt_token_ids) is None
-        # A prefix that a state covers is never computed: only the tokens after it need checking (a
-        # long conversation's resumed turn would otherwise re-check its whole history).
-        covered = max(initial_state.state_len if initial_state is not None else 0, retained.state_len if adoptable else 0)
-        self.check_request(prompt_token_ids, params, covered)
+        restored = retained.state_len if adoptable else (initial_state.state_len if initial_state is not None else 0)
+        self.check_request(prompt_token_ids, params, restored)
         if initial_state is not None:
+            self._check_prefix(initial_state.tokens, initial_state.state_len, prompt_token_ids)
             # Structure only: values were checked where the state came from (a verified snapshot
             # load, or this engine's own capture, which the health monitor also watches).
             check_state(self.spec, self.state_dtypes, initial_state, check_finite=False)
@@ -178,13 +175,14 @@ class LLMEngine:
             self._counters["prompt"] += len(prompt_token_ids)
             self._counters["cached"] += seq.num_cached_tokens
 
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams, covered_prefix: int = 0) -> None:
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams, restored_prefix: int = 0) -> None:
         """What `add_request` refuses of a prompt and its parameters (ValueError); reads no engine
-        state. Tokens of a `covered_prefix` (restored from a state, never computed) are not checked
-        against the vocabulary."""
+        state. The tokens of a `restored_prefix` (a state's, never computed) are checked against the
+        vocabulary only when a repetition penalty reads them: a long conversation's resumed turn
+        would otherwise check its whole history again."""
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
-        self.check_in_vocabulary("token ids", prompt_token_ids[covered_prefix:])
+        self.check_in_vocabulary("token ids", prompt_token_ids[restored_prefix if params.repetition_penalty == 1.0 else 0 :])
         self.check_in_vocabulary("logit_bias token ids", params.logit_bias)
         limit = self.max_context_length
         if len(prompt_token_ids) >= limit:

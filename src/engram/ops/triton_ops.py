@@ -1272,14 +1272,19 @@ GEMV_CONFIG = {
 MOE_GROUPED_SMALL_PAIRS = 2048
 
 
-def _gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    rows = x.numel() // x.shape[-1]
-    return 0 < rows <= LINEAR_GEMV_MAX_ROWS and x.shape[-1] <= 16384 and weight.stride(-1) == 1 and x.dtype == weight.dtype
+def _small_linear_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    return weight.stride(-1) == 1 and x.dtype == weight.dtype and (bias is None or bias.stride(-1) == 1)
 
 
-def _linear_dot_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def _gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     rows = x.numel() // x.shape[-1]
-    return LINEAR_GEMV_MAX_ROWS < rows <= LINEAR_DOT_MAX_ROWS and weight.stride(-1) == 1 and x.dtype == weight.dtype
+    return 0 < rows <= LINEAR_GEMV_MAX_ROWS and x.shape[-1] <= 16384 and _small_linear_operands(x, weight, bias)
+
+
+def _linear_dot_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    rows = x.numel() // x.shape[-1]
+    # tl.dot takes K blocks of 16 or more
+    return LINEAR_GEMV_MAX_ROWS < rows <= LINEAR_DOT_MAX_ROWS and x.shape[-1] >= 16 and _small_linear_operands(x, weight, bias)
 
 
 def _gemv(x, weight, bias, conv=None):
@@ -1303,9 +1308,14 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
+# A layer with at least this many output columns per SM takes the tensor-core kernel's "linear_dot"
+# blocks, a narrower one "linear_dot_narrow".
+LINEAR_DOT_WIDE_COLUMNS_PER_SM = 32
+
+
 def linear_dot_config_key(n: int, device: torch.device) -> str:
     """Which GEMV_CONFIG entry the tensor-core kernel takes for a layer of n output columns."""
-    return "linear_dot" if triton.cdiv(n, GEMV_CONFIG["linear_dot"][0]) >= _sm_count(device) else "linear_dot_narrow"
+    return "linear_dot" if n >= LINEAR_DOT_WIDE_COLUMNS_PER_SM * _sm_count(device) else "linear_dot_narrow"
 
 
 def _linear_dot(x, weight, bias):
@@ -1324,9 +1334,9 @@ def _linear_dot(x, weight, bias):
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if _gemv_applies(x, weight):
+    if _gemv_applies(x, weight, bias):
         return _gemv(x, weight, bias)
-    if _linear_dot_applies(x, weight):
+    if _linear_dot_applies(x, weight, bias):
         return _linear_dot(x, weight, bias)
     return F.linear(x, weight, bias)
 
@@ -1335,7 +1345,7 @@ def linear_conv_update(x, weight, bias, conv_weight, conv_bias, conv_pool, slots
     """Up to LINEAR_GEMV_MAX_ROWS rows the conv update rides in the GEMV's epilogue; above, it is
     its own kernel after the projection (in the tensor-core kernel's accumulator layout its pool
     reads and writes would be scattered)."""
-    if _gemv_applies(x, weight):
+    if _gemv_applies(x, weight, bias):
         assert 2 <= conv_weight.shape[1] <= 4, "the fused conv update handles kernel widths 2..4"
         return _gemv(x, weight, bias, (conv_weight, conv_bias, conv_pool, slots, conv_start))
     proj = linear(x, weight, bias)
