@@ -16,7 +16,7 @@ from engram.engine.detokenizer import detokenize_step, find_stop_string, stop_pr
 from engram.engine.pools import HostCopier, KVPool, StatePool, capture_state, restore_state
 from engram.engine.request import FinishReason, RequestOutput, SamplingParams
 from engram.engine.runner import ModelRunner
-from engram.engine.sampler import sample_batch, sample_on_device, samples_on_device, token_logprob
+from engram.engine.sampler import sample_batch, sample_on_device, samples_on_device, token_logprob, token_mask
 from engram.engine.scheduler import Scheduler
 from engram.engine.sequence import Sequence, SequenceStatus
 from engram.models.loader import load_model, load_model_from_state_dict
@@ -298,7 +298,7 @@ class LLMEngine:
         tokens = sample_batch(
             logits,
             [seq.params for seq in completing],
-            lambda i: (completing[i].prompt_token_ids, completing[i].output_token_ids),
+            lambda i: (self._prompt_mask(completing[i], logits), completing[i].output_token_ids),
             [seq.generator for seq in completing],
             self._default_generator,
         )
@@ -307,6 +307,15 @@ class LLMEngine:
             self._append_token(seq, logits[row], tokens[row])
             outputs.append(self._output(seq))
         return outputs
+
+    @staticmethod
+    def _prompt_mask(seq: Sequence, logits: torch.Tensor) -> torch.Tensor | None:
+        """The prompt's tokens over the vocabulary, made on first use (only the repetition penalty reads them)."""
+        if seq.params.repetition_penalty == 1.0:
+            return None
+        if seq.prompt_mask is None:
+            seq.prompt_mask = token_mask(seq.prompt_token_ids, logits.shape[-1], logits.device)
+        return seq.prompt_mask
 
     def _ends_by_length(self, seq: Sequence, num_tokens: int) -> bool:
         max_tokens = seq.params.max_tokens

@@ -19,17 +19,27 @@ import torch
 from engram.engine.request import SamplingParams, TokenLogprob
 
 
-def adjust_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int]) -> torch.Tensor:
+def token_mask(token_ids: list[int], size: int, device: torch.device) -> torch.Tensor:
+    """[size] bool, True at the given token ids."""
+    mask = torch.zeros(size, dtype=torch.bool, device=device)
+    if token_ids:
+        mask[torch.tensor(token_ids, dtype=torch.long, device=device)] = True
+    return mask
+
+
+def adjust_logits(logits: torch.Tensor, params: SamplingParams, prompt_mask: torch.Tensor | None, output_ids: list[int]) -> torch.Tensor:
     """The logit bias, then vLLM's penalties: repetition over prompt and output, frequency and
-    presence over the output."""
+    presence over the output. `prompt_mask` ([V] bool, `token_mask` of the prompt; None: an empty
+    prompt) is made once per request, so that a long prompt costs nothing per step."""
     if params.logit_bias:
         ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=logits.device)
         logits[ids] += torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype, device=logits.device)
     if params.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long, device=logits.device)
-        if seen.numel():
-            vals = logits[seen]
-            logits[seen] = torch.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
+        seen = token_mask(output_ids, logits.shape[-1], logits.device)
+        if prompt_mask is not None:
+            seen |= prompt_mask
+        penalized = torch.where(logits > 0, logits / params.repetition_penalty, logits * params.repetition_penalty)
+        logits = torch.where(seen, penalized, logits)
     if (params.frequency_penalty or params.presence_penalty) and output_ids:
         ids, counts = torch.tensor(output_ids, device=logits.device).unique(return_counts=True)
         logits[ids] -= params.frequency_penalty * counts.to(logits.dtype) + params.presence_penalty
@@ -62,8 +72,10 @@ def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
     return logits
 
 
-def sample_row(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int], generator: torch.Generator | None) -> int:
-    logits = adjust_logits(logits.clone(), params, prompt_ids, output_ids)
+def sample_row(
+    logits: torch.Tensor, params: SamplingParams, prompt_mask: torch.Tensor | None, output_ids: list[int], generator: torch.Generator | None
+) -> int:
+    logits = adjust_logits(logits.clone(), params, prompt_mask, output_ids)
     if params.greedy:
         return int(logits.argmax())
     probs = torch.softmax(filter_logits(logits[None], [params])[0], dim=-1)
@@ -93,13 +105,14 @@ def sample_on_device(logits: torch.Tensor, params: list[SamplingParams], generat
 def sample_batch(
     logits: torch.Tensor,
     params: list[SamplingParams],
-    history: Callable[[int], tuple[list[int], list[int]]],
+    history: Callable[[int], tuple[torch.Tensor | None, list[int]]],
     generators: list[torch.Generator | None],
     device_generator: torch.Generator,
 ) -> list[int]:
     """One token per row of `logits` [R, V]. `generators[i]`: row i's own generator (a seeded
     request) or None; `device_generator` (on the logits' device) draws for every other row.
-    `history(i)` gives row i's (prompt ids, output ids), asked only for rows whose penalties need them."""
+    `history(i)` gives row i's (prompt mask, output ids) for `adjust_logits`, asked only for rows
+    whose penalties need them."""
     tokens = [0] * len(params)
     batched = [i for i, p in enumerate(params) if samples_on_device(p)]
     if batched:
@@ -109,8 +122,8 @@ def sample_batch(
         for i, t in zip(batched, chosen.tolist()):
             tokens[i] = t
     for i in sorted(set(range(len(params))) - set(batched)):
-        prompt_ids, output_ids = history(i) if params[i].has_penalties else ([], [])
-        tokens[i] = sample_row(logits[i], params[i], prompt_ids, output_ids, generators[i] or device_generator)
+        prompt_mask, output_ids = history(i) if params[i].has_penalties else (None, [])
+        tokens[i] = sample_row(logits[i], params[i], prompt_mask, output_ids, generators[i] or device_generator)
     return tokens
 
 
