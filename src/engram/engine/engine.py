@@ -75,10 +75,7 @@ def _prefix_mismatch(tokens: list[int], state_len: int, prompt: list[int]) -> st
     """Why a state of `state_len` tokens cannot start this prompt, or None when it can."""
     if state_len >= len(prompt):
         return f"the state covers {state_len} tokens but the prompt has only {len(prompt)}: nothing new to compute"
-    head, start = tokens[:state_len], prompt[:state_len]
-    if type(head) is not type(start):  # a tuple never equals a list
-        head, start = list(head), list(start)
-    if head != start:
+    if tokens[:state_len] != prompt[:state_len]:
         return "the state's tokens are not a prefix of the prompt"
     return None
 
@@ -154,25 +151,26 @@ class LLMEngine:
         the received, cached and generated token counts."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        prompt = list(prompt_token_ids)  # the request's own copy (lists compare with the states' token lists)
         retained = self.scheduler.retained.get(resume_key) if resume_key is not None else None
-        adoptable = retained is not None and _prefix_mismatch(retained.tokens, retained.state_len, prompt_token_ids) is None
+        adoptable = retained is not None and _prefix_mismatch(retained.tokens, retained.state_len, prompt) is None
         restored = retained.state_len if adoptable else (initial_state.state_len if initial_state is not None else 0)
-        self.check_request(prompt_token_ids, params, restored)
+        self.check_request(prompt, params, restored)
         if initial_state is not None:
-            self._check_prefix(initial_state.tokens, initial_state.state_len, prompt_token_ids)
+            self._check_prefix(initial_state.tokens, initial_state.state_len, prompt)
             # Structure only: values were checked where the state came from (a verified snapshot
             # load, or this engine's own capture, which the health monitor also watches).
             check_state(self.spec, self.state_dtypes, initial_state, check_finite=False)
         if retained is not None and not adoptable:  # not this prompt's state
             self.scheduler.drop_retained(resume_key)
         generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        seq = Sequence(request_id, list(prompt_token_ids), params, generator, initial_state, capture_state, retain_key, internal)
+        seq = Sequence(request_id, prompt, params, generator, initial_state, capture_state, retain_key, internal)
         seq.adopted = self.scheduler.adopt(resume_key) if adoptable else None
         seq.num_cached_tokens = seq.adopted.state_len if seq.adopted else (initial_state.state_len if initial_state else 0)
         self._requests[request_id] = seq
         self.scheduler.add(seq)
         if not internal:
-            self._counters["prompt"] += len(prompt_token_ids)
+            self._counters["prompt"] += len(prompt)
             self._counters["cached"] += seq.num_cached_tokens
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams, restored_prefix: int = 0) -> None:
