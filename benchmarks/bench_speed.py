@@ -141,8 +141,11 @@ def build_models(config_path: Path, workdir: Path, args):
     return hf, eng
 
 
+PROMPT_SEED = 0  # added to every prompt's seed (--prompt-seed): another set of random prompts
+
+
 def rand_tokens(n: int, vocab: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(seed + PROMPT_SEED)
     return torch.randint(1, vocab, (n,), generator=g).tolist()
 
 
@@ -297,12 +300,11 @@ def engine_profile(eng, vocab: int, batches: list[int], prompt_len: int) -> None
         print(kernels_table(prof, 30), flush=True)
         log(f"PROFILE graph replay, batch {bucket}: each kernel's share of the step")
         print(replay_critical_path(eng.runner._graphs[bucket][0]), flush=True)
+    for b in batches:
+        log(f"PROFILE engine decode steps, batch {b}: the GPU's timeline around the graph replays")
+        print(engine_step_timeline(eng, b, vocab, prompt_len), flush=True)
     b = max(batches)
-    started = set()
-    for i in range(b):
-        eng.add_request(uid("p"), rand_tokens(prompt_len, vocab, 7000 + i), greedy(40))
-    while len(started) < b:  # past the prefills
-        started.update(out.request_id for out in eng.step())
+    _start_decoding(eng, b, vocab, prompt_len)
     pr = cProfile.Profile()
     pr.enable()
     for _ in range(16):
@@ -311,6 +313,65 @@ def engine_profile(eng, vocab: int, batches: list[int], prompt_len: int) -> None
     run_all(eng)
     log(f"PROFILE host, 16 decode steps at batch {b}")
     pstats.Stats(pr).sort_stats("tottime").print_stats(25)
+
+
+def _start_decoding(eng, batch: int, vocab: int, prompt_len: int, max_tokens: int = 40) -> None:
+    """Add `batch` greedy requests and step until each has its first token (past the prefills)."""
+    started = set()
+    for i in range(batch):
+        eng.add_request(uid("p"), rand_tokens(prompt_len, vocab, 7000 + i), greedy(max_tokens))
+    while len(started) < batch:
+        started.update(out.request_id for out in eng.step())
+
+
+def _device_events(prof) -> list[tuple[float, float, str]]:
+    """(start, end, name) in microseconds of the kernels, copies and memsets of a profile, in order."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        trace = json.load(open(f.name))
+    return sorted((e["ts"], e["ts"] + e["dur"], e["name"][:60]) for e in trace["traceEvents"]
+                  if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+
+
+def engine_step_timeline(eng, batch: int, vocab: int, prompt_len: int, steps: int = 16) -> str:
+    """`steps` engine decode steps under the profiler: per step, the wall time, the time the GPU
+    was busy (union of kernels and copies), and what ran besides the captured graph (per name: the
+    count beyond the graph's own, and its total time)."""
+    from collections import Counter
+
+    from torch.profiler import ProfilerActivity, profile
+
+    _start_decoding(eng, batch, vocab, prompt_len)
+    for _ in range(4):
+        eng.step()
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        for _ in range(steps):
+            eng.step()
+        sync()
+        wall = time.perf_counter() - t
+    run_all(eng)
+    events = _device_events(prof)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        eng.runner._graphs[eng.runner._bucket(batch)][0].replay()
+        sync()
+    in_graph = Counter(name for _, _, name in _device_events(prof))
+    busy, end = 0.0, events[0][0] if events else 0.0
+    count, took = Counter(), Counter()
+    for start, stop, name in events:
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+        count[name] += 1
+        took[name] += stop - start
+    span = (events[-1][1] - events[0][0]) if events else 0.0
+    rows = [f"wall {wall / steps * 1e6:.1f} us/step; GPU timeline {span / steps:.1f} us/step, busy {busy / steps:.1f}, "
+            f"idle {(span - busy) / steps:.1f}", f"{'besides the graph':60s} {'per step':>8s} {'us/step':>8s}"]
+    for name in sorted(count, key=lambda n: -took[n]):
+        extra = count[name] / steps - in_graph[name]
+        if extra > 0.05:
+            rows.append(f"{name:60s} {extra:8.1f} {took[name] / count[name] * extra:8.1f}")
+    return "\n".join(rows)
 
 
 def replay_critical_path(graph: torch.cuda.CUDAGraph, reps: int = 5) -> str:
@@ -327,15 +388,11 @@ def replay_critical_path(graph: torch.cuda.CUDAGraph, reps: int = 5) -> str:
         for _ in range(reps):
             graph.replay()
         sync()
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        prof.export_chrome_trace(f.name)
-        trace = json.load(open(f.name))
-    kernels = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in trace["traceEvents"]
-                     if e.get("ph") == "X" and e.get("cat") == "kernel")
+    kernels = _device_events(prof)
     share: dict[str, list[float]] = {}
     end = kernels[0][0] if kernels else 0.0
     for start, stop, name in kernels:
-        s = share.setdefault(name[:60], [0, 0.0])
+        s = share.setdefault(name, [0, 0.0])
         s[0] += 1
         s[1] += max(0.0, stop - end)  # an idle gap before it counts as its own
         end = max(end, stop)
@@ -418,7 +475,7 @@ def decode_bytes_per_step(model, spec, state_pool, kv_pool, batch: int, context:
 
 
 def main() -> None:
-    global OUT_PATH
+    global OUT_PATH, PROMPT_SEED
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="granite-4.0-h-tiny")
     ap.add_argument("--decode-batches", default="1,8,64")
@@ -439,6 +496,7 @@ def main() -> None:
     ap.add_argument("--mamba-ssm-dtype", default=EngineArgs.mamba_ssm_dtype, help="dtype of the engine's SSM state (the engine's flag)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--profile", action="store_true", help="print where the engine's time goes (after the decode runs)")
+    ap.add_argument("--prompt-seed", type=int, default=0, help="shift the random prompts' seeds (the routing, and so a decode step's time, depends on the tokens)")
     args = ap.parse_args()
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     args.decode_batches = ints(args.decode_batches)
@@ -451,6 +509,7 @@ def main() -> None:
         # room for a retained (ACTIVE) history next to a running one of the same length
         args.max_total_tokens = 2 * longest + max(args.decode_batches) * (args.prompt_len + args.decode_steps + 8) + 4096
     OUT_PATH = Path(args.out) if args.out else None
+    PROMPT_SEED = args.prompt_seed
 
     config_path = find_config(args.config)
     props = torch.cuda.get_device_properties(0)
