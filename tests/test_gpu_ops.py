@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engram.ops import activation, attention, conv, moe, norm, ssd
+from engram.ops import activation, attention, conv, moe, norm, sample, ssd
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_CUDA = torch.cuda.is_available()
@@ -308,6 +308,33 @@ def test_route_softmax_topk():
         w_ref, ids_ref = moe.route_softmax_topk(logits, k)
         assert torch.equal(ids, ids_ref)
         torch.testing.assert_close(w, w_ref)
+
+
+def test_route_softmax_topk_ties_and_padding_rows():
+    """Equal logits go to the lower index first; a CUDA-graph padding row (NaN, or all -inf) still
+    picks k distinct valid experts, so that the expert kernels read no memory outside the weights."""
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.5, 3.0], [float("nan")] * 5, [float("-inf")] * 5], device=DEV)
+    _, ids = triton_ops.route_softmax_topk(logits, 3)
+    assert ids[0].tolist() == [1, 2, 4]
+    assert ids[1].tolist() == ids[2].tolist() == [0, 1, 2]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_argmax(dtype):
+    """Rows longer than a chunk, ties within and across chunks (the first index wins), a row of
+    -inf, a non-contiguous view, and NaN taken as the largest value, as torch.argmax does."""
+    g = _gen(14)
+    vocab = 3 * triton_ops.ARGMAX_CHUNK + 123
+    logits = _randn(6, vocab, g=g, dtype=dtype)
+    logits[1, [5000, 9000, 200]] = 50.0  # equal maxima in different chunks
+    logits[2, [7, 8]] = 50.0  # within one chunk
+    logits[3] = float("-inf")
+    logits[4, 10000] = float("nan")
+    assert torch.equal(triton_ops.argmax(logits), sample.argmax(logits))
+    strided = logits[:, ::2]
+    assert torch.equal(triton_ops.argmax(strided), sample.argmax(strided))
+    out = torch.empty(6, dtype=torch.int64, device=DEV)
+    assert triton_ops.argmax(logits, out=out) is out and torch.equal(out, sample.argmax(logits))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

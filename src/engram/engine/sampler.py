@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 
 from engram.engine.request import SamplingParams, TokenLogprob
+from engram.ops.dispatch import kernels
 
 
 def token_mask(token_ids: list[int], size: int, device: torch.device) -> torch.Tensor:
@@ -92,13 +93,13 @@ def samples_on_device(params: SamplingParams) -> bool:
 
 def sample_on_device(logits: torch.Tensor, params: list[SamplingParams], generator: torch.Generator, out: torch.Tensor | None = None) -> torch.Tensor:
     """Token ids [R] (int64, on the logits' device) for rows that `samples_on_device` serves."""
-    tokens = torch.argmax(logits, dim=-1, out=out)
+    tokens = kernels().argmax(logits, out=out)
     drawn = [i for i, p in enumerate(params) if not p.greedy]
     if drawn:
         rows = torch.tensor(drawn, device=logits.device)
         probs = torch.softmax(filter_logits(logits[rows], [params[i] for i in drawn]), dim=-1)
         race = probs / torch.empty_like(probs).exponential_(generator=generator)
-        tokens[rows] = race.argmax(dim=-1)
+        tokens[rows] = kernels().argmax(race)
     return tokens
 
 

@@ -14,6 +14,7 @@ from torch import nn
 from engram.engine.forward_batch import ForwardBatch
 from engram.layers.attention import Attention
 from engram.layers.mamba2 import Mamba2Mixer
+from engram.layers.norm import RMSNorm
 from engram.models.spec import LayerKind, ModelSpec
 
 # (checkpoint-name pattern, internal name template). A template ending in "[i]" names a stacked
@@ -42,7 +43,7 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.tie_weights()
         self.layers = nn.ModuleList()
-        self.norm: nn.Module
+        self.norm: RMSNorm
 
     def tie_weights(self) -> None:
         """Share the embedding with the LM head (again after `to_empty`, which unties them)."""
@@ -61,8 +62,12 @@ class CausalLM(nn.Module):
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, batch)
         rows = batch.logits_indices
-        last = hidden[rows] if self.residual_multiplier == 1.0 else hidden[rows] * self.residual_multiplier
-        hidden = self.norm(residual[rows] + last)
+        if rows.numel() < hidden.shape[0]:  # the indices increase: as many as rows means every row (decode)
+            hidden, residual = hidden[rows], residual[rows]
+        if residual.dtype == hidden.dtype:
+            hidden, _ = self.norm.add_and_norm(hidden, residual, self.residual_multiplier)
+        else:  # a float32 stream (Mamba2) is normalized in float32, not in the fused op's activation dtype
+            hidden = self.norm(residual + (hidden if self.residual_multiplier == 1.0 else hidden * self.residual_multiplier))
         logits = self.lm_head(hidden.to(self.lm_head.weight.dtype)).float()
         return logits / self.logits_scaling if self.logits_scaling != 1.0 else logits
 

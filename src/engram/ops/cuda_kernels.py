@@ -7,7 +7,7 @@
   the single-token SSD state update and causal-conv update (in place in the state pool, by slot),
   the varlen causal conv1d, KV store, paged attention (prefill with context and decode), router
   top-k and the fused MoE (per-pair GEMV at small batch, grouped GEMM over the expert-sorted
-  routed tokens above).
+  routed tokens above), and the greedy token's argmax over the vocabulary.
 - fla-core (optional, the `cuda` extra): Mamba2 chunked prefill through `chunk_simple_gla`, which
   computes SSD exactly with q=C, k=B, v=x*dt, g=A*dt, scale=1 and the groups repeated to heads,
   over `cu_seqlens` with initial states read from the state pool. Short sequences (up to
@@ -92,6 +92,7 @@ def available() -> dict:
         paged_attention=triton_ops.paged_attention,
         route_softmax_topk=triton_ops.route_softmax_topk,
         moe_experts=triton_ops.moe_experts,
+        argmax=triton_ops.argmax,
         graph_safe_decode=True,
     )
     return ops

@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch.nn.functional as F
 
-from engram.ops import activation, attention, conv, moe, norm, ssd
+from engram.ops import activation, attention, conv, moe, norm, sample, ssd
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,7 @@ class KernelSet:
     paged_attention: Callable = attention.paged_attention
     route_softmax_topk: Callable = moe.route_softmax_topk
     moe_experts: Callable = moe.moe_experts
+    argmax: Callable = sample.argmax
     # Every op a decode step runs is free of host syncs and of data-dependent shapes, and
     # tolerates padding rows (slot -1, context -1): the step can be captured in a CUDA graph.
     graph_safe_decode: bool = False

@@ -48,7 +48,10 @@ def _pdl_supported() -> bool:
 # its writes are visible) before it writes anything or reads what that kernel may write. Before the
 # wait it may read what the kernel just before it does not write: every earlier kernel is complete
 # once every program of that one has passed its own wait, which is when the next one is let in.
-# Read so: model weights (the GEMV's first block) and the SSD update's state and parameters.
+# Read so: model weights (the GEMVs' first blocks, the norms' and the router's weights), the SSD
+# update's state and parameters, and the MoE down projection's routing (from the top-k kernel, two
+# launches back). The grouped MoE up projection's shared-expert programs compute their whole tile
+# (their input is from before the routing) and wait only to store it.
 PDL = tl.constexpr(_pdl_supported())
 _PDL_LAUNCH = {"launch_pdl": True} if PDL else {}
 
@@ -77,12 +80,12 @@ def _normalize(x, w, N, eps, W_FP32: tl.constexpr):
 
 @triton.jit
 def _rms_norm_kernel(X, W, Y, stride_x, stride_y, N, eps, BLOCK: tl.constexpr, W_FP32: tl.constexpr):
-    _wait_for_previous_kernel()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
+    w = tl.load(W + cols, mask=mask, other=0.0)  # weights: read before the wait
+    _wait_for_previous_kernel()
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
-    w = tl.load(W + cols, mask=mask, other=0.0)
     tl.store(Y + row * stride_y + cols, _normalize(x, w, N, eps, W_FP32).to(Y.dtype.element_ty), mask=mask)
 
 
@@ -109,15 +112,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_fp32: 
 
 
 @triton.jit
-def _add_and_normalize(X, R, W, RO, row, cols, mask, stride_x, stride_r, N, eps, scale,
+def _add_and_normalize(X, R, w, RO, row, cols, mask, stride_x, stride_r, N, eps, scale,
                        SCALED: tl.constexpr, W_FP32: tl.constexpr):
     """(stream, normalized) of one row: stream = R + X * scale in RO's dtype, then its RMS norm
-    times W (float32), with the torch reference's roundings."""
+    times the norm weight w (float32), with the torch reference's roundings."""
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
     if SCALED:
         x = (x.to(tl.float32) * scale).to(x.dtype)
     r = (tl.load(R + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32) + x.to(tl.float32)).to(RO.dtype.element_ty)
-    w = tl.load(W + cols, mask=mask, other=0.0)
     return r, _normalize(r.to(x.dtype), w, N, eps, W_FP32)
 
 
@@ -126,11 +128,12 @@ def _add_rms_norm_kernel(
     X, R, W, Y, RO, stride_x, stride_r, stride_y, stride_ro, N, eps, scale,
     SCALED: tl.constexpr, BLOCK: tl.constexpr, W_FP32: tl.constexpr,
 ):
-    _wait_for_previous_kernel()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
-    r, h = _add_and_normalize(X, R, W, RO, row, cols, mask, stride_x, stride_r, N, eps, scale, SCALED, W_FP32)
+    w = tl.load(W + cols, mask=mask, other=0.0)  # weights: read before the wait
+    _wait_for_previous_kernel()
+    r, h = _add_and_normalize(X, R, w, RO, row, cols, mask, stride_x, stride_r, N, eps, scale, SCALED, W_FP32)
     tl.store(RO + row * stride_ro + cols, r, mask=mask)
     tl.store(Y + row * stride_y + cols, h.to(Y.dtype.element_ty), mask=mask)
 
@@ -159,15 +162,17 @@ def _add_rms_norm_linear_kernel(
 ):
     """Programs (token, block of ROWS output features): each normalizes its token's row (as
     `_add_rms_norm_kernel`; the first program of the token stores it and the stream) and applies
-    its ROWS rows of the linear layer to it, so the weight loads of all programs are in flight at once."""
-    _wait_for_previous_kernel()
+    its ROWS rows of the linear layer to it, so the weight loads of all programs are in flight at once
+    (issued before the wait, with the norm's)."""
     row = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
     jm = j < NL
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     lw = tl.load(L + j[:, None] * stride_l + cols[None, :], mask=jm[:, None] & mask[None, :], other=0.0)
-    r, h = _add_and_normalize(X, R, W, RO, row, cols, mask, stride_x, stride_r, N, eps, scale, SCALED, False)
+    w = tl.load(W + cols, mask=mask, other=0.0)
+    _wait_for_previous_kernel()
+    r, h = _add_and_normalize(X, R, w, RO, row, cols, mask, stride_x, stride_r, N, eps, scale, SCALED, False)
     h = h.to(Y.dtype.element_ty)
     if tl.program_id(1) == 0:
         tl.store(RO + row * stride_ro + cols, r, mask=mask)
@@ -202,16 +207,16 @@ def add_rms_norm_linear(x, residual, weight, eps, scale, linear_weight):
 
 @triton.jit
 def _gated_rms_norm_kernel(X, Z, W, Y, stride_x, stride_z, stride_y, GS, eps, BLOCK: tl.constexpr):
-    _wait_for_previous_kernel()
     row = tl.program_id(0).to(tl.int64)
     off = tl.program_id(1) * GS + tl.arange(0, BLOCK)
     mask = tl.arange(0, BLOCK) < GS
+    w = tl.load(W + off, mask=mask, other=0.0).to(tl.float32)  # weights: read before the wait
+    _wait_for_previous_kernel()
     x = tl.load(X + row * stride_x + off, mask=mask, other=0.0)
     z = tl.load(Z + row * stride_z + off, mask=mask, other=0.0).to(tl.float32)
     h = x.to(tl.float32) * (z * tl.sigmoid(z))
     var = tl.sum(h * h, axis=0) / GS
     h = h * tl.rsqrt(var + eps)
-    w = tl.load(W + off, mask=mask, other=0.0).to(tl.float32)
     y = w * h.to(x.dtype).to(tl.float32)
     tl.store(Y + row * stride_y + off, y.to(Y.dtype.element_ty), mask=mask)
 
@@ -775,18 +780,19 @@ def _topk_softmax_kernel(L, Wt, Ids, stride_l, E, TOPK: tl.constexpr, BLOCK_E: t
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     x = tl.load(L + t * stride_l + e, mask=e < E, other=float("-inf")).to(tl.float32)
-    # NaN (a CUDA-graph padding row holds whatever was in memory) must still pick valid experts
+    # NaN (a CUDA-graph padding row holds whatever was in memory) must still pick distinct valid
+    # experts: it counts as -inf, and an expert once taken is not a candidate again even then.
     x = tl.where(x == x, x, float("-inf"))
-    x = tl.where(e < E, x, float("-inf"))
+    free = e < E
     kk = tl.arange(0, BLOCK_K)
     vals = tl.full([BLOCK_K], float("-inf"), dtype=tl.float32)
     idxs = tl.zeros([BLOCK_K], dtype=tl.int32)
     for j in tl.static_range(TOPK):
-        m = tl.max(x, axis=0)
-        i = tl.minimum(tl.min(tl.where(x == m, e, BLOCK_E), axis=0), E - 1)
+        m = tl.max(tl.where(free, x, float("-inf")), axis=0)
+        i = tl.min(tl.where(free & (x == m), e, BLOCK_E), axis=0)
         vals = tl.where(kk == j, m, vals)
         idxs = tl.where(kk == j, i, idxs)
-        x = tl.where(e == i, float("-inf"), x)
+        free = free & (e != i)
     mx = tl.max(vals, axis=0)
     p = tl.where(kk < TOPK, tl.exp(vals - mx), 0.0)
     p = p / tl.sum(p, axis=0)
@@ -816,30 +822,41 @@ def _act(g, ACT: tl.constexpr):
 
 
 @triton.jit
-def _dot_rows(x_ptr, w_ptr, n, nm, stride_wn, K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """float32 W[n, :] . x for a block of rows n; the K loop is unrolled so that every weight load
-    of the program is in flight at once."""
+def _weight_block(W, n, nm, stride_w, k0, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Rows n, columns k0..k0+BLOCK_K of a weight matrix (zeros outside it)."""
+    kk = k0 + tl.arange(0, BLOCK_K)
+    return tl.load(W + n[:, None] * stride_w + kk[None, :], mask=nm[:, None] & (kk < K)[None, :], other=0.0)
+
+
+@triton.jit
+def _dot_rows(x_ptr, w_ptr, n, nm, stride_wn, w_first, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """float32 W[n, :] . x for a block of rows n, given their first BLOCK_K columns `w_first`; the
+    K loop is unrolled so that every weight load of the program is in flight at once."""
     acc = tl.zeros(n.shape, dtype=tl.float32)
     for k0 in tl.static_range(0, K, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
-        km = kk < K
-        xv = tl.load(x_ptr + kk, mask=km, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + n[:, None] * stride_wn + kk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+        xv = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+        w = w_first if k0 == 0 else _weight_block(w_ptr, n, nm, stride_wn, k0, K, BLOCK_K)
         acc += tl.sum(w.to(tl.float32) * xv[None, :], axis=1)
     return acc
 
 
 @triton.jit
 def _expert_up(x_ptr, w_ptr, h_ptr, stride_wn, nb, I, HDIM: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Rows nb*BLOCK_N.. of one expert's hidden act(W_gate x) * (W_up x), rounded as the reference."""
+               WAIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Rows nb*BLOCK_N.. of one expert's hidden act(W_gate x) * (W_up x), rounded as the reference.
+    WAIT: wait for the previous kernel here, once the first weight loads are issued."""
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < I
     dt = h_ptr.dtype.element_ty
-    g = _dot_rows(x_ptr, w_ptr, n, nm, stride_wn, HDIM, BLOCK_K).to(dt).to(tl.float32)
+    w_gate = _weight_block(w_ptr, n, nm, stride_wn, 0, HDIM, BLOCK_K)
+    w_up = _weight_block(w_ptr + I * stride_wn, n, nm, stride_wn, 0, HDIM, BLOCK_K) if GATED else w_gate
+    if WAIT:
+        _wait_for_previous_kernel()
+    g = _dot_rows(x_ptr, w_ptr, n, nm, stride_wn, w_gate, HDIM, BLOCK_K).to(dt).to(tl.float32)
     h = _act(g, ACT).to(dt).to(tl.float32)
     if GATED:
-        h = h * _dot_rows(x_ptr, w_ptr + I * stride_wn, n, nm, stride_wn, HDIM, BLOCK_K).to(dt).to(tl.float32)
+        h = h * _dot_rows(x_ptr, w_ptr + I * stride_wn, n, nm, stride_wn, w_up, HDIM, BLOCK_K).to(dt).to(tl.float32)
     tl.store(h_ptr + n, h.to(dt), mask=nm)
 
 
@@ -850,44 +867,58 @@ def _moe_up_gemv_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """A flat grid: first every routed (token, expert) pair's row blocks, then (with a shared
-    expert) every token's row blocks of the shared expert."""
-    _wait_for_previous_kernel()
+    expert) every token's row blocks of the shared expert, whose first weights are read before
+    the wait (the routed ones need the routing, which the previous kernel writes)."""
     pid = tl.program_id(0).to(tl.int64)
     nbi = tl.cdiv(I, BLOCK_N)
     if pid < TK * nbi:
+        _wait_for_previous_kernel()
         a = pid // nbi
         e = tl.load(Ids + a).to(tl.int64)
         _expert_up(X + (a // TOPK) * stride_x, Win + e * stride_we, H1 + a * stride_h, stride_wn, pid % nbi, I,
-                   HDIM, GATED, ACT, BLOCK_N, BLOCK_K)
+                   HDIM, GATED, ACT, False, BLOCK_N, BLOCK_K)
     else:
         q = pid - TK * nbi
         nbs = tl.cdiv(IS, BLOCK_N)
         t = q // nbs
-        _expert_up(X + t * stride_x, Sin, Hs + t * stride_hs, stride_sn, q % nbs, IS, HDIM, GATED, ACT, BLOCK_N, BLOCK_K)
+        _expert_up(X + t * stride_x, Sin, Hs + t * stride_hs, stride_sn, q % nbs, IS, HDIM, GATED, ACT, True, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
 def _moe_down_gemv_kernel(
     H1, Wout, Ids, Wts, Out, Hs, Sout, stride_h, stride_we, stride_wn, stride_o, stride_hs, stride_sn,
     HDIM: tl.constexpr, I: tl.constexpr, IS: tl.constexpr, TOPK: tl.constexpr, HAS_SHARED: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KS: tl.constexpr,
+    BLOCK_J: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KS: tl.constexpr,
 ):
     """out[t] = sum over the token's experts of weight * (W_down h) (+ the shared expert's W_down h):
-    no atomics; loops unrolled."""
-    _wait_for_previous_kernel()
+    no atomics. The routing comes from a kernel before the previous one: it and the first weight
+    block of every expert of the token are read before the wait."""
     t = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < HDIM
-    dt = Out.dtype.element_ty
-    out = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for j in tl.static_range(TOPK):
-        a = t * TOPK + j
-        e = tl.load(Ids + a).to(tl.int64)
-        wt = tl.load(Wts + a).to(dt).to(tl.float32)
-        acc = _dot_rows(H1 + a * stride_h, Wout + e * stride_we, n, nm, stride_wn, I, BLOCK_K)
-        out += (acc.to(dt).to(tl.float32) * wt).to(dt).to(tl.float32)
+    j = tl.arange(0, BLOCK_J)
+    jm = j < TOPK
+    e = tl.load(Ids + t * TOPK + j, mask=jm, other=0)
+    wt = tl.load(Wts + t * TOPK + j, mask=jm, other=0.0)
+    rows = Wout + e.to(tl.int64)[:, None, None] * stride_we + n[None, :, None] * stride_wn  # [J, N, 1]
+    rm = jm[:, None, None] & nm[None, :, None]
+    k = tl.arange(0, BLOCK_K)
+    w_first = tl.load(rows + k[None, None, :], mask=rm & (k < I)[None, None, :], other=0.0)
     if HAS_SHARED:
-        shared = _dot_rows(Hs + t * stride_hs, Sout, n, nm, stride_sn, IS, BLOCK_KS)
+        s_first = _weight_block(Sout, n, nm, stride_sn, 0, IS, BLOCK_KS)
+    _wait_for_previous_kernel()
+    dt = Out.dtype.element_ty
+    acc = tl.zeros([BLOCK_J, BLOCK_N], dtype=tl.float32)
+    for k0 in tl.static_range(0, I, BLOCK_K):
+        kk = k0 + k
+        km = kk < I
+        w = w_first if k0 == 0 else tl.load(rows + kk[None, None, :], mask=rm & km[None, None, :], other=0.0)
+        h = tl.load(H1 + (t * TOPK + j)[:, None] * stride_h + kk[None, :], mask=jm[:, None] & km[None, :], other=0.0)
+        acc += tl.sum(w.to(tl.float32) * h.to(tl.float32)[:, None, :], axis=2)
+    o = (acc.to(dt).to(tl.float32) * wt.to(dt).to(tl.float32)[:, None]).to(dt).to(tl.float32)
+    out = tl.sum(tl.where(jm[:, None], o, 0.0), axis=0)
+    if HAS_SHARED:
+        shared = _dot_rows(Hs + t * stride_hs, Sout, n, nm, stride_sn, s_first, IS, BLOCK_KS)
         out = out.to(dt).to(tl.float32) + shared.to(dt).to(tl.float32)
     tl.store(Out + t * stride_o + n, out.to(dt), mask=nm)
 
@@ -907,9 +938,10 @@ def _grouped_dot(A, W, a_rows, rv, n, nm, stride_a, stride_wn, K, acc,
 
 @triton.jit
 def _grouped_up_tile(X, W, H, x_rows, h_rows, rv, nb, stride_x, stride_wn, stride_h, Hdim, I,
-                     GATED: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     GATED: tl.constexpr, ACT: tl.constexpr, WAIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, PREC: tl.constexpr):
-    """H[h_rows, block nb] = act(X[x_rows] W_gate^T) * (X[x_rows] W_up^T), rounded as the reference."""
+    """H[h_rows, block nb] = act(X[x_rows] W_gate^T) * (X[x_rows] W_up^T), rounded as the reference.
+    WAIT: wait for the previous kernel before the store (the caller has not waited)."""
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < I
     dt = H.dtype.element_ty
@@ -918,36 +950,39 @@ def _grouped_up_tile(X, W, H, x_rows, h_rows, rv, nb, stride_x, stride_wn, strid
     h = _act(g.to(dt).to(tl.float32), ACT).to(dt).to(tl.float32)
     if GATED:
         h = h * _grouped_dot(X, W + I * stride_wn, x_rows, rv, n, nm, stride_x, stride_wn, Hdim, zero, BLOCK_K, PREC).to(dt).to(tl.float32)
+    if WAIT:
+        _wait_for_previous_kernel()
     tl.store(H + h_rows[:, None] * stride_h + n[None, :], h.to(dt), mask=rv[:, None] & nm[None, :])
 
 
 @triton.jit
 def _moe_up_grouped_kernel(
     X, Win, SortedIds, BlockExpert, H1, Sin, Hs, stride_x, stride_we, stride_wn, stride_h, stride_sn, stride_hs,
-    Tk, T, Hdim, I, IS, E, NB,
+    Tk, T, Hdim, I, IS, E, NB, SHARED_PROGRAMS,
     TOPK: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, PREC: tl.constexpr,
 ):
-    """A flat grid: (block b, column block nb) for every block of the routed pairs sorted by expert
-    (b fastest); after them (with a shared expert, IS > 0) the same over blocks of BLOCK_M tokens
-    through the shared expert, whose hidden size may differ."""
-    _wait_for_previous_kernel()
+    """A flat grid: first (with a shared expert, IS > 0) blocks of BLOCK_M tokens through the
+    shared expert, whose hidden size may differ; then (block b, column block nb) for every block
+    of the routed pairs sorted by expert (b fastest). The shared programs need nothing that the
+    previous kernel (the routing's sort, which `moe_experts` launches itself after X is written)
+    writes: they compute their tile while it runs and wait only to store it."""
     pid = tl.program_id(0).to(tl.int64)
-    routed = NB * tl.cdiv(I, BLOCK_N)
-    if pid < routed:
-        b = pid % NB
+    if pid < SHARED_PROGRAMS:
+        sb = tl.cdiv(T, BLOCK_M)
+        t = (pid % sb) * BLOCK_M + tl.arange(0, BLOCK_M)
+        _grouped_up_tile(X, Sin, Hs, t, t, t < T, pid // sb, stride_x, stride_sn, stride_hs, Hdim, IS,
+                         GATED, ACT, True, BLOCK_M, BLOCK_N, BLOCK_K, PREC)
+    else:
+        _wait_for_previous_kernel()
+        q = pid - SHARED_PROGRAMS
+        b = q % NB
         e = tl.load(BlockExpert + b).to(tl.int64)
         if e >= E:
             return
         rows = tl.load(SortedIds + b * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-        _grouped_up_tile(X, Win + e * stride_we, H1, rows // TOPK, rows, rows < Tk, pid // NB, stride_x, stride_wn, stride_h, Hdim, I,
-                         GATED, ACT, BLOCK_M, BLOCK_N, BLOCK_K, PREC)
-    else:
-        q = pid - routed
-        sb = tl.cdiv(T, BLOCK_M)
-        t = (q % sb) * BLOCK_M + tl.arange(0, BLOCK_M)
-        _grouped_up_tile(X, Sin, Hs, t, t, t < T, q // sb, stride_x, stride_sn, stride_hs, Hdim, IS,
-                         GATED, ACT, BLOCK_M, BLOCK_N, BLOCK_K, PREC)
+        _grouped_up_tile(X, Win + e * stride_we, H1, rows // TOPK, rows, rows < Tk, q // NB, stride_x, stride_wn, stride_h, Hdim, I,
+                         GATED, ACT, False, BLOCK_M, BLOCK_N, BLOCK_K, PREC)
 
 
 @triton.jit
@@ -1129,9 +1164,10 @@ def moe_experts(x, w_in, w_out, weights, ids, act, gated, shared=None):
     hs = torch.empty((T, max(i_s, 1)), dtype=x.dtype, device=x.device)
     s = torch.empty((T, Hdim), dtype=x.dtype, device=x.device) if fuse_shared else None
     shared_blocks = triton.cdiv(T, bm) if fuse_shared else 0
-    _moe_up_grouped_kernel[(nblocks * triton.cdiv(I, bn) + shared_blocks * triton.cdiv(i_s, bn),)](
+    shared_programs = shared_blocks * triton.cdiv(i_s, bn)
+    _moe_up_grouped_kernel[(shared_programs + nblocks * triton.cdiv(I, bn),)](
         x, w_in, sorted_ids, block_expert, h1, s_in, hs, x.stride(0), w_in.stride(0), w_in.stride(1), h1.stride(0),
-        s_in.stride(0), hs.stride(0), tk, T, Hdim, I, i_s, E, nblocks,
+        s_in.stride(0), hs.stride(0), tk, T, Hdim, I, i_s, E, nblocks, shared_programs,
         TOPK=top_k, GATED=gated, ACT=code, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PREC=prec, num_warps=warps, num_stages=stages, **_PDL_LAUNCH
     )
     o2 = torch.empty((tk, Hdim), dtype=x.dtype, device=x.device)
@@ -1178,21 +1214,60 @@ def _moe_gemv(x, w_in, w_out, weights, ids, code, gated, shared, h1, out):
     bn, bk, warps = GEMV_CONFIG["moe_down"]
     _moe_down_gemv_kernel[(T, triton.cdiv(Hdim, bn))](
         h1, w_out, ids, weights, out, hs, s_out, h1.stride(0), w_out.stride(0), w_out.stride(1), out.stride(0), hs.stride(0),
-        s_out.stride(0), HDIM=Hdim, I=I, IS=max(i_s, 1), TOPK=top_k, HAS_SHARED=shared is not None, BLOCK_N=bn,
-        BLOCK_K=min(bk, _np2(I)), BLOCK_KS=min(bk, _np2(i_s)), num_warps=warps, **_PDL_LAUNCH
+        s_out.stride(0), HDIM=Hdim, I=I, IS=max(i_s, 1), TOPK=top_k, HAS_SHARED=shared is not None, BLOCK_J=_np2(top_k),
+        BLOCK_N=bn, BLOCK_K=min(bk, _np2(I)), BLOCK_KS=min(bk, _np2(i_s)), num_warps=warps, **_PDL_LAUNCH
     )
     return out
 
 
 # ---------------------------------------------------------------------------------------------
-# Linear layers at small batch (decode): a GEMV that reads each weight row once for all rows of x
+# Sampling: the greedy token (torch's argmax of one long row runs in one thread block)
 
 
 @triton.jit
-def _weight_block(W, n, nm, stride_w, k0, K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Rows n, columns k0..k0+BLOCK_K of a weight matrix (zeros outside it)."""
-    kk = k0 + tl.arange(0, BLOCK_K)
-    return tl.load(W + n[:, None] * stride_w + kk[None, :], mask=nm[:, None] & (kk < K)[None, :], other=0.0)
+def _argmax_chunk_kernel(L, Val, Idx, stride_l, V, NC, BLOCK: tl.constexpr):
+    """Largest value of row r's chunk c (NaN counts as +inf) and its first index."""
+    _wait_for_previous_kernel()
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    i = c * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(L + r * stride_l + i, mask=i < V, other=float("-inf")).to(tl.float32)
+    x = tl.where(x == x, x, float("inf"))
+    m = tl.max(x, axis=0)
+    tl.store(Val + r * NC + c, m)
+    tl.store(Idx + r * NC + c, tl.min(tl.where(x == m, i, 2**31 - 1), axis=0))
+
+
+@triton.jit
+def _argmax_rows_kernel(Val, Idx, Out, NC, BLOCK_C: tl.constexpr):
+    """Row r's argmax from its chunks' (value, first index): the first chunk with the largest value."""
+    _wait_for_previous_kernel()
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK_C)
+    v = tl.load(Val + r * NC + c, mask=c < NC, other=float("-inf"))
+    i = tl.load(Idx + r * NC + c, mask=c < NC, other=2**31 - 1)
+    tl.store(Out + r, tl.min(tl.where(v == tl.max(v, axis=0), i, 2**31 - 1), axis=0).to(tl.int64))
+
+
+ARGMAX_CHUNK = 4096
+
+
+def argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    R, V = logits.shape
+    out = torch.empty(R, dtype=torch.int64, device=logits.device) if out is None else out
+    if R == 0:
+        return out
+    x = logits if logits.stride(-1) == 1 else logits.contiguous()
+    nc = triton.cdiv(V, ARGMAX_CHUNK)
+    val = torch.empty((R, nc), dtype=torch.float32, device=x.device)
+    idx = torch.empty((R, nc), dtype=torch.int32, device=x.device)
+    _argmax_chunk_kernel[(R, nc)](x, val, idx, x.stride(0), V, nc, BLOCK=ARGMAX_CHUNK, num_warps=8, **_PDL_LAUNCH)
+    _argmax_rows_kernel[(R,)](val, idx, out, nc, BLOCK_C=_np2(nc), num_warps=1, **_PDL_LAUNCH)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Linear layers at small batch (decode): a GEMV that reads each weight row once for all rows of x
 
 
 @triton.jit
@@ -1259,7 +1334,8 @@ def _linear_dot_kernel(
 LINEAR_GEMV_MAX_ROWS = 4
 LINEAR_DOT_MAX_ROWS = 64
 
-# Block sizes of the small-batch kernels, measured on an H200 with benchmarks/tune_gemv.py:
+# Block sizes of the small-batch kernels, measured on an H200 with benchmarks/tune_gemv.py and
+# benchmarks/tune_in_model.py (the MoE GEMVs, inside the decode step at batch 1):
 # (BLOCK_N, BLOCK_K, num_warps) of the GEMVs; (BLOCK_N, BLOCK_K, num_warps, num_stages) of the
 # linear layers' tensor-core kernel, for layers wide enough to give every SM a program at that
 # BLOCK_N and for narrower ones; up to MOE_GROUPED_SMALL_PAIRS routed pairs, the grouped MoE GEMM's
@@ -1267,7 +1343,7 @@ LINEAR_DOT_MAX_ROWS = 64
 # num_warps, num_stages) for the down projection (`--rows 64`).
 GEMV_CONFIG = {
     "linear": (2, 1024, 1), "linear_dot": (32, 128, 4, 4), "linear_dot_narrow": (16, 256, 4, 4),
-    "moe_up": (1, 2048, 1), "moe_down": (1, 1024, 1), "moe_grouped_up": (16, 32, 64, 4, 3), "moe_grouped_down": (64, 128, 4, 3),
+    "moe_up": (2, 2048, 2), "moe_down": (2, 512, 1), "moe_grouped_up": (16, 32, 64, 4, 3), "moe_grouped_down": (64, 128, 4, 3),
 }
 MOE_GROUPED_SMALL_PAIRS = 2048
 
