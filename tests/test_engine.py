@@ -145,6 +145,11 @@ def test_seeded_sampling_is_reproducible_and_params_matter(checkpoint_dir):
     assert sample(seed=6, temperature=2.0, top_k=3) != greedy_tokens
     assert sample(temperature=0.0, repetition_penalty=5.0) != greedy_tokens
     assert sample(temperature=0.0, frequency_penalty=2.0) != greedy_tokens
+    # Penalties above the logits' spread bar every token already in the output: the counts they
+    # read must follow each new token (greedy decoding of this model repeats itself).
+    assert len(set(greedy_tokens)) < len(greedy_tokens)
+    tokens = sample(temperature=0.0, frequency_penalty=2.0, presence_penalty=2.0)
+    assert len(set(tokens)) == len(tokens)
 
 
 def test_logprobs_are_those_of_the_model(checkpoint_dir):

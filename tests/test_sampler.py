@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engram.engine.request import SamplingParams
-from engram.engine.sampler import adjust_logits, filter_logits, sample_batch, sample_on_device, token_mask
+from engram.engine.sampler import adjust_logits, filter_logits, sample_batch, sample_on_device, token_counts, token_mask
 
 MIXED = [
     SamplingParams(temperature=0.7),
@@ -83,7 +83,7 @@ def test_logit_bias_moves_only_its_rows_tokens():
     loser, winner = int(logits[1].argmin()), int(logits[1].argmax())
     params = [SamplingParams(temperature=0), SamplingParams(temperature=0, logit_bias={loser: 100.0, winner: -100.0}),
               SamplingParams(temperature=0.5, logit_bias={t: -100.0 for t in range(40) if t != 7})]
-    tokens = sample_batch(logits, params, lambda i: (None, []), [None] * 3, torch.Generator().manual_seed(0))
+    tokens = sample_batch(logits, params, lambda i: (None, None), [None] * 3, torch.Generator().manual_seed(0))
     assert tokens == [int(logits[0].argmax()), loser, 7]
     assert not params[1].has_penalties and params[1].adjusts_logits and not params[0].adjusts_logits
 
@@ -93,9 +93,9 @@ def test_repetition_penalty_scales_each_token_of_the_prompt_or_output_once():
     a token seen several times is scaled once; frequency and presence penalties read the output only."""
     logits = torch.tensor([2.0, -2.0, 1.0, -1.0, 0.5, 3.0])
     params = SamplingParams(temperature=0.0, repetition_penalty=2.0)
-    out = adjust_logits(logits.clone(), params, token_mask([0, 1, 0], 6, logits.device), [3, 3, 1])
+    out = adjust_logits(logits.clone(), params, token_mask([0, 1, 0], 6, logits.device), token_counts([3, 3, 1], 6, logits.device))
     assert torch.equal(out, torch.tensor([1.0, -4.0, 1.0, -2.0, 0.5, 3.0]))
-    assert torch.equal(adjust_logits(logits.clone(), params, None, []), logits)
+    assert torch.equal(adjust_logits(logits.clone(), params, None, None), logits)
     both = SamplingParams(temperature=0.0, repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
-    out = adjust_logits(logits.clone(), both, token_mask([5], 6, logits.device), [3, 3])
+    out = adjust_logits(logits.clone(), both, token_mask([5], 6, logits.device), token_counts([3, 3], 6, logits.device))
     assert torch.equal(out, torch.tensor([2.0, -2.0, 1.0, -2.0 - 2 * 0.5 - 0.25, 0.5, 1.5]))

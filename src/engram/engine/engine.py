@@ -16,7 +16,7 @@ from engram.engine.detokenizer import detokenize_step, find_stop_string, stop_pr
 from engram.engine.pools import HostCopier, KVPool, StatePool, capture_state, restore_state
 from engram.engine.request import FinishReason, RequestOutput, SamplingParams
 from engram.engine.runner import ModelRunner
-from engram.engine.sampler import sample_batch, sample_on_device, samples_on_device, token_logprob, token_mask
+from engram.engine.sampler import sample_batch, sample_on_device, samples_on_device, token_counts, token_logprob, token_mask
 from engram.engine.scheduler import Scheduler
 from engram.engine.sequence import Sequence, SequenceStatus
 from engram.models.loader import load_model, load_model_from_state_dict
@@ -296,7 +296,7 @@ class LLMEngine:
         tokens = sample_batch(
             logits,
             [seq.params for seq in completing],
-            lambda i: (self._prompt_mask(completing[i], logits), completing[i].output_token_ids),
+            lambda i: (self._prompt_mask(completing[i], logits), self._output_counts(completing[i], logits)),
             [seq.generator for seq in completing],
             self._default_generator,
         )
@@ -315,6 +315,14 @@ class LLMEngine:
             seq.prompt_mask = token_mask(seq.prompt_token_ids, logits.shape[-1], logits.device)
         return seq.prompt_mask
 
+    @staticmethod
+    def _output_counts(seq: Sequence, logits: torch.Tensor) -> torch.Tensor | None:
+        """How often each token occurs in the output so far, made on first use from the output and
+        then counted up by `_append_token` (only the penalties read it); None before any output."""
+        if seq.output_counts is None and seq.num_output_tokens:
+            seq.output_counts = token_counts(seq.output_token_ids, logits.shape[-1], logits.device)
+        return seq.output_counts
+
     def _ends_by_length(self, seq: Sequence, num_tokens: int) -> bool:
         max_tokens = seq.params.max_tokens
         return (max_tokens is not None and num_tokens - seq.num_prompt_tokens >= max_tokens) or num_tokens >= self.max_context_length
@@ -324,6 +332,8 @@ class LLMEngine:
         if p.logprobs is not None:
             seq.pending_logprobs.append(token_logprob(logits, token, p.logprobs))
         seq.token_ids.append(token)
+        if seq.output_counts is not None:
+            seq.output_counts[token] += 1
         if not seq.internal:
             self._counters["generation"] += 1
         chars_before = len(seq.text)

@@ -28,22 +28,32 @@ def token_mask(token_ids: list[int], size: int, device: torch.device) -> torch.T
     return mask
 
 
-def adjust_logits(logits: torch.Tensor, params: SamplingParams, prompt_mask: torch.Tensor | None, output_ids: list[int]) -> torch.Tensor:
+def token_counts(token_ids: list[int], size: int, device: torch.device) -> torch.Tensor:
+    """[size] int64: how many times each token id occurs."""
+    return torch.bincount(torch.tensor(token_ids, dtype=torch.long, device=device), minlength=size)
+
+
+def adjust_logits(
+    logits: torch.Tensor, params: SamplingParams, prompt_mask: torch.Tensor | None, output_counts: torch.Tensor | None
+) -> torch.Tensor:
     """The logit bias, then vLLM's penalties: repetition over prompt and output, frequency and
     presence over the output. `prompt_mask` ([V] bool, `token_mask` of the prompt; None: an empty
-    prompt) is made once per request, so that a long prompt costs nothing per step."""
+    prompt) is made once per request and `output_counts` ([V], `token_counts` of the output so far;
+    None: no output yet) kept up to date as tokens come, so that neither a long prompt nor a long
+    output costs anything per step but vector operations over the vocabulary."""
     if params.logit_bias:
         ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=logits.device)
         logits[ids] += torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype, device=logits.device)
     if params.repetition_penalty != 1.0:
-        seen = token_mask(output_ids, logits.shape[-1], logits.device)
-        if prompt_mask is not None:
-            seen |= prompt_mask
-        penalized = torch.where(logits > 0, logits / params.repetition_penalty, logits * params.repetition_penalty)
-        logits = torch.where(seen, penalized, logits)
-    if (params.frequency_penalty or params.presence_penalty) and output_ids:
-        ids, counts = torch.tensor(output_ids, device=logits.device).unique(return_counts=True)
-        logits[ids] -= params.frequency_penalty * counts.to(logits.dtype) + params.presence_penalty
+        seen = prompt_mask
+        if output_counts is not None:
+            seen = output_counts > 0 if seen is None else seen | (output_counts > 0)
+        if seen is not None:
+            penalized = torch.where(logits > 0, logits / params.repetition_penalty, logits * params.repetition_penalty)
+            logits = torch.where(seen, penalized, logits)
+    if (params.frequency_penalty or params.presence_penalty) and output_counts is not None:
+        counts = output_counts.to(logits.dtype)
+        logits = logits - (params.frequency_penalty * counts + params.presence_penalty * (output_counts > 0).to(logits.dtype))
     return logits
 
 
@@ -74,9 +84,13 @@ def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
 
 
 def sample_row(
-    logits: torch.Tensor, params: SamplingParams, prompt_mask: torch.Tensor | None, output_ids: list[int], generator: torch.Generator | None
+    logits: torch.Tensor,
+    params: SamplingParams,
+    prompt_mask: torch.Tensor | None,
+    output_counts: torch.Tensor | None,
+    generator: torch.Generator | None,
 ) -> int:
-    logits = adjust_logits(logits.clone(), params, prompt_mask, output_ids)
+    logits = adjust_logits(logits.clone(), params, prompt_mask, output_counts)
     if params.greedy:
         return int(logits.argmax())
     probs = torch.softmax(filter_logits(logits[None], [params])[0], dim=-1)
@@ -106,13 +120,13 @@ def sample_on_device(logits: torch.Tensor, params: list[SamplingParams], generat
 def sample_batch(
     logits: torch.Tensor,
     params: list[SamplingParams],
-    history: Callable[[int], tuple[torch.Tensor | None, list[int]]],
+    history: Callable[[int], tuple[torch.Tensor | None, torch.Tensor | None]],
     generators: list[torch.Generator | None],
     device_generator: torch.Generator,
 ) -> list[int]:
     """One token per row of `logits` [R, V]. `generators[i]`: row i's own generator (a seeded
     request) or None; `device_generator` (on the logits' device) draws for every other row.
-    `history(i)` gives row i's (prompt mask, output ids) for `adjust_logits`, asked only for rows
+    `history(i)` gives row i's (prompt mask, output counts) for `adjust_logits`, asked only for rows
     whose penalties need them."""
     tokens = [0] * len(params)
     batched = [i for i, p in enumerate(params) if samples_on_device(p)]
@@ -123,8 +137,8 @@ def sample_batch(
         for i, t in zip(batched, chosen.tolist()):
             tokens[i] = t
     for i in sorted(set(range(len(params))) - set(batched)):
-        prompt_mask, output_ids = history(i) if params[i].has_penalties else (None, [])
-        tokens[i] = sample_row(logits[i], params[i], prompt_mask, output_ids, generators[i] or device_generator)
+        prompt_mask, output_counts = history(i) if params[i].has_penalties else (None, None)
+        tokens[i] = sample_row(logits[i], params[i], prompt_mask, output_counts, generators[i] or device_generator)
     return tokens
 
 

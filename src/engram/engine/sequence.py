@@ -37,6 +37,7 @@ class Sequence:
     restore_seconds: float = 0.0  # time to copy the restored state into the pools
     captured_state: SequenceState | None = None  # taken at finish when capture_state is set
     prompt_mask: torch.Tensor | None = None  # the prompt's tokens over the vocabulary, for the repetition penalty
+    output_counts: torch.Tensor | None = None  # each token's count in the output, for the penalties (once one needs it)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed: int = 0  # tokens[:num_computed] are in the recurrent state and the KV cache
     num_inflight: int = 0  # 1 while a token sampled on the device is not yet read back (overlapped steps)
