@@ -301,6 +301,8 @@ def engine_profile(eng, vocab: int, batches: list[int], prompt_len: int) -> None
         log(f"PROFILE graph replay, batch {bucket}: each kernel's share of the step")
         print(replay_critical_path(eng.runner._graphs[bucket][0]), flush=True)
     for b in batches:
+        if eng.runner._bucket(b) not in eng.runner._graphs:
+            continue
         log(f"PROFILE engine decode steps, batch {b}: the GPU's timeline around the graph replays")
         print(engine_step_timeline(eng, b, vocab, prompt_len), flush=True)
     b = max(batches)

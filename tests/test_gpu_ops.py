@@ -56,7 +56,7 @@ def _randn(*shape, g, dtype=torch.float32):
 def test_rms_norm(dtype, w_fp32):
     g = _gen(0)
     for n in (48, 1536, 4096 + 8):
-        x, w = _randn(7, n, g=g, dtype=dtype), _randn(n, g=g, dtype=dtype)
+        w, x = _randn(n, g=g, dtype=dtype), _randn(7, n, g=g, dtype=dtype)  # weights first: see _PDL_LAUNCH
         out = triton_ops.rms_norm(x, w, 1e-5, w_fp32)
         ref = norm.rms_norm(x, w, 1e-5, w_fp32)
         assert out.dtype == ref.dtype
@@ -69,7 +69,7 @@ def test_rms_norm(dtype, w_fp32):
 def test_add_rms_norm(dtype, residual_fp32, scale):
     g = _gen(12)
     for n in (48, 1536):
-        x, w = _randn(7, n, g=g, dtype=dtype), _randn(n, g=g, dtype=dtype)
+        w, x = _randn(n, g=g, dtype=dtype), _randn(7, n, g=g, dtype=dtype)  # weights first: see _PDL_LAUNCH
         r = _randn(7, n, g=g, dtype=torch.float32 if residual_fp32 else dtype)
         out, stream = triton_ops.add_rms_norm(x, r, w, 1e-5, scale)
         ref, ref_stream = norm.add_rms_norm(x, r, w, 1e-5, scale)
@@ -83,7 +83,7 @@ def test_add_rms_norm(dtype, residual_fp32, scale):
 def test_gated_rms_norm(dtype):
     g = _gen(1)
     for n, gs in ((96, 48), (3072, 3072), (1024, 128)):
-        x, z, w = _randn(5, n, g=g), _randn(5, n, g=g, dtype=dtype), _randn(n, g=g, dtype=dtype)
+        w, x, z = _randn(n, g=g, dtype=dtype), _randn(5, n, g=g), _randn(5, n, g=g, dtype=dtype)  # weights first: see _PDL_LAUNCH
         out = triton_ops.gated_rms_norm(x, z, w, 1e-6, gs, dtype)
         ref = norm.gated_rms_norm(x, z, w, 1e-6, gs, dtype)
         torch.testing.assert_close(out, ref, **_tol(dtype))
@@ -322,7 +322,8 @@ def test_route_softmax_topk_ties_and_padding_rows():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_argmax(dtype):
     """Rows longer than a chunk, ties within and across chunks (the first index wins), a row of
-    -inf, a non-contiguous view, and NaN taken as the largest value, as torch.argmax does."""
+    -inf, a non-contiguous view, and NaN taken as the largest value, +inf included, as torch.argmax
+    does (the first NaN)."""
     g = _gen(14)
     vocab = 3 * triton_ops.ARGMAX_CHUNK + 123
     logits = _randn(6, vocab, g=g, dtype=dtype)
@@ -330,6 +331,7 @@ def test_argmax(dtype):
     logits[2, [7, 8]] = 50.0  # within one chunk
     logits[3] = float("-inf")
     logits[4, 10000] = float("nan")
+    logits[5, [3, 9000, 9001]] = torch.tensor([float("inf"), float("nan"), float("nan")], dtype=dtype)
     assert torch.equal(triton_ops.argmax(logits), sample.argmax(logits))
     strided = logits[:, ::2]
     assert torch.equal(triton_ops.argmax(strided), sample.argmax(strided))
@@ -342,9 +344,9 @@ def test_argmax(dtype):
 def test_add_rms_norm_linear(dtype, residual_fp32):
     g = _gen(13)
     for tokens, hidden, outputs, scale in ((1, 1536, 64, 1.0), (33, 96, 4, 0.22), (70, 200, 40, 1.0), (3, 48, 600, 1.0)):
-        x, w = _randn(tokens, hidden, g=g, dtype=dtype), _randn(hidden, g=g, dtype=dtype)
+        w, lin = _randn(hidden, g=g, dtype=dtype), _randn(outputs, hidden, g=g, dtype=dtype) * 0.2  # weights first: see _PDL_LAUNCH
+        x = _randn(tokens, hidden, g=g, dtype=dtype)
         r = _randn(tokens, hidden, g=g, dtype=torch.float32 if residual_fp32 else dtype)
-        lin = _randn(outputs, hidden, g=g, dtype=dtype) * 0.2
         h, stream, out = triton_ops.add_rms_norm_linear(x, r, w, 1e-5, scale, lin)
         h_ref, stream_ref, out_ref = norm.add_rms_norm_linear(x, r, w, 1e-5, scale, lin)
         assert stream.dtype == stream_ref.dtype and h.dtype == h_ref.dtype and out.dtype == out_ref.dtype
@@ -369,6 +371,32 @@ def test_moe_experts(dtype, tokens, gated, shared_inter):
     if shared_inter:  # an always-on expert, narrower or wider than the routed ones
         shared = (_randn((2 if gated else 1) * shared_inter, hidden, g=g, dtype=dtype) * 0.2, _randn(hidden, shared_inter, g=g, dtype=dtype) * 0.2)
     weights, ids = moe.route_softmax_topk(_randn(tokens, experts, g=g), k)
+    act = F.silu if gated else moe.relu2
+    out = triton_ops.moe_experts(x, w_in, w_out, weights, ids, act, gated, shared)
+    ref = moe.moe_experts(x, w_in, w_out, weights, ids, act, gated, shared)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    else:
+        assert _rel(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "tokens, hidden, inter, experts, k, gated, shared_inter",
+    [(1, 97, 1100, 8, 6, True, None), (2, 97, 1100, 8, 6, False, 700), (3, 33, 600, 8, 3, True, 1030), (1, 2100, 40, 6, 6, True, 24)],
+)
+def test_moe_gemv_blocks(dtype, tokens, hidden, inter, experts, k, gated, shared_inter):
+    """The per-pair GEMVs (few tokens) over several K blocks (routed, shared, and in the up
+    projection), a last column block cut short (odd hidden sizes) and a top-k that is not a power of two."""
+    g = _gen(15)
+    w_in = _randn(experts, (2 if gated else 1) * inter, hidden, g=g, dtype=dtype) * 0.05
+    w_out = _randn(experts, hidden, inter, g=g, dtype=dtype) * 0.05
+    shared = None
+    if shared_inter:
+        shared = (_randn((2 if gated else 1) * shared_inter, hidden, g=g, dtype=dtype) * 0.05, _randn(hidden, shared_inter, g=g, dtype=dtype) * 0.05)
+    x = _randn(tokens, hidden, g=g, dtype=dtype)
+    weights, ids = moe.route_softmax_topk(_randn(tokens, experts, g=g), k)
+    assert tokens * k <= triton_ops.MOE_GEMV_MAX_PAIRS
     act = F.silu if gated else moe.relu2
     out = triton_ops.moe_experts(x, w_in, w_out, weights, ids, act, gated, shared)
     ref = moe.moe_experts(x, w_in, w_out, weights, ids, act, gated, shared)

@@ -22,6 +22,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from engram.ops import moe as moe_ref
 from engram.ops import norm as norm_ref
+from engram.ops import sample as sample_ref
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -802,6 +803,7 @@ def _topk_softmax_kernel(L, Wt, Ids, stride_l, E, TOPK: tl.constexpr, BLOCK_E: t
 
 def route_softmax_topk(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     T, E = router_logits.shape
+    assert 0 < top_k <= E, f"top-{top_k} of {E} experts"
     weights = torch.empty((T, top_k), dtype=torch.float32, device=router_logits.device)
     ids = torch.empty((T, top_k), dtype=torch.int64, device=router_logits.device)
     if T:
@@ -1225,17 +1227,28 @@ def _moe_gemv(x, w_in, w_out, weights, ids, code, gated, shared, h1, out):
 
 
 @triton.jit
+def _first_max(x, i):
+    """(largest value, its first index i) of a vector, with torch.argmax's order: any NaN is larger
+    than every number (the value is then NaN, the index the first NaN's)."""
+    nan = x != x
+    has_nan = tl.max(nan.to(tl.int32), axis=0) > 0
+    x = tl.where(nan, float("-inf"), x)
+    m = tl.max(x, axis=0)
+    first = tl.min(tl.where(tl.where(has_nan, nan, x == m), i, 2**31 - 1), axis=0)
+    return tl.where(has_nan, float("nan"), m), first
+
+
+@triton.jit
 def _argmax_chunk_kernel(L, Val, Idx, stride_l, V, NC, BLOCK: tl.constexpr):
-    """Largest value of row r's chunk c (NaN counts as +inf) and its first index."""
+    """Largest value of row r's chunk c and its first index."""
     _wait_for_previous_kernel()
     r = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     i = c * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(L + r * stride_l + i, mask=i < V, other=float("-inf")).to(tl.float32)
-    x = tl.where(x == x, x, float("inf"))
-    m = tl.max(x, axis=0)
+    m, first = _first_max(x, i)
     tl.store(Val + r * NC + c, m)
-    tl.store(Idx + r * NC + c, tl.min(tl.where(x == m, i, 2**31 - 1), axis=0))
+    tl.store(Idx + r * NC + c, first)
 
 
 @triton.jit
@@ -1246,13 +1259,19 @@ def _argmax_rows_kernel(Val, Idx, Out, NC, BLOCK_C: tl.constexpr):
     c = tl.arange(0, BLOCK_C)
     v = tl.load(Val + r * NC + c, mask=c < NC, other=float("-inf"))
     i = tl.load(Idx + r * NC + c, mask=c < NC, other=2**31 - 1)
-    tl.store(Out + r, tl.min(tl.where(v == tl.max(v, axis=0), i, 2**31 - 1), axis=0).to(tl.int64))
+    chunk = _first_max(v, c)[1]
+    tl.store(Out + r, tl.sum(tl.where(c == chunk, i, 0), axis=0).to(tl.int64))
 
 
 ARGMAX_CHUNK = 4096
 
 
 def argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows [R, V] of float32 or half logits into a contiguous int64 `out` of R (or a new one);
+    anything else goes to the reference."""
+    shaped = logits.dim() == 2 and logits.shape[1] > 0 and logits.dtype in _TL_DTYPES
+    if not shaped or (out is not None and (out.dtype != torch.int64 or out.shape != logits.shape[:1] or not out.is_contiguous())):
+        return sample_ref.argmax(logits, out=out)
     R, V = logits.shape
     out = torch.empty(R, dtype=torch.int64, device=logits.device) if out is None else out
     if R == 0:
