@@ -355,21 +355,15 @@ def test_add_rms_norm_linear(dtype, residual_fp32):
         torch.testing.assert_close(out, out_ref, **_tol(dtype))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tokens", [1, 3, 40, 700])
-@pytest.mark.parametrize("gated", [True, False])
-@pytest.mark.parametrize("shared_inter", [None, 24, 80])
-def test_moe_experts(dtype, tokens, gated, shared_inter):
-    if INTERPRET and not HAS_CUDA and tokens > 40:
-        pytest.skip("slow in the interpreter")
-    g = _gen(10)
-    hidden, inter, experts, k = 96, 40, 8, 3
-    x = _randn(tokens, hidden, g=g, dtype=dtype)
-    w_in = _randn(experts, (2 if gated else 1) * inter, hidden, g=g, dtype=dtype) * 0.2
-    w_out = _randn(experts, hidden, inter, g=g, dtype=dtype) * 0.2
+def _check_moe_experts(dtype, tokens, hidden, inter, experts, k, gated, shared_inter, scale, seed):
+    """The fast `moe_experts` against the reference on random weights (scaled by `scale`) and routing."""
+    g = _gen(seed)
+    w_in = _randn(experts, (2 if gated else 1) * inter, hidden, g=g, dtype=dtype) * scale
+    w_out = _randn(experts, hidden, inter, g=g, dtype=dtype) * scale
     shared = None
     if shared_inter:  # an always-on expert, narrower or wider than the routed ones
-        shared = (_randn((2 if gated else 1) * shared_inter, hidden, g=g, dtype=dtype) * 0.2, _randn(hidden, shared_inter, g=g, dtype=dtype) * 0.2)
+        shared = (_randn((2 if gated else 1) * shared_inter, hidden, g=g, dtype=dtype) * scale, _randn(hidden, shared_inter, g=g, dtype=dtype) * scale)
+    x = _randn(tokens, hidden, g=g, dtype=dtype)  # after the weights: some kernels read weights before the PDL wait
     weights, ids = moe.route_softmax_topk(_randn(tokens, experts, g=g), k)
     act = F.silu if gated else moe.relu2
     out = triton_ops.moe_experts(x, w_in, w_out, weights, ids, act, gated, shared)
@@ -378,6 +372,16 @@ def test_moe_experts(dtype, tokens, gated, shared_inter):
         torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
     else:
         assert _rel(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 3, 40, 700])
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("shared_inter", [None, 24, 80])
+def test_moe_experts(dtype, tokens, gated, shared_inter):
+    if INTERPRET and not HAS_CUDA and tokens > 40:
+        pytest.skip("slow in the interpreter")
+    _check_moe_experts(dtype, tokens, 96, 40, 8, 3, gated, shared_inter, scale=0.2, seed=10)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -388,22 +392,8 @@ def test_moe_experts(dtype, tokens, gated, shared_inter):
 def test_moe_gemv_blocks(dtype, tokens, hidden, inter, experts, k, gated, shared_inter):
     """The per-pair GEMVs (few tokens) over several K blocks (routed, shared, and in the up
     projection), a last column block cut short (odd hidden sizes) and a top-k that is not a power of two."""
-    g = _gen(15)
-    w_in = _randn(experts, (2 if gated else 1) * inter, hidden, g=g, dtype=dtype) * 0.05
-    w_out = _randn(experts, hidden, inter, g=g, dtype=dtype) * 0.05
-    shared = None
-    if shared_inter:
-        shared = (_randn((2 if gated else 1) * shared_inter, hidden, g=g, dtype=dtype) * 0.05, _randn(hidden, shared_inter, g=g, dtype=dtype) * 0.05)
-    x = _randn(tokens, hidden, g=g, dtype=dtype)
-    weights, ids = moe.route_softmax_topk(_randn(tokens, experts, g=g), k)
     assert tokens * k <= triton_ops.MOE_GEMV_MAX_PAIRS
-    act = F.silu if gated else moe.relu2
-    out = triton_ops.moe_experts(x, w_in, w_out, weights, ids, act, gated, shared)
-    ref = moe.moe_experts(x, w_in, w_out, weights, ids, act, gated, shared)
-    if dtype == torch.float32:
-        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
-    else:
-        assert _rel(out, ref) < 1e-2
+    _check_moe_experts(dtype, tokens, hidden, inter, experts, k, gated, shared_inter, scale=0.05, seed=15)
 
 
 @pytest.mark.parametrize("align", ["torch", "triton"])
