@@ -34,7 +34,7 @@ GRIDS = {
     "moe_down": list(itertools.product((1, 2, 4), (512, 1024), (1, 2))),
     "moe_grouped_up": list(itertools.product((16, 32), (32, 64), (64, 128), (4,), (3, 4))),
     "moe_grouped_down": list(itertools.product((64, 128), (64, 128), (4,), (3, 4))),
-    "linear_dot": list(itertools.product((16, 32, 64), (64, 128, 256), (4,), (3, 4))),
+    "linear_dot": list(itertools.product((16, 32, 64, 128), (64, 128, 256), (4, 8), (3, 4))),
     "linear_dot_narrow": list(itertools.product((16, 32), (128, 256), (4,), (3, 4))),
 }
 
