@@ -20,17 +20,14 @@ from engram.engine.request import SamplingParams, TokenLogprob
 from engram.ops.dispatch import kernels
 
 
-def token_mask(token_ids: list[int], size: int, device: torch.device) -> torch.Tensor:
-    """[size] bool, True at the given token ids."""
-    mask = torch.zeros(size, dtype=torch.bool, device=device)
-    if token_ids:
-        mask[torch.tensor(token_ids, dtype=torch.long, device=device)] = True
-    return mask
-
-
 def token_counts(token_ids: list[int], size: int, device: torch.device) -> torch.Tensor:
     """[size] int64: how many times each token id occurs."""
     return torch.bincount(torch.tensor(token_ids, dtype=torch.long, device=device), minlength=size)
+
+
+def token_mask(token_ids: list[int], size: int, device: torch.device) -> torch.Tensor:
+    """[size] bool, True at the given token ids."""
+    return token_counts(token_ids, size, device) > 0
 
 
 def adjust_logits(
@@ -44,16 +41,17 @@ def adjust_logits(
     if params.logit_bias:
         ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=logits.device)
         logits[ids] += torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype, device=logits.device)
+    in_output = output_counts > 0 if output_counts is not None else None
     if params.repetition_penalty != 1.0:
         seen = prompt_mask
-        if output_counts is not None:
-            seen = output_counts > 0 if seen is None else seen | (output_counts > 0)
+        if in_output is not None:
+            seen = in_output if seen is None else seen | in_output
         if seen is not None:
             penalized = torch.where(logits > 0, logits / params.repetition_penalty, logits * params.repetition_penalty)
             logits = torch.where(seen, penalized, logits)
     if (params.frequency_penalty or params.presence_penalty) and output_counts is not None:
         counts = output_counts.to(logits.dtype)
-        logits = logits - (params.frequency_penalty * counts + params.presence_penalty * (output_counts > 0).to(logits.dtype))
+        logits = logits - (params.frequency_penalty * counts + params.presence_penalty * in_output.to(logits.dtype))
     return logits
 
 

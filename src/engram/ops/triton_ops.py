@@ -807,7 +807,7 @@ def route_softmax_topk(router_logits: torch.Tensor, top_k: int) -> tuple[torch.T
     weights = torch.empty((T, top_k), dtype=torch.float32, device=router_logits.device)
     ids = torch.empty((T, top_k), dtype=torch.int64, device=router_logits.device)
     if T:
-        logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
+        logits = _rows(router_logits)
         _topk_softmax_kernel[(T,)](logits, weights, ids, logits.stride(0), E, TOPK=top_k, BLOCK_E=_np2(E), BLOCK_K=_np2(top_k), num_warps=1, **_PDL_LAUNCH)
     return weights, ids
 
@@ -1142,7 +1142,7 @@ def moe_experts(x, w_in, w_out, weights, ids, act, gated, shared=None):
     out = torch.empty((T, Hdim), dtype=x.dtype, device=x.device)
     if T == 0:
         return out
-    x = x if x.stride(-1) == 1 else x.contiguous()
+    x = _rows(x)
     assert w_in.stride(-1) == 1 and w_out.stride(-1) == 1
     ids = ids.contiguous()
     weights = weights.contiguous()
@@ -1276,7 +1276,7 @@ def argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tenso
     out = torch.empty(R, dtype=torch.int64, device=logits.device) if out is None else out
     if R == 0:
         return out
-    x = logits if logits.stride(-1) == 1 else logits.contiguous()
+    x = _rows(logits)
     nc = triton.cdiv(V, ARGMAX_CHUNK)
     val = torch.empty((R, nc), dtype=torch.float32, device=x.device)
     idx = torch.empty((R, nc), dtype=torch.int32, device=x.device)
