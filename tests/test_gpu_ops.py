@@ -188,6 +188,42 @@ def test_ssd_state_update_in_place_by_slot(dtype, shape):
     torch.testing.assert_close(y2[real], y2_ref, atol=1e-3, rtol=1e-3)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 4, 9, 64])  # fused up to LINEAR_GEMV_MAX_ROWS
+@pytest.mark.parametrize("shape", [(6, 1, 16, 12), (48, 1, 64, 128), (8, 2, 16, 32)])  # two groups: not fused
+@pytest.mark.parametrize("bias", [False, True])
+def test_ssd_state_update_norm_linear(dtype, rows, shape, bias, monkeypatch):
+    """The decode output with the gated norm folded into the SSD update and the output projection's
+    GEMV (or not: more rows, two groups), against the reference's three steps, padding rows (slot -1)
+    included."""
+    H, G, P, N = shape
+    g = _gen(15)
+    dt_bias, A_log, D, pool = _ssd_params(g, H, G, P, N, rows + 2)
+    norm_w = 1 + 0.1 * _randn(H * P, g=g, dtype=dtype)
+    w = _randn(40, H * P, g=g, dtype=dtype) * 0.05
+    b = _randn(40, g=g, dtype=dtype) if bias else None
+    slots = torch.randperm(rows + 2, generator=g, device=DEV)[:rows]
+    slots[1::5] = -1
+    proj = _randn(rows, 2 * H * P + 2 * G * N + 3, g=g, dtype=dtype)
+    gate = proj[:, : H * P]
+    x = proj[:, H * P : 2 * H * P].reshape(rows, H, P)
+    B = proj[:, 2 * H * P : 2 * H * P + G * N].reshape(rows, G, N)
+    C = proj[:, 2 * H * P + G * N : 2 * H * P + 2 * G * N].reshape(rows, G, N)
+    dt = _randn(rows, H, g=g, dtype=dtype)
+    real = slots >= 0
+    pool_ref = pool.clone()
+    args = (dt_bias, (0.0, float("inf")), A_log)
+    if G == 1 and rows <= triton_ops.LINEAR_GEMV_MAX_ROWS:
+        monkeypatch.setattr(triton_ops, "gated_rms_norm", None)  # fused: no norm kernel of its own
+    out = triton_ops.ssd_state_update_norm_linear(pool, slots, x, dt, *args, B, C, D, gate, norm_w, 1e-5, H * P // G, w, b)
+    ref = ssd.ssd_state_update_norm_linear(
+        pool_ref, slots[real], x[real], dt[real], *args, B[real], C[real], D, gate[real], norm_w, 1e-5, H * P // G, w, b
+    )
+    assert out.dtype == ref.dtype == dtype
+    torch.testing.assert_close(out[real], ref, **_tol(dtype))
+    torch.testing.assert_close(pool, pool_ref, atol=1e-4, rtol=1e-4)
+
+
 @needs_cuda
 @pytest.mark.skipif(cuda_kernels is None or not cuda_kernels.has_fla(), reason="fla-core is not installed (the `cuda` extra)")
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -331,7 +367,7 @@ def test_argmax(dtype):
     logits[2, [7, 8]] = 50.0  # within one chunk
     logits[3] = float("-inf")
     logits[4, 10000] = float("nan")
-    logits[5, [3, 9000, 9001]] = torch.tensor([float("inf"), float("nan"), float("nan")], dtype=dtype)
+    logits[5, [3, 9000, 9001]] = torch.tensor([float("inf"), float("nan"), float("nan")], dtype=dtype, device=DEV)
     assert torch.equal(triton_ops.argmax(logits), sample.argmax(logits))
     strided = logits[:, ::2]
     assert torch.equal(triton_ops.argmax(strided), sample.argmax(strided))

@@ -149,14 +149,19 @@ class ModelRunner:
         bmax = self._max_graph_batch()
         width = self._max_pages() if self.kv_pool.needs_pages else 1
         dev = self.device
-        # rows: input_ids, positions, slots, slot_mapping, context, row in `sampled` of an in-flight input (-1: none)
-        self._host = torch.zeros((6, bmax), dtype=torch.int64).pin_memory()
+        # A step's inputs, sent in one copy: six int64 rows (input_ids, positions, slots, slot_mapping,
+        # context, row in `sampled` of an in-flight input (-1: none)), then the block tables (int32,
+        # column-major).
+        self._packed_words = 12 * bmax  # int32 words of the six int64 rows
+        self._host_inputs = torch.zeros(self._packed_words + width * bmax, dtype=torch.int32).pin_memory()
+        self._host = self._host_inputs[: self._packed_words].view(torch.int64).view(6, bmax)
         self._host_np = self._host.numpy()
-        self._host_tables = torch.zeros((width, bmax), dtype=torch.int32).pin_memory()  # column-major
-        self._host_tables_np = self._host_tables.numpy()
+        self._host_tables_np = self._host_inputs[self._packed_words :].view(width, bmax).numpy()
+        inputs = torch.zeros_like(self._host_inputs, device=dev)
         self._static = {
-            "packed": torch.zeros((6, bmax), dtype=torch.int64, device=dev),
-            "tables_t": torch.zeros((width, bmax), dtype=torch.int32, device=dev),
+            "inputs": inputs,
+            "packed": inputs[: self._packed_words].view(torch.int64).view(6, bmax),
+            "tables_t": inputs[self._packed_words :].view(width, bmax),
             "cu": torch.arange(bmax + 1, dtype=torch.int64, device=dev),
             "logits_indices": torch.arange(bmax, dtype=torch.int64, device=dev),
         }
@@ -260,11 +265,8 @@ class ModelRunner:
                 nb = len(blocks)
                 tables[:nb, i] = blocks
                 width = max(width, nb)
-        st = self._static
-        st["packed"].copy_(self._host, non_blocking=True)
-        if paged:
-            bmax = tables.shape[1]
-            st["tables_t"].view(-1)[: width * bmax].copy_(self._host_tables.view(-1)[: width * bmax], non_blocking=True)
+        sent = self._packed_words + (width * tables.shape[1] if paged else 0)
+        self._static["inputs"][:sent].copy_(self._host_inputs[:sent], non_blocking=True)
         graph, logits = self._graphs[b]
         self._replay(graph)
         return logits[:n]

@@ -49,13 +49,14 @@ class Mamba2Mixer(nn.Module):
         x = x.reshape(-1, heads, head_dim)
         B, C = B.reshape(-1, groups, n), C.reshape(-1, groups, n)
         if batch.is_decode:
-            y = k.ssd_state_update(ssm_pool, slots, x, dt, self.dt_bias, s.time_step_limit, self.A_log, B, C, self.D)
-        else:
-            y = k.ssd_varlen(
-                x, dt, self.dt_bias, s.time_step_limit, self.A_log, B, C, self.D, s.chunk_size, batch.seq_lens, ssm_pool, slots,
-                batch.cu_seqlens,
+            return k.ssd_state_update_norm_linear(
+                ssm_pool, slots, x, dt, self.dt_bias, s.time_step_limit, self.A_log, B, C, self.D, gate, self.norm.weight,
+                s.norm_eps, s.intermediate_size // groups, self.out_proj.weight, self.out_proj.bias,
             )
-
+        y = k.ssd_varlen(
+            x, dt, self.dt_bias, s.time_step_limit, self.A_log, B, C, self.D, s.chunk_size, batch.seq_lens, ssm_pool, slots,
+            batch.cu_seqlens,
+        )
         y = k.gated_rms_norm(
             y.reshape(-1, s.intermediate_size), gate, self.norm.weight, s.norm_eps, s.intermediate_size // groups, hidden.dtype
         )

@@ -4,7 +4,9 @@
   (a GEMV reading each weight once for all rows; for Mamba2's in_proj with the conv update of its
   xBC columns in the same launch), RMS norms (alone and fused with the
   residual add before them), gated RMS norm, SiLU-and-mul,
-  the single-token SSD state update and causal-conv update (in place in the state pool, by slot),
+  the single-token SSD state update and causal-conv update (in place in the state pool, by slot;
+  up to LINEAR_GEMV_MAX_ROWS rows the update also applies Mamba2's gate and norm weight, and the
+  output projection's GEMV the norm's row statistic),
   the varlen causal conv1d, KV store, paged attention (prefill with context and decode), router
   top-k and the fused MoE (per-pair GEMV at small batch, grouped GEMM over the expert-sorted
   routed tokens above), and the greedy token's argmax over the vocabulary.
@@ -82,6 +84,7 @@ def available() -> dict:
         causal_conv1d_varlen=triton_ops.causal_conv1d_varlen,
         linear_conv_update=triton_ops.linear_conv_update,
         ssd_state_update=triton_ops.ssd_state_update,
+        ssd_state_update_norm_linear=triton_ops.ssd_state_update_norm_linear,
         linear=triton_ops.linear,
         rms_norm=triton_ops.rms_norm,
         add_rms_norm=triton_ops.add_rms_norm,

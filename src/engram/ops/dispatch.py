@@ -24,6 +24,7 @@ class KernelSet:
     linear: Callable = F.linear
     ssd_varlen: Callable = ssd.ssd_varlen
     ssd_state_update: Callable = ssd.ssd_state_update
+    ssd_state_update_norm_linear: Callable = ssd.ssd_state_update_norm_linear
     causal_conv1d_varlen: Callable = conv.causal_conv1d_varlen
     linear_conv_update: Callable = conv.linear_conv_update
     rms_norm: Callable = norm.rms_norm

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engram.ops.norm import gated_rms_norm
+
 
 def expand_groups(t: torch.Tensor, num_heads: int) -> torch.Tensor:
     """[..., G, N] -> [..., H, N]: each group serves H // G consecutive heads."""
@@ -145,6 +147,20 @@ def ssd_state_update(
     y, new_state = ssd_step(ssm_pool[slots], x, dt, A, B, C, D)
     ssm_pool[slots] = new_state.to(ssm_pool.dtype)
     return y
+
+
+def ssd_state_update_norm_linear(
+    ssm_pool: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, dt_bias: torch.Tensor,
+    dt_limit: tuple[float, float], A_log: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor,
+    gate: torch.Tensor, norm_weight: torch.Tensor, eps: float, group_size: int, weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Mamba2's decode output as one op: the state update, the gated RMS norm of y with gate [S, H * P]
+    (cast to the projection's dtype) and the output projection. One op so that the fast path can
+    give the norm no launch of its own."""
+    y = ssd_state_update(ssm_pool, slots, x, dt, dt_bias, dt_limit, A_log, B, C, D)
+    h = gated_rms_norm(y.reshape(x.shape[0], -1), gate, norm_weight, eps, group_size, weight.dtype)
+    return F.linear(h, weight, bias)
 
 
 def ssd_varlen(

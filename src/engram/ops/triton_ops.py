@@ -459,8 +459,12 @@ def _ssd_update_kernel(
     Pool, Slots, X, DT, DtBias, ALog, Bm, Cm, Dp, Y,
     stride_ps, stride_ph, stride_pp, stride_xs, stride_xh, stride_dts, stride_bs, stride_bg, stride_cs, stride_cg,
     stride_ys, stride_yh, P, N, HPG, dt_min, dt_max,
-    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    Z, NormW, Part, stride_zs, stride_part,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, GATED: tl.constexpr,
 ):
+    """GATED: instead of y, store norm_weight * y * silu(z) and this program's sum of (y * silu(z))^2
+    in Part[s, program]: the gated RMS norm without its row statistic, which the output projection
+    applies (`_row_rsqrt`)."""
     s = tl.program_id(0).to(tl.int64)
     h, g, p, n, pm, nm, ptr, m2 = _ssd_tile(Pool, Slots, s, stride_ps, stride_ph, stride_pp, P, N, HPG, BLOCK_P, BLOCK_N)
     # Read before the wait: the state (the previous kernel, in_proj or the conv update, does not
@@ -469,6 +473,8 @@ def _ssd_update_kernel(
     dt_bias = tl.load(DtBias + h).to(tl.float32)
     A = -tl.exp(tl.load(ALog + h).to(tl.float32))
     Dh = tl.load(Dp + h).to(tl.float32)
+    if GATED:
+        nw = tl.load(NormW + h * P + p, mask=pm, other=0.0).to(tl.float32)
     _wait_for_previous_kernel()
     dt = _ssd_dt(tl.load(DT + s * stride_dts + h).to(tl.float32), dt_bias, dt_min, dt_max)
     x = tl.load(X + s * stride_xs + h * stride_xh + p, mask=pm, other=0.0).to(tl.float32)
@@ -477,7 +483,13 @@ def _ssd_update_kernel(
     st = st * tl.exp(dt * A) + (x * dt)[:, None] * b[None, :]
     tl.store(ptr, st.to(Pool.dtype.element_ty), mask=m2)
     y = tl.sum(st * c[None, :], axis=1) + x * Dh
-    tl.store(Y + s * stride_ys + h * stride_yh + p, y, mask=pm)
+    if GATED:
+        z = tl.load(Z + s * stride_zs + h * P + p, mask=pm, other=0.0).to(tl.float32)
+        y = y * (z * tl.sigmoid(z))
+        program = h * tl.num_programs(2) + tl.program_id(2)
+        tl.store(Part + s * stride_part + program, tl.sum(y * y, axis=0))
+        y = nw * y
+    tl.store(Y + s * stride_ys + h * stride_yh + p, y.to(Y.dtype.element_ty), mask=pm)
 
 
 def _ssd_strides(ssm_pool, x, dt, B, C, y, dt_limit) -> tuple:
@@ -489,18 +501,44 @@ def _ssd_strides(ssm_pool, x, dt, B, C, y, dt_limit) -> tuple:
     )
 
 
-def ssd_state_update(ssm_pool, slots, x, dt, dt_bias, dt_limit, A_log, B, C, D):
+def _launch_ssd_update(ssm_pool, slots, x, dt, dt_bias, dt_limit, A_log, B, C, D, y, gated=None):
+    """`gated`: (gate, norm_weight, part) for the GATED variant of the kernel, y then [S, H * P]."""
     S, H, P = x.shape
-    N = B.shape[2]
+    bp = min(8, _np2(P))
+    z, norm_weight, part = gated if gated is not None else (y, y, y)
+    _ssd_update_kernel[(S, H, triton.cdiv(P, bp))](
+        ssm_pool, slots, x, dt, dt_bias, A_log, B, C, D, y, *_ssd_strides(ssm_pool, x, dt, B, C, y.view(S, H, P), dt_limit),
+        z, norm_weight, part, z.stride(0), part.stride(0), BLOCK_P=bp, BLOCK_N=_np2(B.shape[2]), GATED=gated is not None,
+        num_warps=2, **_PDL_LAUNCH
+    )
+
+
+def ssd_state_update(ssm_pool, slots, x, dt, dt_bias, dt_limit, A_log, B, C, D):
     assert x.stride(2) == 1 and B.stride(2) == 1 and C.stride(2) == 1 and ssm_pool.stride(3) == 1
-    y = torch.empty((S, H, P), dtype=torch.float32, device=x.device)
-    if S:
-        bp = min(8, _np2(P))
-        _ssd_update_kernel[(S, H, triton.cdiv(P, bp))](
-            ssm_pool, slots, x, dt, dt_bias, A_log, B, C, D, y, *_ssd_strides(ssm_pool, x, dt, B, C, y, dt_limit),
-            BLOCK_P=bp, BLOCK_N=_np2(N), num_warps=2, **_PDL_LAUNCH
-        )
+    y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    if x.shape[0]:
+        _launch_ssd_update(ssm_pool, slots, x, dt, dt_bias, dt_limit, A_log, B, C, D, y)
     return y
+
+
+def ssd_state_update_norm_linear(
+    ssm_pool, slots, x, dt, dt_bias, dt_limit, A_log, B, C, D, gate, norm_weight, eps, group_size, weight, bias=None
+):
+    """With one norm group over the whole row and the GEMV's batch sizes, the gated norm has no launch
+    of its own: the SSD update stores norm_weight * y * silu(gate) and per-program sums of squares,
+    and the output projection's GEMV scales each row's dot products by the rsqrt of the row's mean
+    square. The rounding differs from the reference's (normalize, round, scale by the weight, round,
+    project) in the order of one rounding. Otherwise, the three kernels one after another (the same
+    scaling in the tensor-core kernel was slower at batches 8 and 64: BENCHMARKS.md)."""
+    S, H, P = x.shape
+    u = torch.empty((S, H * P), dtype=weight.dtype, device=x.device)
+    if not (_gemv_applies(u, weight, bias) and group_size == H * P and weight.dtype in (torch.bfloat16, torch.float32) and gate.stride(-1) == 1):
+        y = ssd_state_update(ssm_pool, slots, x, dt, dt_bias, dt_limit, A_log, B, C, D)
+        return linear(gated_rms_norm(y.view(S, H * P), gate, norm_weight, eps, group_size, weight.dtype), weight, bias)
+    assert x.stride(2) == 1 and B.stride(2) == 1 and C.stride(2) == 1 and ssm_pool.stride(3) == 1
+    part = torch.empty((S, H * triton.cdiv(P, min(8, _np2(P)))), dtype=torch.float32, device=x.device)
+    _launch_ssd_update(ssm_pool, slots, x, dt, dt_bias, dt_limit, A_log, B, C, D, u, (gate, norm_weight, part))
+    return _gemv(u, weight, bias, row_rsqrt=(part, float(group_size), float(eps)))
 
 
 @triton.jit
@@ -1290,16 +1328,27 @@ def argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tenso
 
 
 @triton.jit
+def _row_rsqrt(Part, m, mm, stride_part, NPART, GS, eps, BLOCK_PART: tl.constexpr):
+    """1 / sqrt(mean square + eps) of rows m, from the sums of squares of their parts (Part[m, :NPART],
+    stored by the GATED SSD update), over GS values."""
+    j = tl.arange(0, BLOCK_PART)
+    part = tl.load(Part + m[:, None] * stride_part + j[None, :], mask=mm[:, None] & (j < NPART)[None, :], other=0.0)
+    return tl.rsqrt(tl.sum(part, axis=1) / GS + eps)
+
+
+@triton.jit
 def _gemv_kernel(
     X, W, B, Y, M, N, stride_x, stride_w, stride_y,
     CW, CB, Pool, Slots, conv_start, C, stride_wc, stride_wk, stride_ps, stride_pk,
+    Part, stride_part, NPART, GS, eps,
     K: tl.constexpr, HAS_BIAS: tl.constexpr, CONV: tl.constexpr, CONV_K: tl.constexpr, CONV_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ROW_RSQRT: tl.constexpr, BLOCK_PART: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """y = x W^T (+ b) for a few rows x, BLOCK_N output columns per program. With CONV, columns
     [conv_start, conv_start + C) are then replaced by their causal-conv update, row m being one
     token of the sequence at Slots[m] (Mamba2's in_proj and conv in one launch): each channel's
-    window is read and shifted by the one program that owns the channel."""
+    window is read and shifted by the one program that owns the channel. With ROW_RSQRT, each row's
+    x W^T is first scaled by `_row_rsqrt` (the gated norm's statistic of `ssd_state_update_norm_linear`)."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < N
     m = tl.arange(0, BLOCK_M)
@@ -1314,6 +1363,8 @@ def _gemv_kernel(
         w = (w_first if k0 == 0 else _weight_block(W, n, nm, stride_w, k0, K, BLOCK_K)).to(tl.float32)
         xv = tl.load(X + m[:, None] * stride_x + kk[None, :], mask=mm[:, None] & km[None, :], other=0.0).to(tl.float32)
         acc += tl.sum(xv[:, None, :] * w[None, :, :], axis=2)
+    if ROW_RSQRT:
+        acc *= _row_rsqrt(Part, m, mm, stride_part, NPART, GS, eps, BLOCK_PART)[:, None]
     if HAS_BIAS:
         acc += tl.load(B + n, mask=nm, other=0.0).to(tl.float32)[None, :]
     out = acc.to(Y.dtype.element_ty)
@@ -1382,17 +1433,27 @@ def _linear_dot_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     return LINEAR_GEMV_MAX_ROWS < rows <= LINEAR_DOT_MAX_ROWS and x.shape[-1] >= 16 and _small_linear_operands(x, weight, bias)
 
 
-def _gemv(x, weight, bias, conv=None):
+def _row_rsqrt_args(row_rsqrt: tuple | None, dummy: torch.Tensor) -> tuple[tuple, dict]:
+    """The GEMV's (Part, stride_part, NPART, GS, eps) arguments and its ROW_RSQRT constexprs for
+    `row_rsqrt` = (part [M, NPART] float32, GS, eps), or None."""
+    part, gs, eps = row_rsqrt if row_rsqrt is not None else (dummy, 1.0, 0.0)
+    args = (part, part.stride(0), part.shape[-1], gs, eps)
+    return args, dict(ROW_RSQRT=row_rsqrt is not None, BLOCK_PART=_np2(part.shape[-1]) if row_rsqrt is not None else 1)
+
+
+def _gemv(x, weight, bias, conv=None, row_rsqrt=None):
     K = x.shape[-1]
     x2 = _rows(x)
     M, N = x2.shape[0], weight.shape[0]
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     cw, cb, pool, slots, conv_start = conv if conv is not None else (weight, None, weight, weight, 0)
+    rsqrt_args, rsqrt_flags = _row_rsqrt_args(row_rsqrt, weight)
     bn, bk, warps = GEMV_CONFIG["linear"]
     _gemv_kernel[(triton.cdiv(N, bn),)](
         x2, weight, bias if bias is not None else weight, y, M, N, x2.stride(0), weight.stride(0), y.stride(0),
         cw, cb if cb is not None else cw, pool, slots, conv_start, cw.shape[0], cw.stride(0), cw.stride(-1), pool.stride(0),
-        pool.stride(1), K=K, HAS_BIAS=bias is not None, CONV=conv is not None, CONV_K=cw.shape[-1] if conv is not None else 0, CONV_BIAS=cb is not None,
+        pool.stride(1), *rsqrt_args, K=K, HAS_BIAS=bias is not None, CONV=conv is not None,
+        CONV_K=cw.shape[-1] if conv is not None else 0, CONV_BIAS=cb is not None, **rsqrt_flags,
         BLOCK_M=_np2(M), BLOCK_N=bn, BLOCK_K=min(bk, _np2(K)), num_warps=warps, **_PDL_LAUNCH,
     )
     return y.view(*x.shape[:-1], N)
