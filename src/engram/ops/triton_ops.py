@@ -501,10 +501,15 @@ def _ssd_strides(ssm_pool, x, dt, B, C, y, dt_limit) -> tuple:
     )
 
 
+def _ssd_update_block_p(head_dim: int) -> int:
+    """BLOCK_P of the SSD update: programs of 8 rows of a head's state (`h200-ssd-update-blocks.log`)."""
+    return min(8, _np2(head_dim))
+
+
 def _launch_ssd_update(ssm_pool, slots, x, dt, dt_bias, dt_limit, A_log, B, C, D, y, gated=None):
     """`gated`: (gate, norm_weight, part) for the GATED variant of the kernel, y then [S, H * P]."""
     S, H, P = x.shape
-    bp = min(8, _np2(P))
+    bp = _ssd_update_block_p(P)
     z, norm_weight, part = gated if gated is not None else (y, y, y)
     _ssd_update_kernel[(S, H, triton.cdiv(P, bp))](
         ssm_pool, slots, x, dt, dt_bias, A_log, B, C, D, y, *_ssd_strides(ssm_pool, x, dt, B, C, y.view(S, H, P), dt_limit),
@@ -536,7 +541,7 @@ def ssd_state_update_norm_linear(
         y = ssd_state_update(ssm_pool, slots, x, dt, dt_bias, dt_limit, A_log, B, C, D)
         return linear(gated_rms_norm(y.view(S, H * P), gate, norm_weight, eps, group_size, weight.dtype), weight, bias)
     assert x.stride(2) == 1 and B.stride(2) == 1 and C.stride(2) == 1 and ssm_pool.stride(3) == 1
-    part = torch.empty((S, H * triton.cdiv(P, min(8, _np2(P)))), dtype=torch.float32, device=x.device)
+    part = torch.empty((S, H * triton.cdiv(P, _ssd_update_block_p(P))), dtype=torch.float32, device=x.device)
     _launch_ssd_update(ssm_pool, slots, x, dt, dt_bias, dt_limit, A_log, B, C, D, u, (gate, norm_weight, part))
     return _gemv(u, weight, bias, row_rsqrt=(part, float(group_size), float(eps)))
 
