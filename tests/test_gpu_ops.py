@@ -190,7 +190,8 @@ def test_ssd_state_update_in_place_by_slot(dtype, shape):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 3, 4, 9, 64])  # fused up to LINEAR_GEMV_MAX_ROWS
-@pytest.mark.parametrize("shape", [(6, 1, 16, 12), (48, 1, 64, 128), (8, 2, 16, 32)])  # two groups: not fused
+# not fused: two groups; more than SSD_NORM_MAX_PARTS sums of squares a row
+@pytest.mark.parametrize("shape", [(6, 1, 16, 12), (48, 1, 64, 128), (8, 2, 16, 32), (65, 1, 64, 8)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_ssd_state_update_norm_linear(dtype, rows, shape, bias, monkeypatch):
     """The decode output with the gated norm folded into the SSD update and the output projection's
@@ -213,9 +214,12 @@ def test_ssd_state_update_norm_linear(dtype, rows, shape, bias, monkeypatch):
     real = slots >= 0
     pool_ref = pool.clone()
     args = (dt_bias, (0.0, float("inf")), A_log)
-    if G == 1 and rows <= triton_ops.LINEAR_GEMV_MAX_ROWS:
-        monkeypatch.setattr(triton_ops, "gated_rms_norm", None)  # fused: no norm kernel of its own
+    norm_calls = []
+    norm_kernel = triton_ops.gated_rms_norm
+    monkeypatch.setattr(triton_ops, "gated_rms_norm", lambda *a: norm_calls.append(a) or norm_kernel(*a))
     out = triton_ops.ssd_state_update_norm_linear(pool, slots, x, dt, *args, B, C, D, gate, norm_w, 1e-5, H * P // G, w, b)
+    fused = G == 1 and rows <= triton_ops.LINEAR_GEMV_MAX_ROWS and H * P // 8 <= triton_ops.SSD_NORM_MAX_PARTS
+    assert not norm_calls if fused else len(norm_calls) == 1  # fused: no norm kernel of its own
     ref = ssd.ssd_state_update_norm_linear(
         pool_ref, slots[real], x[real], dt[real], *args, B[real], C[real], D, gate[real], norm_w, 1e-5, H * P // G, w, b
     )
