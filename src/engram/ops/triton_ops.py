@@ -541,13 +541,14 @@ def ssd_state_update_norm_linear(
     project) in the order of one rounding. Otherwise, the three kernels one after another (the same
     scaling in the tensor-core kernel was slower at batches 8 and 64: BENCHMARKS.md)."""
     S, H, P = x.shape
-    u = torch.empty((S, H * P), dtype=weight.dtype, device=x.device)
     parts = H * triton.cdiv(P, _ssd_update_block_p(P))
-    fused = _gemv_applies(u, weight, bias) and group_size == H * P and parts <= SSD_NORM_MAX_PARTS
+    # the gate has the shape of the projection's input, and its dtype when the GEMV applies
+    fused = _gemv_applies(gate, weight, bias) and group_size == H * P and parts <= SSD_NORM_MAX_PARTS
     if not (fused and weight.dtype in (torch.bfloat16, torch.float32) and gate.stride(-1) == 1):
         y = ssd_state_update(ssm_pool, slots, x, dt, dt_bias, dt_limit, A_log, B, C, D)
         return linear(gated_rms_norm(y.view(S, H * P), gate, norm_weight, eps, group_size, weight.dtype), weight, bias)
     assert x.stride(2) == 1 and B.stride(2) == 1 and C.stride(2) == 1 and ssm_pool.stride(3) == 1
+    u = torch.empty((S, H * P), dtype=weight.dtype, device=x.device)
     part = torch.empty((S, parts), dtype=torch.float32, device=x.device)
     _launch_ssd_update(ssm_pool, slots, x, dt, dt_bias, dt_limit, A_log, B, C, D, u, (gate, norm_weight, part))
     return _gemv(u, weight, bias, row_rsqrt=(part, float(group_size), float(eps)))
