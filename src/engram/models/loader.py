@@ -37,7 +37,7 @@ def _fill(model: CausalLM, spec: ModelSpec, tensors: Iterable[tuple[str, str, Ca
     params = dict(model.named_parameters(remove_duplicate=False))
     params.update(model.named_buffers(remove_duplicate=False))
     loaded: set[str] = set()
-    rows_loaded: dict[str, set[int]] = {}
+    rows_loaded: dict[str, set[int]] = {}  # parameters filled by rows (experts, packed parts)
     for source, name, get in tensors:
         mapped = model.map_weight_name(name)
         if mapped is None:
@@ -54,7 +54,8 @@ def _fill(model: CausalLM, spec: ModelSpec, tensors: Iterable[tuple[str, str, Ca
         if row is None:
             loaded.add(target)
         else:
-            rows_loaded.setdefault(target, set()).add(row)
+            rows = range(*row.indices(param.shape[0])) if isinstance(row, slice) else (row,)
+            rows_loaded.setdefault(target, set()).update(rows)
     for target, rows in rows_loaded.items():
         if len(rows) == params[target].shape[0]:
             loaded.add(target)
