@@ -34,7 +34,9 @@ def test_a_missing_part_and_a_stray_tensor_are_errors(granite):
     spec, _, tensors = granite
     layer = next(i for i, kind in enumerate(spec.layer_kinds) if kind == LayerKind.ATTENTION)
     lacking = {k: v for k, v in tensors.items() if k != f"model.layers.{layer}.self_attn.v_proj.weight"}
-    with pytest.raises(WeightLoadError, match=rf"lacks weights: .*layers\.{layer}\.mixer\.qkv_proj\.weight"):
+    q, kv = spec.attention.num_heads * spec.attention.head_dim, spec.attention.num_kv_heads * spec.attention.head_dim
+    rows = rf"rows {q + kv}:{q + 2 * kv}"  # v's rows of the packed projection
+    with pytest.raises(WeightLoadError, match=rf"lacks weights: .*layers\.{layer}\.mixer\.qkv_proj\.weight \({rows}\)"):
         load_model_from_state_dict(spec, lacking, torch.float32, torch.device("cpu"))
     stray = dict(tensors, **{"model.extra.weight": torch.zeros(2)})
     with pytest.raises(WeightLoadError, match="'model.extra.weight' has no place"):
