@@ -456,7 +456,7 @@ def test_moe_align_blocks_cover_every_pair_once(align, tokens, skewed):
     del g
 
 
-@pytest.mark.parametrize("tokens", [1, 7, 40, 128, 129])  # the GEMV; routing and sort in one launch up to 128; apart
+@pytest.mark.parametrize("tokens", [1, 7, 40, 128, 129])  # the GEMV; in one launch (the op up to 8, the kernel up to 128); apart
 def test_route_softmax_topk_align(tokens):
     """Routing and sorting in one launch against `route_softmax_topk` and `moe_align` (exactly: the
     same ids, pairs in the same order), padding rows of NaN and -inf included."""
@@ -466,7 +466,7 @@ def test_route_softmax_topk_align(tokens):
     if tokens > 2:
         logits[1] = float("nan")
         logits[2] = float("-inf")
-    if _np2(tokens) * experts <= triton_ops.TOPK_ALIGN_MAX_LOGITS:
+    if tokens <= 128:  # the kernel holds 128 x 64 logits a program, beyond the op's threshold
         weights, ids, sorted_ids, block_expert = triton_ops.route_softmax_topk_align(logits, k, bm)
         w_ref, ids_ref = triton_ops.route_softmax_topk(logits, k)
         assert torch.equal(ids, ids_ref)

@@ -1208,8 +1208,10 @@ def moe_align_triton(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple
 
 
 # Router logits per launch up to which `softmax_topk_experts` takes the top-k and sorts the pairs in
-# one launch (each program holds all of them).
-TOPK_ALIGN_MAX_LOGITS = 8192
+# one launch (each program holds all of them). On the H200 with 64 experts, one launch saved 4% of a
+# step at 8 tokens and cost 0.4-3% at 16-64 (BENCHMARKS.md), where each program's top-k of all rows
+# outweighs the launch it saves.
+TOPK_ALIGN_MAX_LOGITS = 512
 
 
 def route_softmax_topk_align(router_logits: torch.Tensor, top_k: int, block_m: int) -> tuple[torch.Tensor, ...]:
