@@ -456,6 +456,37 @@ def test_moe_align_blocks_cover_every_pair_once(align, tokens, skewed):
     del g
 
 
+@pytest.mark.parametrize("tokens", [1, 7, 40, 128, 129])  # the GEMV; in one launch (the op up to 8, the kernel up to 128); apart
+def test_route_softmax_topk_align(tokens):
+    """Routing and sorting in one launch against `route_softmax_topk` and `moe_align` (exactly: the
+    same ids, pairs in the same order), padding rows of NaN and -inf included."""
+    experts, k, bm = 64, 6, 16
+    logits = _randn(tokens, experts, g=_gen(16))
+    logits[0, [3, 9]] = logits[0].max() + 1  # a tie for the first place
+    if tokens > 2:
+        logits[1] = float("nan")
+        logits[2] = float("-inf")
+    if tokens <= 128:  # the kernel holds 128 x 64 logits a program, beyond the op's threshold
+        weights, ids, sorted_ids, block_expert = triton_ops.route_softmax_topk_align(logits, k, bm)
+        w_ref, ids_ref = triton_ops.route_softmax_topk(logits, k)
+        assert torch.equal(ids, ids_ref)
+        torch.testing.assert_close(weights, w_ref, equal_nan=True)  # rows of NaN or -inf: NaN weights in both
+        ref_sorted, ref_blocks = triton_ops.moe_align(ids_ref, experts, bm)
+        assert torch.equal(sorted_ids, ref_sorted) and torch.equal(block_expert, ref_blocks)
+    # the op through either path, against the reference op
+    g = _gen(17)
+    w_in, w_out = _randn(experts, 2 * 24, 40, g=g) * 0.2, _randn(experts, 40, 24, g=g) * 0.2
+    shared = (_randn(2 * 32, 40, g=g) * 0.2, _randn(40, 32, g=g) * 0.2)
+    x = _randn(tokens, 40, g=g)
+    out = triton_ops.softmax_topk_experts(x, logits, k, w_in, w_out, F.silu, True, shared)
+    ref = moe.softmax_topk_experts(x, logits, k, w_in, w_out, F.silu, True, shared)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4, equal_nan=True)
+
+
+def _np2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
 # ---- whole models: greedy tokens of the fast path == the reference path -------------------------
 # The fast path runs with CUDA graphs and overlapped steps (tokens fed to graphs from the device);
 # the reference path steps one at a time.

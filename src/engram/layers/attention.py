@@ -18,16 +18,29 @@ class Attention(nn.Module):
         self.spec = spec
         self.layer_index = layer_index
         q_dim, kv_dim = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        self.q_proj = Linear(hidden_size, q_dim, bias=spec.bias)
-        self.k_proj = Linear(hidden_size, kv_dim, bias=spec.bias)
-        self.v_proj = Linear(hidden_size, kv_dim, bias=spec.bias)
+        self.qkv_sizes = [q_dim, kv_dim, kv_dim]
+        # q, k and v in one projection (one launch at decode); the checkpoint's q_proj, k_proj and
+        # v_proj are loaded into its rows (`packed_parts`).
+        self.qkv_proj = Linear(hidden_size, q_dim + 2 * kv_dim, bias=spec.bias)
         self.o_proj = Linear(q_dim, hidden_size, bias=spec.bias)
+
+    def packed_parts(self) -> dict[str, tuple[str, slice]]:
+        """Checkpoint parameter (relative name) -> (this module's parameter, its rows)."""
+        parts, start = {}, 0
+        for name, size in zip(("q_proj", "k_proj", "v_proj"), self.qkv_sizes):
+            rows = slice(start, start + size)
+            parts[f"{name}.weight"] = ("qkv_proj.weight", rows)
+            if self.spec.bias:
+                parts[f"{name}.bias"] = ("qkv_proj.bias", rows)
+            start += size
+        return parts
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         s, k = self.spec, kernels()
-        q = self.q_proj(hidden).view(-1, s.num_heads, s.head_dim)
-        key = self.k_proj(hidden).view(-1, s.num_kv_heads, s.head_dim)
-        value = self.v_proj(hidden).view(-1, s.num_kv_heads, s.head_dim)
+        q, key, value = self.qkv_proj(hidden).split(self.qkv_sizes, dim=-1)
+        q = q.view(-1, s.num_heads, s.head_dim)
+        key = key.view(-1, s.num_kv_heads, s.head_dim)
+        value = value.view(-1, s.num_kv_heads, s.head_dim)
         if s.rotary_dim:
             cos, sin = rotary_cos_sin(batch.positions, s.rotary_dim, s.rope_theta, q.dtype)
             q, key = apply_rotary(q, cos, sin), apply_rotary(key, cos, sin)

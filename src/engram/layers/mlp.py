@@ -81,9 +81,8 @@ class SoftmaxTopKMoE(nn.Module):
         assert not norm.weight_in_fp32, "add_rms_norm_linear applies the norm weight after the cast (Granite's norm)"
         k = kernels()
         h, residual, logits = k.add_rms_norm_linear(x, residual, norm.weight, norm.eps, residual_scale, self.router.layer.weight)
-        weights, ids = k.route_softmax_topk(logits, self.top_k)
-        # moe_experts casts the routing weights to the activation dtype itself.
-        out = k.moe_experts(h, self.input_linear, self.output_linear, weights, ids, F.silu, True, shared_mlp.as_shared_expert())
+        shared = shared_mlp.as_shared_expert()
+        out = k.softmax_topk_experts(h, logits, self.top_k, self.input_linear, self.output_linear, F.silu, True, shared)
         return out, residual
 
 

@@ -20,6 +20,9 @@ from engram.models.spec import LayerKind, ModelSpec
 # (checkpoint-name pattern, internal name template). A template ending in "[i]" names a stacked
 # [experts, ...] parameter; the tensor is its row given by the pattern's group `expert`.
 RenameRules = list[tuple[str, str]]
+# Where a checkpoint tensor lands: an internal parameter, and its row (an expert) or rows (a part
+# of a packed projection), or None for the whole parameter.
+WeightPlace = tuple[str, int | slice | None]
 
 
 def sequence_mixer(spec: ModelSpec, index: int) -> nn.Module:
@@ -71,8 +74,8 @@ class CausalLM(nn.Module):
         logits = self.lm_head(hidden.to(self.lm_head.weight.dtype)).float()
         return logits / self.logits_scaling if self.logits_scaling != 1.0 else logits
 
-    def map_weight_name(self, name: str) -> tuple[str, int | None] | None:
-        """Checkpoint tensor name -> (parameter name, expert index or None); None to skip it."""
+    def map_weight_name(self, name: str) -> WeightPlace | None:
+        """Checkpoint tensor name -> its place in the model; None to skip it."""
         if any(re.search(p, name) for p in self.ignored_weights):
             return None
         for pattern, template in self.rename_rules:
@@ -80,5 +83,20 @@ class CausalLM(nn.Module):
             if m:
                 if template.endswith("[i]"):
                     return m.expand(template[:-3]), int(m.group("expert"))
-                return m.expand(template), None
-        return name, None
+                return self._packed_place(m.expand(template))
+        return self._packed_place(name)
+
+    def _packed_place(self, internal: str) -> WeightPlace:
+        """A part of a packed parameter (a module's `packed_parts`, e.g. attention's q, k and v in
+        one projection) goes to its rows there."""
+        module_name, _, part = internal.rpartition(".")
+        module_name, _, proj = module_name.rpartition(".")
+        try:
+            module = self.get_submodule(module_name)
+        except AttributeError:  # no such module: the loader reports the tensor as having no place
+            return internal, None
+        packed = getattr(module, "packed_parts", None)
+        place = packed().get(f"{proj}.{part}") if packed is not None else None
+        if place is None:
+            return internal, None
+        return f"{module_name}.{place[0]}", place[1]

@@ -37,7 +37,7 @@ def _fill(model: CausalLM, spec: ModelSpec, tensors: Iterable[tuple[str, str, Ca
     params = dict(model.named_parameters(remove_duplicate=False))
     params.update(model.named_buffers(remove_duplicate=False))
     loaded: set[str] = set()
-    rows_loaded: dict[str, set[int]] = {}
+    rows_loaded: dict[str, set[int]] = {}  # parameters filled by rows (experts, packed parts)
     for source, name, get in tensors:
         mapped = model.map_weight_name(name)
         if mapped is None:
@@ -54,16 +54,31 @@ def _fill(model: CausalLM, spec: ModelSpec, tensors: Iterable[tuple[str, str, Ca
         if row is None:
             loaded.add(target)
         else:
-            rows_loaded.setdefault(target, set()).add(row)
+            rows = range(*row.indices(param.shape[0])) if isinstance(row, slice) else (row,)
+            rows_loaded.setdefault(target, set()).update(rows)
+    partly = {}  # parameters filled by rows, some of them missing: which
     for target, rows in rows_loaded.items():
-        if len(rows) == params[target].shape[0]:
+        absent = sorted(set(range(params[target].shape[0])) - rows)
+        if absent:
+            partly[target] = f"{target} (rows {_spans(absent)})"
+        else:
             loaded.add(target)
     if spec.tie_word_embeddings:
         loaded.add("lm_head.weight")
-    missing = sorted(set(params) - loaded)
+    missing = [partly.get(name, name) for name in sorted(set(params) - loaded)]
     if missing:
         raise WeightLoadError(f"checkpoint lacks weights: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
     return model.eval()
+
+
+def _spans(rows: list[int]) -> str:
+    """Sorted row numbers as ranges: [0, 1, 2, 7] -> "0:3, 7:8"."""
+    spans, start = [], rows[0]
+    for prev, row in zip(rows, rows[1:] + [None]):
+        if row != prev + 1:
+            spans.append(f"{start}:{prev + 1}")
+            start = row
+    return ", ".join(spans)
 
 
 def load_model(spec: ModelSpec, model_path: str | Path, dtype: torch.dtype, device: torch.device) -> CausalLM:

@@ -95,6 +95,7 @@ def available() -> dict:
         paged_attention=triton_ops.paged_attention,
         route_softmax_topk=triton_ops.route_softmax_topk,
         moe_experts=triton_ops.moe_experts,
+        softmax_topk_experts=triton_ops.softmax_topk_experts,
         argmax=triton_ops.argmax,
         graph_safe_decode=True,
     )

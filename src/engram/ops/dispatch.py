@@ -36,6 +36,7 @@ class KernelSet:
     paged_attention: Callable = attention.paged_attention
     route_softmax_topk: Callable = moe.route_softmax_topk
     moe_experts: Callable = moe.moe_experts
+    softmax_topk_experts: Callable = moe.softmax_topk_experts
     argmax: Callable = sample.argmax
     # Every op a decode step runs is free of host syncs and of data-dependent shapes, and
     # tolerates padding rows (slot -1, context -1): the step can be captured in a CUDA graph.

@@ -14,6 +14,16 @@ def route_softmax_topk(router_logits: torch.Tensor, top_k: int) -> tuple[torch.T
     return torch.softmax(top_logits, dim=-1), ids
 
 
+def softmax_topk_experts(
+    x: torch.Tensor, router_logits: torch.Tensor, top_k: int, w_in: torch.Tensor, w_out: torch.Tensor,
+    act: Callable[[torch.Tensor], torch.Tensor], gated: bool, shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Granite's routing (`route_softmax_topk`) and `moe_experts` as one op, so that a fast path can
+    route and sort the routed pairs in one launch."""
+    weights, ids = route_softmax_topk(router_logits, top_k)
+    return moe_experts(x, w_in, w_out, weights, ids, act, gated, shared)
+
+
 def route_sigmoid_grouped(
     router_logits: torch.Tensor,
     correction_bias: torch.Tensor,

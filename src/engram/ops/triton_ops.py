@@ -1106,24 +1106,21 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.
 
 
 @triton.jit
-def _moe_align_kernel(Ids, SortedIds, BlockExpert, Tk, NB, MAXP, E,
-                      BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, CHUNK: tl.constexpr):
-    """`moe_align`, one program per expert (and one more for the tail), each writing only its own
-    run: every program counts all pairs per expert (a histogram), takes its padded offset, and
-    scatters its pairs there in order (ranks by a cumulative sum), then pads its run and marks its
-    blocks. The last program pads the space past the last run."""
-    _wait_for_previous_kernel()
+def _align_pairs(ids, a, invalid, SortedIds, BlockExpert, Tk, NB, MAXP, E,
+                 BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+    """This program's part of `moe_align` (program e < E: expert e's run; program E: the tail) from
+    the experts `ids` of the pairs `a` in increasing order (a 1-D block; `invalid` of its entries
+    are no pairs and hold expert 0): every program counts all pairs per expert (a histogram),
+    takes its padded offset, and scatters its pairs there in order (ranks by a cumulative sum),
+    then pads its run and marks its blocks. The last program pads the space past the last run."""
     e = tl.program_id(0)
-    a = tl.arange(0, BLOCK_T)
-    am = a < Tk
-    ids = tl.load(Ids + a, mask=am, other=0).to(tl.int32)
     eo = tl.arange(0, BLOCK_E)
-    counts = tl.histogram(ids, BLOCK_E) - tl.where(eo == 0, BLOCK_T - Tk, 0)  # less the padding's zeros
+    counts = tl.histogram(ids, BLOCK_E) - tl.where(eo == 0, invalid, 0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     if e < E:
         start = tl.sum(tl.where(eo < e, padded, 0), axis=0)
         count = tl.sum(tl.where(eo == e, counts, 0), axis=0)
-        mine = ((ids == e) & am).to(tl.int32)
+        mine = ((ids == e) & (a < Tk)).to(tl.int32)
         rank = tl.cumsum(mine, axis=0) - mine
         tl.store(SortedIds + start + rank, a.to(tl.int64), mask=mine > 0)
         pad = count + tl.arange(0, BLOCK_M)
@@ -1142,22 +1139,93 @@ def _moe_align_kernel(Ids, SortedIds, BlockExpert, Tk, NB, MAXP, E,
             tl.store(BlockExpert + b, tl.zeros([CHUNK], dtype=tl.int64) + E, mask=b < NB)
 
 
+@triton.jit
+def _moe_align_kernel(Ids, SortedIds, BlockExpert, Tk, NB, MAXP, E,
+                      BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, CHUNK: tl.constexpr):
+    """`moe_align`, one program per expert and one more for the tail (`_align_pairs`)."""
+    _wait_for_previous_kernel()
+    a = tl.arange(0, BLOCK_T)
+    ids = tl.load(Ids + a, mask=a < Tk, other=0).to(tl.int32)
+    _align_pairs(ids, a, BLOCK_T - Tk, SortedIds, BlockExpert, Tk, NB, MAXP, E, BLOCK_M, BLOCK_E, CHUNK)
+
+
+@triton.jit
+def _topk_align_kernel(L, Wt, Ids, SortedIds, BlockExpert, stride_l, T, NB, MAXP, E,
+                       TOPK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                       BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+    """`route_softmax_topk` of all T rows and `moe_align` of their pairs in one launch: each of the
+    E + 1 programs takes the top-k of every row (as `_topk_softmax_kernel`, a row per tile row),
+    program 0 stores the weights and ids, and each then does its part of the sort (`_align_pairs`)."""
+    _wait_for_previous_kernel()
+    t = tl.arange(0, BLOCK_T)
+    tm = t < T
+    e = tl.arange(0, BLOCK_E)
+    x = tl.load(L + t[:, None] * stride_l + e[None, :], mask=tm[:, None] & (e < E)[None, :], other=float("-inf")).to(tl.float32)
+    x = tl.where(x == x, x, float("-inf"))
+    free = tm[:, None] & (e < E)[None, :]
+    kk = tl.arange(0, BLOCK_K)
+    vals = tl.full([BLOCK_T, BLOCK_K], float("-inf"), dtype=tl.float32)
+    idxs = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
+    for j in tl.static_range(TOPK):
+        m = tl.max(tl.where(free, x, float("-inf")), axis=1)
+        i = tl.min(tl.where(free & (x == m[:, None]), e[None, :], BLOCK_E), axis=1)
+        vals = tl.where(kk[None, :] == j, m[:, None], vals)
+        idxs = tl.where(kk[None, :] == j, i[:, None], idxs)
+        free = free & (e[None, :] != i[:, None])
+    mx = tl.max(vals, axis=1)
+    p = tl.where(kk[None, :] < TOPK, tl.exp(vals - mx[:, None]), 0.0)
+    p = p / tl.sum(p, axis=1)[:, None]
+    pair = t[:, None] * TOPK + kk[None, :]
+    valid = tm[:, None] & (kk[None, :] < TOPK)
+    if tl.program_id(0) == 0:
+        tl.store(Wt + pair, p, mask=valid)
+        tl.store(Ids + pair, idxs.to(tl.int64), mask=valid)
+    ids = tl.reshape(tl.where(valid, idxs, 0), [BLOCK_T * BLOCK_K])
+    a = tl.reshape(tl.where(valid, pair, T * TOPK), [BLOCK_T * BLOCK_K])  # invalid entries: past every pair
+    _align_pairs(ids, a, BLOCK_T * BLOCK_K - T * TOPK, SortedIds, BlockExpert, T * TOPK, NB, MAXP, E, BLOCK_M, BLOCK_E, CHUNK)
+
+
 MOE_ALIGN_KERNEL_MAX_PAIRS = 4096
+
+
+def _sorted_pairs(tk: int, num_experts: int, block_m: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """`moe_align`'s outputs, uninitialized: sorted pair ids [max_padded], block experts [blocks]."""
+    max_padded = tk + min(num_experts, tk) * (block_m - 1)
+    max_padded = (max_padded + block_m - 1) // block_m * block_m
+    sorted_ids = torch.empty(max_padded, dtype=torch.int64, device=device)
+    return sorted_ids, torch.empty(max_padded // block_m, dtype=torch.int64, device=device)
 
 
 def moe_align_triton(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`moe_align` as one launch (small batches: decode steps, short prefill chunks)."""
     flat = ids.reshape(-1).contiguous()
     tk = flat.numel()
-    max_padded = tk + min(num_experts, tk) * (block_m - 1)
-    max_padded = (max_padded + block_m - 1) // block_m * block_m
-    nb = max_padded // block_m
-    sorted_ids = torch.empty(max_padded, dtype=torch.int64, device=ids.device)
-    block_expert = torch.empty(nb, dtype=torch.int64, device=ids.device)
-    _moe_align_kernel[(num_experts + 1,)](flat, sorted_ids, block_expert, tk, nb, max_padded, num_experts,
+    sorted_ids, block_expert = _sorted_pairs(tk, num_experts, block_m, ids.device)
+    _moe_align_kernel[(num_experts + 1,)](flat, sorted_ids, block_expert, tk, block_expert.numel(), sorted_ids.numel(), num_experts,
                                           BLOCK_M=block_m, BLOCK_E=_np2(num_experts), BLOCK_T=_np2(tk), CHUNK=128,
                                           num_warps=4, **_PDL_LAUNCH)
     return sorted_ids, block_expert
+
+
+# Router logits per launch up to which `softmax_topk_experts` takes the top-k and sorts the pairs in
+# one launch (each program holds all of them). On the H200 with 64 experts, one launch saved 4% of a
+# step at 8 tokens and cost 0.4-3% at 16-64 (BENCHMARKS.md), where each program's top-k of all rows
+# outweighs the launch it saves.
+TOPK_ALIGN_MAX_LOGITS = 512
+
+
+def route_softmax_topk_align(router_logits: torch.Tensor, top_k: int, block_m: int) -> tuple[torch.Tensor, ...]:
+    """`route_softmax_topk` and `moe_align` of its pairs in one launch: (weights, ids, sorted ids, block experts)."""
+    T, E = router_logits.shape
+    logits = _rows(router_logits)
+    weights = torch.empty((T, top_k), dtype=torch.float32, device=logits.device)
+    ids = torch.empty((T, top_k), dtype=torch.int64, device=logits.device)
+    sorted_ids, block_expert = _sorted_pairs(T * top_k, E, block_m, logits.device)
+    _topk_align_kernel[(E + 1,)](
+        logits, weights, ids, sorted_ids, block_expert, logits.stride(0), T, block_expert.numel(), sorted_ids.numel(), E,
+        TOPK=top_k, BLOCK_T=_np2(T), BLOCK_E=_np2(E), BLOCK_K=_np2(top_k), BLOCK_M=block_m, CHUNK=128, num_warps=4, **_PDL_LAUNCH,
+    )
+    return weights, ids, sorted_ids, block_expert
 
 
 # Up to this many routed (token, expert) pairs, each pair is its own GEMV (decode at small batch:
@@ -1183,30 +1251,45 @@ def _moe_combine_kernel(O2, S, Out, stride_o, stride_s, stride_out, HDIM, TOPK: 
 
 
 def moe_experts(x, w_in, w_out, weights, ids, act, gated, shared=None):
+    return _moe(x, w_in, w_out, act, gated, shared, ids.shape[1], lambda: (weights, ids))
+
+
+def softmax_topk_experts(x, router_logits, top_k, w_in, w_out, act, gated, shared=None):
+    """As the reference; a batch of grouped-GEMM size takes the top-k and sorts the routed pairs in
+    one launch (`route_softmax_topk_align`)."""
+    return _moe(x, w_in, w_out, act, gated, shared, top_k, lambda: route_softmax_topk(router_logits, top_k), router_logits)
+
+
+def _moe(x, w_in, w_out, act, gated, shared, top_k, route: Callable, router_logits=None):
+    """`moe_experts` for the routing `route()` = (weights, ids); with `router_logits` (softmax top-k
+    routing) the grouped path may route and sort in one launch instead."""
     code = _act_code(act)
     if code is None:
-        return moe_ref.moe_experts(x, w_in, w_out, weights, ids, act, gated, shared)
+        return moe_ref.moe_experts(x, w_in, w_out, *route(), act, gated, shared)
     T, Hdim = x.shape
     E, I = w_out.shape[0], w_out.shape[2]
-    top_k = ids.shape[1]
     tk = T * top_k
     out = torch.empty((T, Hdim), dtype=x.dtype, device=x.device)
     if T == 0:
         return out
     x = _rows(x)
     assert w_in.stride(-1) == 1 and w_out.stride(-1) == 1
-    ids = ids.contiguous()
-    weights = weights.contiguous()
     h1 = torch.empty((tk, I), dtype=x.dtype, device=x.device)
     if tk <= MOE_GEMV_MAX_PAIRS and Hdim <= 8192 and I <= 8192:
-        return _moe_gemv(x, w_in, w_out, weights, ids, code, gated, shared, h1, out)
+        weights, ids = route()
+        return _moe_gemv(x, w_in, w_out, weights.contiguous(), ids.contiguous(), code, gated, shared, h1, out)
     small = tk <= MOE_GROUPED_SMALL_PAIRS
     bm, bn, bk, warps, stages = GEMV_CONFIG["moe_grouped_up"] if small else (64, 128, 64, 8, 3)
     dbn, dbk, dwarps, dstages = GEMV_CONFIG["moe_grouped_down"] if small else (128, 64, 8, 3)
-    if tk <= MOE_ALIGN_KERNEL_MAX_PAIRS and E <= 512:
-        sorted_ids, block_expert = moe_align_triton(ids, E, bm)
+    if router_logits is not None and _np2(T) * _np2(E) <= TOPK_ALIGN_MAX_LOGITS and E <= 512:
+        weights, ids, sorted_ids, block_expert = route_softmax_topk_align(router_logits, top_k, bm)
     else:
-        sorted_ids, block_expert = moe_align(ids, E, bm)
+        weights, ids = route()
+        weights, ids = weights.contiguous(), ids.contiguous()
+        if tk <= MOE_ALIGN_KERNEL_MAX_PAIRS and E <= 512:
+            sorted_ids, block_expert = moe_align_triton(ids, E, bm)
+        else:
+            sorted_ids, block_expert = moe_align(ids, E, bm)
     nblocks = block_expert.numel()
     prec = _precision(x)
     # Small batches run the shared expert as extra programs of the two grouped launches; large
