@@ -456,11 +456,17 @@ def test_moe_align_blocks_cover_every_pair_once(align, tokens, skewed):
     del g
 
 
-@pytest.mark.parametrize("tokens", [1, 7, 40, 128, 129])  # the GEMV; in one launch (the op up to 8, the kernel up to 128); apart
-def test_route_softmax_topk_align(tokens):
+# (tokens, experts, top-k, the op routes and sorts in one launch): the GEMV at 1 token; one launch up
+# to TOPK_ALIGN_MAX_LOGITS (7 of 64; 5 of 48, whose padding experts the masks must hide); the kernel
+# alone checked up to 128 tokens (40 and 128 of 64, 8 of 72); 129 apart
+@pytest.mark.parametrize("tokens,experts,k,fused", [
+    (1, 64, 6, False), (7, 64, 6, True), (5, 48, 8, True), (40, 64, 6, False), (128, 64, 6, False), (8, 72, 9, False), (129, 64, 6, False),
+])
+def test_route_softmax_topk_align(tokens, experts, k, fused, monkeypatch):
     """Routing and sorting in one launch against `route_softmax_topk` and `moe_align` (exactly: the
-    same ids, pairs in the same order), padding rows of NaN and -inf included."""
-    experts, k, bm = 64, 6, 16
+    same ids, pairs in the same order), padding rows of NaN and -inf included; the op, through the
+    path its batch takes, against the reference."""
+    bm = 16
     logits = _randn(tokens, experts, g=_gen(16))
     logits[0, [3, 9]] = logits[0].max() + 1  # a tie for the first place
     if tokens > 2:
@@ -473,7 +479,9 @@ def test_route_softmax_topk_align(tokens):
         torch.testing.assert_close(weights, w_ref, equal_nan=True)  # rows of NaN or -inf: NaN weights in both
         ref_sorted, ref_blocks = triton_ops.moe_align(ids_ref, experts, bm)
         assert torch.equal(sorted_ids, ref_sorted) and torch.equal(block_expert, ref_blocks)
-    # the op through either path, against the reference op
+    one_launch = []
+    align = triton_ops.route_softmax_topk_align
+    monkeypatch.setattr(triton_ops, "route_softmax_topk_align", lambda *a: one_launch.append(a) or align(*a))
     g = _gen(17)
     w_in, w_out = _randn(experts, 2 * 24, 40, g=g) * 0.2, _randn(experts, 40, 24, g=g) * 0.2
     shared = (_randn(2 * 32, 40, g=g) * 0.2, _randn(40, 32, g=g) * 0.2)
@@ -481,10 +489,7 @@ def test_route_softmax_topk_align(tokens):
     out = triton_ops.softmax_topk_experts(x, logits, k, w_in, w_out, F.silu, True, shared)
     ref = moe.softmax_topk_experts(x, logits, k, w_in, w_out, F.silu, True, shared)
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4, equal_nan=True)
-
-
-def _np2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
+    assert bool(one_launch) == fused
 
 
 # ---- whole models: greedy tokens of the fast path == the reference path -------------------------

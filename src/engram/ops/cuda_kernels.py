@@ -93,7 +93,6 @@ def available() -> dict:
         silu_and_mul=triton_ops.silu_and_mul,
         store_kv=triton_ops.store_kv,
         paged_attention=triton_ops.paged_attention,
-        route_softmax_topk=triton_ops.route_softmax_topk,
         moe_experts=triton_ops.moe_experts,
         softmax_topk_experts=triton_ops.softmax_topk_experts,
         argmax=triton_ops.argmax,

@@ -34,7 +34,6 @@ class KernelSet:
     silu_and_mul: Callable = activation.silu_and_mul
     store_kv: Callable = attention.store_kv
     paged_attention: Callable = attention.paged_attention
-    route_softmax_topk: Callable = moe.route_softmax_topk
     moe_experts: Callable = moe.moe_experts
     softmax_topk_experts: Callable = moe.softmax_topk_experts
     argmax: Callable = sample.argmax

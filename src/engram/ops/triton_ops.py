@@ -1217,6 +1217,7 @@ TOPK_ALIGN_MAX_LOGITS = 512
 def route_softmax_topk_align(router_logits: torch.Tensor, top_k: int, block_m: int) -> tuple[torch.Tensor, ...]:
     """`route_softmax_topk` and `moe_align` of its pairs in one launch: (weights, ids, sorted ids, block experts)."""
     T, E = router_logits.shape
+    assert 0 < top_k <= E, f"top-{top_k} of {E} experts"
     logits = _rows(router_logits)
     weights = torch.empty((T, top_k), dtype=torch.float32, device=logits.device)
     ids = torch.empty((T, top_k), dtype=torch.int64, device=logits.device)
