@@ -15,6 +15,7 @@ from engram.state.conversations import (
     SnapshotPolicy,
     SnapshotTrigger,
     TierConfig,
+    ref_name,
     retain_key,
 )
 from engram.state.health import Decision, HealthMonitor
@@ -216,6 +217,25 @@ def test_a_snapshot_that_does_not_belong_to_its_turn_is_refused(mamba_engine, tm
     with pytest.raises(SnapshotCorruptError):
         restarted.snapshot_manifest("b", conv.latest("main"))
     assert [(s["conversation_id"], s["turn"]) for s in restarted.snapshots()] == [("a", 1)]  # the damaged one left out
+
+
+def test_a_damaged_snapshot_is_quarantined_and_the_next_turn_resumes_from_an_earlier_one(engine, tmp_path):
+    manager = manager_for(engine, tmp_path)
+    take_turn(engine, manager, "d", random_prompt(6, 1), max_tokens=3)
+    take_turn(engine, manager, "d", random_prompt(5, 2), max_tokens=3)
+    path = tmp_path / "d" / "main" / "000002.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0xFF  # tensor bytes: the checksum no longer matches
+    path.write_bytes(bytes(data))
+    restarted = manager_for(engine, tmp_path)
+    conv = restarted.require("d")
+    history = conv.tokens(conv.latest("main"))
+    new = random_prompt(4, 3)
+    turn, out, _, plan = take_turn(engine, restarted, "d", new, max_tokens=3)
+    assert turn.turn == 3 and plan.state.state_len < len(history) - 1  # from turn 1's snapshot, turn 2 recomputed
+    assert out.token_ids == full_generation(engine, history + new, max_tokens=3)
+    held = restarted.quarantine.list("d")
+    assert [q["ref"] for q in held] == [ref_name("main", 2)] and "checksum" in held[0]["reason"]
 
 
 def test_a_snapshot_that_cannot_be_written_leaves_the_turn_recorded_without_it(engine, tmp_path, monkeypatch):

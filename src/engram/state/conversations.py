@@ -367,6 +367,10 @@ class ConversationManager:
                 return self.load_into_warm(conv.conversation_id, turn), "cold"
             except SnapshotNotFoundError:
                 continue
+            except SnapshotCorruptError as e:  # a damaged file costs a recomputation, not the conversation
+                log.warning("conversation %s: %s; resuming from an earlier state", conv.conversation_id, e)
+                self.quarantine.add(conv.conversation_id, turn.ref, f"unreadable snapshot: {e}")
+                continue
         return None, None
 
     def finish(
