@@ -29,12 +29,17 @@ def bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
-@pytest.mark.parametrize("route", ["/health", "/v1/models", "/get_model_info", "/metrics", "/flush_cache", "/docs"])
+@pytest.mark.parametrize("route", ["/v1/models", "/get_model_info", "/flush_cache", "/docs", "/Health", "/metrics/"])
 @pytest.mark.parametrize("headers", [{}, bearer("wrong"), {"Authorization": USER}], ids=["missing", "wrong", "no-scheme"])
-def test_every_route_needs_a_key(server, route, headers):
+def test_every_route_but_the_probes_needs_a_key(server, route, headers):
     r = httpx.get(server.url + route, headers=headers)
     assert r.status_code == 401
     assert r.json()["error"]["code"] == "invalid_api_key"
+
+
+@pytest.mark.parametrize("route", ["/health", "/health_generate", "/metrics"])
+def test_probes_need_no_key(server, route):
+    assert httpx.get(server.url + route).status_code == 200
 
 
 def test_auth_comes_before_body_parsing(server):

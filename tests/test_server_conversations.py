@@ -196,6 +196,8 @@ def test_busy_conversation_gets_409(checkpoint_dir, tmp_path):
 
 
 def test_snapshot_of_another_model_or_damaged_file_is_refused(checkpoint_dir, tmp_path):
+    """Restoring a damaged or foreign snapshot is refused; a conversation turn over a damaged one
+    recomputes the history instead, and the file is quarantined."""
     with serving(checkpoint_dir("nemotron"), tmp_path) as (srv, http):
         chat(http, "x", "hello")
     snapshot = tmp_path / "x" / "main" / "000001.safetensors"
@@ -203,8 +205,11 @@ def test_snapshot_of_another_model_or_damaged_file_is_refused(checkpoint_dir, tm
     data[-5] ^= 0xFF
     snapshot.write_bytes(bytes(data))
     with serving(checkpoint_dir("nemotron"), tmp_path) as (srv, http):
-        r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "conversation_id": "x"})
+        r = http.post("/restore_snapshot", json={"conversation_id": "x", "turn_number": 1})
         assert r.status_code == 409 and "checksum mismatch" in r.json()["error"]["message"]
+        assert chat(http, "x", "x")["turn"] == 2
+        held = srv.app.state.serving.conversations.manager.quarantine.list("x")
+        assert [q["ref"] for q in held] == ["main/000001"] and "checksum mismatch" in held[0]["reason"]
     snapshot.write_bytes(bytes(data[:-5]) + bytes([data[-5] ^ 0xFF]) + bytes(data[-4:]))  # repaired
     with serving(checkpoint_dir("mamba2"), tmp_path) as (srv, http):  # another model, same folder
         r = http.post("/restore_snapshot", json={"conversation_id": "x", "turn_number": 1})
@@ -240,3 +245,25 @@ def test_a_request_cancelled_while_its_turn_is_planned_leaves_the_conversation_f
 
     asyncio.run(leave_early())
     assert plan_turn("c").turn == 1  # not refused as busy
+
+
+@pytest.mark.parametrize("reply_ids", [b"e", b">", b"|", b"x", b"\xc3"], ids=["e", "gt", "bar", "x", "half-utf8"])
+def test_a_reply_cut_short_is_closed_as_the_template_closes_it(reply_ids):
+    """A reply cut by max_tokens lacks the template's end-of-turn text: the next turn feeds it, so
+    the prompt equals the whole conversation's rendering, also when the reply's text is a piece of
+    the template's markup or empty (half a UTF-8 character)."""
+    from types import SimpleNamespace
+
+    from engram.models.byte_tokenizer import build_byte_tokenizer
+    from engram.server.conversations import ConversationTurns
+
+    tokenizer = build_byte_tokenizer()
+    user = {"role": "user", "content": "say one letter"}
+    head = tokenizer.apply_chat_template([user], add_generation_prompt=True, tokenize=False)
+    history_tokens = tokenizer.encode(head, add_special_tokens=False) + list(reply_ids)  # ids 0-255 are the bytes
+    reply = {"role": "assistant", "content": tokenizer.decode(list(reply_ids)).replace("\ufffd", "")}
+    plan = SimpleNamespace(history_messages=[user, reply], history_tokens=history_tokens)
+    new = [{"role": "user", "content": "next"}]
+    prompt = ConversationTurns(manager=None, tokenizer=tokenizer).prompt(plan, new)
+    rest = tokenizer.apply_chat_template([user, reply, *new], add_generation_prompt=True, tokenize=False)[len(head) + len(reply["content"]):]
+    assert prompt == history_tokens + tokenizer.encode(rest, add_special_tokens=False)

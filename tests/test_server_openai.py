@@ -192,6 +192,23 @@ def test_tokenize_and_detokenize(client, server, tokenizer):
         assert bad.status_code == status and says in bad.json()["error"]["message"], bad.text
 
 
+def test_chat_template_options_and_no_op_values_of_unsupported_fields(client, tokenizer):
+    """add_generation_prompt / continue_final_message reach the template (the prompt's token count
+    shows it); vLLM's fields asked for nothing (min_tokens 0, best_of = n, echo false) are accepted."""
+    kw = dict(model=MODEL, max_tokens=1)
+    full = client.chat.completions.create(messages=MESSAGES, **kw).usage.prompt_tokens
+    bare = client.chat.completions.create(messages=MESSAGES, extra_body={"add_generation_prompt": False}, **kw).usage.prompt_tokens
+    assert full == chat_prompt_len(tokenizer, MESSAGES) and bare < full
+    partial = MESSAGES + [{"role": "assistant", "content": "Sure"}]
+    continued = client.chat.completions.create(
+        messages=partial, extra_body={"add_generation_prompt": False, "continue_final_message": True}, **kw
+    ).usage.prompt_tokens
+    closed = client.chat.completions.create(messages=partial, extra_body={"add_generation_prompt": False}, **kw).usage.prompt_tokens
+    assert continued < closed  # the assistant's turn left open: no end-of-message tokens after "Sure"
+    no_ops = {"min_tokens": 0, "best_of": 1, "use_beam_search": False, "include_stop_str_in_output": False}
+    assert client.completions.create(model=MODEL, prompt="a", max_tokens=1, echo=False, extra_body=no_ops).usage.completion_tokens == 1
+
+
 def test_client_errors(client):
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.chat.completions.create(model="no-such-model", messages=MESSAGES)
@@ -239,6 +256,19 @@ def test_client_errors(client):
         ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}],
                                   "functions": [{"name": "f"}], "function_call": "auto"}, "tool calling is not supported"),
         ("/v1/completions", {"model": MODEL, "prompt": "a", "guided_regex": "[ab]+"}, "guided_regex: constrained decoding"),
+        ("/v1/completions", {"model": MODEL, "prompt": "a", "regex": "[0-9]+"}, "regex: constrained decoding"),
+        ("/v1/completions", {"model": MODEL, "prompt": "a", "min_tokens": 4, "use_beam_search": True},
+         "min_tokens, use_beam_search: not supported"),
+        ("/v1/completions", {"model": MODEL, "prompt": "a", "echo": True}, "echo: not supported"),
+        ("/v1/completions", {"model": MODEL, "prompt": "a", "best_of": 3}, "best_of: not supported"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}], "prompt_logprobs": 1},
+         "prompt_logprobs: not supported"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}], "continue_final_message": True},
+         "continue_final_message needs add_generation_prompt=false"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}], "conversation_id": "c",
+                                  "add_generation_prompt": False}, "a conversation turn renders its own template"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}],
+                                  "chat_template_kwargs": {"tokenize": True}}, "cannot apply the chat template"),
         ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}],
                                   "response_format": {"type": "json_object"}}, "response_format 'json_object' is not supported"),
         ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}], "conversation_id": "c", "n": 2},

@@ -1,6 +1,7 @@
 """Bearer-key auth as ASGI middleware, so it runs before routing and body parsing on every route.
 
-`--api-key` guards every route (the admin key is accepted too). `--admin-api-key` guards the admin
+`--api-key` guards every route but the probes (the admin key is accepted too), which stay open as
+in SGLang so that load balancers and Prometheus need no key. `--admin-api-key` guards the admin
 routes; without it they take the API key.
 """
 
@@ -13,6 +14,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engram.server.errors import APIError, error_response
 
+PROBE_PATHS = frozenset({"/health", "/health_generate", "/metrics"})
+
 
 @dataclass(frozen=True)
 class AuthConfig:
@@ -21,6 +24,9 @@ class AuthConfig:
     admin_paths: frozenset[str]
 
     def allowed_keys(self, path: str) -> list[str]:
+        """The keys that open `path`; none: it is open."""
+        if path in PROBE_PATHS:
+            return []
         if path in self.admin_paths and self.admin_api_key:
             return [self.admin_api_key]
         return [k for k in (self.api_key, self.admin_api_key if self.api_key else None) if k]

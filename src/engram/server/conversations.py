@@ -71,6 +71,11 @@ def build_manager(engine: LLMEngine, args: ServerArgs) -> ConversationManager:
     )
 
 
+# Stands in for a reply's text when rendering where the template closes it (no spaces or markup
+# for a template to trim or escape).
+REPLY_MARKER = "engramReplyMarker7f3a"
+
+
 def has_tool_call(text: str) -> bool:
     return any(marker in text for marker in TOOL_CALL_MARKERS)
 
@@ -128,7 +133,7 @@ class ConversationTurns:
         after = render(plan.history_messages + new_messages, True)
         if not after.startswith(before):
             raise APIError(422, "the chat template does not render this conversation incrementally; send the whole conversation without conversation_id")
-        delta = self._unclosed_reply(plan, before) + after[len(before) :]
+        delta = self._unclosed_reply(plan) + after[len(before) :]
         return plan.history_tokens + encode(self.tokenizer, delta, add_special_tokens=False)
 
     def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
@@ -137,11 +142,15 @@ class ConversationTurns:
         except (ValueError, jinja2.TemplateError) as e:
             raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
 
-    def _unclosed_reply(self, plan: TurnPlan, rendered_history: str) -> str:
+    def _unclosed_reply(self, plan: TurnPlan) -> str:
         """The template's end-of-turn text after the last reply, when the model did not generate it
-        (a reply cut by max_tokens or a stop string): it has to be fed before the new messages."""
-        reply = plan.history_messages[-1].get("content") or ""
-        closing = rendered_history[rendered_history.rfind(reply) + len(reply) :] if reply else ""
+        (a reply cut by max_tokens or a stop string): it has to be fed before the new messages.
+        Found after a marker rendered in the reply's place, whatever the reply's text (empty, or
+        a piece of the template's own markup)."""
+        *earlier, reply = plan.history_messages
+        rendering = self._render(earlier + [{**reply, "content": REPLY_MARKER}], False)
+        at = rendering.rfind(REPLY_MARKER)
+        closing = rendering[at + len(REPLY_MARKER) :] if at >= 0 else ""
         generated = self.tokenizer.decode(plan.history_tokens[-16:], skip_special_tokens=False)
         return closing if closing and not generated.endswith(closing) else ""
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, model_serializer, model_validator
 
@@ -25,7 +25,8 @@ def _only_one(n: int) -> int:
 
 SingleChoice = Annotated[int, AfterValidator(_only_one)]
 MAX_CHOICES = 64  # OpenAI's `n`: each choice is its own engine request
-GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+# vLLM's and SGLang's constrained decoding: named so that a request relying on it is refused, not ignored.
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs", "regex", "ebnf", "json_schema")
 # logit_bias maps token ids to biases; JSON object keys are strings ("50256"), so they are parsed.
 LogitBias = dict[Annotated[int, Strict(False)], float]
 
@@ -60,18 +61,37 @@ class _OpenAIRequest(_Request):
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
-    # vLLM's constrained decoding, named so that a request relying on it is refused, not ignored
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
+    regex: Any = None
+    ebnf: Any = None
+    json_schema: Any = None
+    # vLLM's features this server lacks, refused unless they ask for nothing (field: its no-op value)
+    min_tokens: Any = None
+    include_stop_str_in_output: Any = None
+    prompt_logprobs: Any = None
+    use_beam_search: Any = None
+    best_of: Any = None
+    _UNSUPPORTED: ClassVar[dict[str, Any]] = {"min_tokens": 0, "include_stop_str_in_output": False, "prompt_logprobs": None,
+                                              "use_beam_search": False}
 
     @model_validator(mode="after")
     def _no_guided_decoding(self) -> _OpenAIRequest:
         used = [name for name in GUIDED_FIELDS if getattr(self, name) is not None]
         if used:
             raise ValueError(f"{', '.join(used)}: constrained decoding is not supported")
+        return self
+
+    @model_validator(mode="after")
+    def _no_unsupported_features(self) -> _OpenAIRequest:
+        used = [name for name, no_op in self._UNSUPPORTED.items() if getattr(self, name) not in (None, no_op)]
+        if self.best_of not in (None, self.n):
+            used.append("best_of")
+        if used:
+            raise ValueError(f"{', '.join(used)}: not supported by this server")
         return self
 
     @property
@@ -120,6 +140,10 @@ class ChatCompletionRequest(_OpenAIRequest):
     functions: list[dict[str, Any]] | None = None  # the deprecated form of tools
     function_call: str | dict[str, Any] | None = None
     response_format: ResponseFormat | None = None
+    # vLLM's chat template options
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     # Engram's extensions: continue a server-side conversation (send only the new messages).
     conversation_id: str | None = None
     branch: str | None = None
@@ -131,7 +155,19 @@ class ChatCompletionRequest(_OpenAIRequest):
             raise ValueError("branch and from_turn need a conversation_id")
         if self.conversation_id is not None and self.n != 1:
             raise ValueError("a conversation turn has one answer: n must be 1 with a conversation_id")
+        if self.conversation_id is not None and self.template_options() != {"add_generation_prompt": True}:
+            raise ValueError("a conversation turn renders its own template: add_generation_prompt, continue_final_message "
+                             "and chat_template_kwargs are for requests without a conversation_id")
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ValueError("continue_final_message needs add_generation_prompt=false")
         return self
+
+    def template_options(self) -> dict[str, Any]:
+        """Keyword arguments of the chat template beyond the messages."""
+        options = {**(self.chat_template_kwargs or {}), "add_generation_prompt": self.add_generation_prompt}
+        if self.continue_final_message:
+            options["continue_final_message"] = True
+        return options
 
     @model_validator(mode="after")
     def _no_tool_calls_or_constrained_output(self) -> ChatCompletionRequest:
@@ -162,6 +198,9 @@ class CompletionRequest(_OpenAIRequest):
     prompt: str | list[int]
     max_tokens: int | None = 16
     logprobs: int | None = None
+    echo: Any = None
+    suffix: Any = None
+    _UNSUPPORTED: ClassVar[dict[str, Any]] = {**_OpenAIRequest._UNSUPPORTED, "echo": False, "suffix": None}
 
     def sampling_fields(self) -> dict[str, Any]:
         return {**self._common_fields(), "max_tokens": self.max_tokens, "logprobs": self.logprobs}
