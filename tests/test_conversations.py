@@ -238,6 +238,12 @@ def test_a_damaged_snapshot_is_quarantined_and_the_next_turn_resumes_from_an_ear
     assert [q["ref"] for q in held] == [ref_name("main", 2)] and "checksum" in held[0]["reason"]
 
 
+def test_an_unreadable_quarantine_list_stops_the_start(engine, tmp_path):
+    (tmp_path / "quarantine.json").write_text("{garbage")
+    with pytest.raises(ValueError, match="quarantine.json: unreadable quarantine list"):
+        manager_for(engine, tmp_path)
+
+
 def test_a_snapshot_that_cannot_be_written_leaves_the_turn_recorded_without_it(engine, tmp_path, monkeypatch):
     manager = manager_for(engine, tmp_path)
     take_turn(engine, manager, "f", random_prompt(6, 1), max_tokens=3)

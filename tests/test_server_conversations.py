@@ -219,6 +219,14 @@ def test_snapshot_of_another_model_or_damaged_file_is_refused(checkpoint_dir, tm
         assert r.status_code == 200 and r.json()["success"]
 
 
+def test_restoring_a_quarantined_snapshot_is_refused_under_refuse_restore(checkpoint_dir, tmp_path):
+    with serving(checkpoint_dir("nemotron"), tmp_path, snapshot_health_failure_policy="refuse_restore") as (srv, http):
+        chat(http, "q", "hello")
+        srv.app.state.serving.conversations.manager.quarantine.add("q", "main/000001", "layers.0.ssm RMS 20")
+        r = http.post("/restore_snapshot", json={"conversation_id": "q", "turn_number": 1, "create_new_request": True})
+        assert r.status_code == 409 and r.json()["error"]["code"] == "snapshot_quarantined"
+
+
 def test_a_request_cancelled_while_its_turn_is_planned_leaves_the_conversation_free(checkpoint_dir):
     """The client leaves while `begin` still runs in its thread (a slow snapshot load): the
     conversation that thread reserves is released when it ends, not kept busy for good."""

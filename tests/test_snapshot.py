@@ -258,7 +258,7 @@ def test_save_refuses_an_incomplete_or_invalid_state(tmp_path):
 
 # -- ids ----------------------------------------------------------------------------------------
 
-BAD_IDS = ["../x", "", "a" * 129, "a/b", ".", "..", "a b", "é", "a\0b", "x\n", None, 7]
+BAD_IDS = ["../x", "", "a" * 129, "a/b", ".", "..", "a b", "é", "a\0b", "x\n", None, 7, "quarantine.json", "conversation.json"]
 
 
 @pytest.mark.parametrize("bad", BAD_IDS)

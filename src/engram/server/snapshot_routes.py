@@ -110,6 +110,9 @@ async def restore_snapshot(body: RestoreSnapshotRequest, raw_request: Request):
     s = get_serving(raw_request)
     _, turn = _turn_of(s, body)
     manager = s.conversations.manager
+    if not manager.health.restore_allowed(manager.quarantine, body.conversation_id, turn.ref):
+        raise APIError(409, f"the snapshot of turn {turn.ref} is quarantined and the health policy refuses to restore it",
+                       code="snapshot_quarantined")
     state = await asyncio.to_thread(manager.load_into_warm, body.conversation_id, turn)
     if not body.create_new_request:
         if body.rid is not None:

@@ -213,6 +213,7 @@ class ConversationManager:
         self.writer = SnapshotWriter() if tiers.durability == "async" and self.root is not None else None
         self.health = health or HealthMonitor(clock=clock)
         self.quarantine = Quarantine(self.root / "quarantine.json" if self.root is not None else None, clock=clock)
+        self.quarantine.list()  # read now: an unreadable list stops the start with its message, not every later request
         self._conversations: dict[str, Conversation] = {}
         self._busy: set[str] = set()
         self._unsaved_by_health: set[tuple[str, str]] = set()  # turns whose state the health policy kept off disk

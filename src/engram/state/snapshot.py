@@ -64,10 +64,12 @@ class InvalidIdError(SnapshotError, ValueError):
 
 
 def validate_id(value: str, what: str) -> str:
-    """Return `value` if it is a safe path component: `[A-Za-z0-9_.-]{1,128}`, not '.' or '..'."""
-    if not isinstance(value, str) or not _ID_RE.fullmatch(value) or value in (".", ".."):
+    """Return `value` if it is a safe path component: `[A-Za-z0-9_.-]{1,128}`, not '.' or '..', and
+    not ending in '.json' (the names of the snapshot folder's own records)."""
+    if not isinstance(value, str) or not _ID_RE.fullmatch(value) or value in (".", "..") or value.endswith(".json"):
         raise InvalidIdError(
-            f"invalid {what} {value!r:.80}: ids are 1-128 characters of A-Z a-z 0-9 _ . - and not '.' or '..'"
+            f"invalid {what} {value!r:.80}: ids are 1-128 characters of A-Z a-z 0-9 _ . -, not '.' or '..' "
+            "and not ending in '.json'"
         )
     return value
 
