@@ -124,6 +124,28 @@ def test_health_and_info(http, server):
     assert r.status_code == 200 and r.json()["success"]
 
 
+def test_version_and_server_info(http):
+    version = http.get("/version").json()["version"]
+    info = http.get("/get_server_info").json()
+    assert info["version"] == version and info["server_args"]["served_model_name"] == MODEL
+    assert info["server_args"]["api_key"] is None and "max_running_requests" in info["engine_args"]
+
+
+def test_abort_request_by_rid(http, server):
+    result = {}
+    body = {"text": "abc", "rid": "to-abort", "sampling_params": LONG}
+    worker = threading.Thread(target=lambda: result.update(http.post("/generate", json=body).json()))
+    worker.start()
+    deadline = time.monotonic() + 10
+    while engine_of(server).engine.stats().num_running == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert http.post("/abort_request", json={"rid": "to-abort"}).json() == {"success": True}
+    worker.join(timeout=30)
+    assert result["meta_info"]["finish_reason"]["type"] == "abort"
+    assert len(result["output_ids"]) < LONG["max_new_tokens"]
+    assert http.post("/abort_request", json={}).status_code == 400  # neither a rid nor abort_all
+
+
 def test_metrics(http):
     http.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
     text = http.get("/metrics").text

@@ -95,6 +95,10 @@ class AsyncEngine:
         """Abort a running request; its consumer receives a final output with reason ABORT."""
         await self._call(lambda: self._abort(request_id, None))
 
+    async def abort_all(self) -> None:
+        """Abort every running request."""
+        await self._call(lambda: [self._abort(request_id, None) for request_id in list(self._streams)])
+
     async def flush_cache(self) -> bool:
         return await self._call(self.engine.flush_cache)
 

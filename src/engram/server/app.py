@@ -38,6 +38,7 @@ def create_app(engine: AsyncEngine, args: ServerArgs) -> FastAPI:
     app = FastAPI(title="Engram", lifespan=lifespan)
     turns = ConversationTurns(manager, engine.engine.tokenizer)
     app.state.serving = Serving(engine, args.served_model_name or engine.engine.model_path.name, turns)
+    app.state.server_args = args
     install_error_handlers(app)
     admin_routers = (native_routes.admin_router, snapshot_routes.admin_router)
     for router in (openai_routes.router, native_routes.router, snapshot_routes.router, *admin_routers):

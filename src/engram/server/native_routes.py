@@ -1,8 +1,11 @@
-"""SGLang-native routes: `/generate`, health, model info, metrics, and the admin `/flush_cache`."""
+"""SGLang-native routes: `/generate`, `/abort_request`, health, model and server info, metrics, the
+admin `/flush_cache`; and vLLM's `/version`."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import importlib.metadata
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -13,7 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from engram.engine.request import FinishReason, RequestOutput, SamplingParams, TokenLogprob
 from engram.server.errors import APIError
-from engram.server.protocol import GenerateRequest, GenerateResponse, MetaInfo
+from engram.server.protocol import AbortRequest, GenerateRequest, GenerateResponse, MetaInfo
 from engram.server.serving import collect, get_serving
 from engram.server.streaming import cancel_on_disconnect, sse, sse_response
 
@@ -110,6 +113,38 @@ async def get_model_info(raw_request: Request) -> dict[str, Any]:
         "vocab_size": core.spec.vocab_size,
         "layers": core.spec.layout(),
     }
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("engram")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree
+        return "unknown"
+
+
+@router.get("/version")
+async def version() -> dict[str, str]:
+    return {"version": _version()}
+
+
+@router.get("/get_server_info")
+async def get_server_info(raw_request: Request) -> dict[str, Any]:
+    """The version and the arguments the server and engine run with (API keys redacted)."""
+    server_args = dataclasses.asdict(raw_request.app.state.server_args)
+    for key in ("api_key", "admin_api_key"):
+        server_args[key] = "<redacted>" if server_args[key] else None
+    return {"version": _version(), "server_args": server_args, "engine_args": dataclasses.asdict(get_serving(raw_request).engine.engine.args)}
+
+
+@router.post("/abort_request")
+async def abort_request(request: AbortRequest, raw_request: Request) -> dict[str, Any]:
+    """Abort a running request by its rid (or every one): its client gets what it has, finish reason abort."""
+    engine = get_serving(raw_request).engine
+    if request.abort_all:
+        await engine.abort_all()
+    else:
+        await engine.abort(request.rid)
+    return {"success": True}
 
 
 @router.get("/metrics")

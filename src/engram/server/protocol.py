@@ -391,6 +391,17 @@ class NativeSamplingParams(_Request):
     n: SingleChoice = 1
 
 
+class AbortRequest(_Request):
+    rid: str | None = Field(default=None, min_length=1, max_length=256)
+    abort_all: bool = False
+
+    @model_validator(mode="after")
+    def _one_target(self) -> AbortRequest:
+        if (self.rid is None) == (not self.abort_all):
+            raise ValueError("send a rid, or abort_all=true")
+        return self
+
+
 class GenerateRequest(_Request):
     text: str | None = None
     input_ids: list[int] | None = None
