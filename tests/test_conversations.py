@@ -164,6 +164,15 @@ def test_warm_cache_is_bounded(engine, tmp_path):
     assert plan.state is None
 
 
+def test_the_warm_limit_counts_conversations_not_their_turns(engine, tmp_path):
+    manager = manager_for(engine, None, warm_entries=2)
+    take_turn(engine, manager, "a", random_prompt(4, 1), max_tokens=2)
+    for seed in (2, 3):
+        take_turn(engine, manager, "b", random_prompt(4, seed), max_tokens=2)
+    assert len(manager.warm) == 3  # a's turn, b's two turns: two conversations
+    assert manager.begin("a").state is not None
+
+
 def test_delete_conversation_removes_files(engine, tmp_path):
     manager = manager_for(engine, tmp_path)
     take_turn(engine, manager, "c7", random_prompt(4, 1), max_tokens=2)

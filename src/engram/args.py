@@ -72,7 +72,7 @@ class ServerArgs:
     snapshot_retention_count: int = field(default=0, metadata={"help": "snapshots kept per conversation branch, oldest deleted first; 0 keeps all"})
     snapshot_trigger_policy: str = field(default="every_turn", metadata={"help": "when a turn is snapshotted", "choices": ["every_turn", "every_n_turns", "on_tool_call", "manual_only"]})
     snapshot_every_n_turns: int = field(default=1, metadata={"help": "with --snapshot-trigger-policy every_n_turns: snapshot turns n, 2n, ..."})
-    max_warm_conversations: int = field(default=256, metadata={"help": "conversation states kept in host memory"})
+    max_warm_conversations: int = field(default=256, metadata={"help": "conversations whose states are kept in host memory (a conversation may hold several turns' states; --max-warm-memory-gb bounds their bytes)"})
     max_warm_memory_gb: float = field(default=4.0, metadata={"help": "host memory for conversation states"})
     enable_memory_tiers: bool = field(default=True, metadata={"help": "keep finished conversations' states in engine slots (ACTIVE) and host memory (WARM); off: every continuation restores its snapshot file"})
     conversation_active_timeout: float = field(default=60.0, metadata={"help": "seconds idle before a conversation's engine slot is released (ACTIVE -> WARM)"})

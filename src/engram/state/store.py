@@ -62,10 +62,11 @@ class TierStats:
 class WarmCache:
     """Host-memory states of recent turns, least recently used first out.
 
-    Bounded by entry count and bytes; `on_evict` gets each state pushed out by pressure."""
+    Bounded by the conversations it holds states of (`--max-warm-conversations`; a conversation may
+    hold several turns' states) and by bytes; `on_evict` gets each state pushed out by pressure."""
 
-    def __init__(self, max_entries: int, max_bytes: int, clock: Clock = time.time):
-        self.max_entries = max_entries
+    def __init__(self, max_conversations: int, max_bytes: int, clock: Clock = time.time):
+        self.max_conversations = max_conversations
         self.max_bytes = max_bytes
         self.clock = clock
         self.nbytes = 0
@@ -89,16 +90,19 @@ class WarmCache:
         return entry[0] if entry is not None else None
 
     def put(self, conversation_id: str, ref: str, state: SequenceState) -> None:
-        if self.max_entries <= 0:
+        if self.max_conversations <= 0:
             return
         self.drop(conversation_id, ref)
         self._states[(conversation_id, ref)] = (state, self.clock())
         self.nbytes += state.nbytes
-        while self._states and (len(self._states) > self.max_entries or self.nbytes > self.max_bytes):
+        while self._states and (self._num_conversations() > self.max_conversations or self.nbytes > self.max_bytes):
             (cid, old_ref), (old_state, _) = next(iter(self._states.items()))
             self.drop(cid, old_ref)
             if (cid, old_ref) != (conversation_id, ref):  # a state larger than the whole budget is just not kept
                 self.on_evict(cid, old_ref, old_state)
+
+    def _num_conversations(self) -> int:
+        return len({conversation_id for conversation_id, _ in self._states})
 
     def drop(self, conversation_id: str, ref: str | None = None) -> None:
         for key in [k for k in self._states if k[0] == conversation_id and (ref is None or k[1] == ref)]:
