@@ -61,6 +61,7 @@ class _OpenAIRequest(_Request):
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
+    # constrained decoding (GUIDED_FIELDS)
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
