@@ -410,6 +410,8 @@ class ConversationManager:
                     wanted = False
                     self._unsaved_by_health.add((plan.conversation_id, turn.ref))
                 if state is not None and self.tiers.enabled:
+                    if state.nbytes > self.warm.max_bytes:  # it cannot stay in memory: written now, as any state leaving it
+                        wanted = wanted or self._written_on_leaving_memory(plan.conversation_id, turn.ref)
                     self.warm.put(plan.conversation_id, turn.ref, state)
                     self.active[(plan.conversation_id, turn.ref)] = now
             job = lambda: self._commit(conv, turn, state if wanted else None)  # noqa: E731
@@ -690,15 +692,19 @@ class ConversationManager:
         else:
             write()
 
+    def _written_on_leaving_memory(self, conversation_id: str, ref: str) -> bool:
+        """Whether a state leaving memory is written first: with persistence, unless the policy is
+        manual_only or the health policy kept it off disk."""
+        return (
+            self.persistent and self.policy.trigger != SnapshotTrigger.MANUAL_ONLY and (conversation_id, ref) not in self._unsaved_by_health
+        )
+
     def _demote_to_cold(self, conversation_id: str, ref: str, state: SequenceState) -> bool:
-        """Write the snapshot a state leaving the warm cache still lacks (unless the policy is
-        manual_only or the health policy kept it off disk). False if the write fails."""
+        """Write the snapshot a state leaving the warm cache still lacks (`_written_on_leaving_memory`).
+        False if the write fails."""
         conv = self._conversations.get(conversation_id)
         turn = conv.turns.get(ref) if conv is not None else None
-        if (
-            turn is None or turn.snapshot or not self.persistent or self.policy.trigger == SnapshotTrigger.MANUAL_ONLY
-            or (conversation_id, ref) in self._unsaved_by_health
-        ):
+        if turn is None or turn.snapshot or not self._written_on_leaving_memory(conversation_id, ref):
             return True
         try:
             self._write_snapshot(conv, turn, state)
