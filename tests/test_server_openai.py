@@ -97,6 +97,8 @@ def test_stop_string_and_seed(client):
     assert stop and full.index(stop) >= 1
     stopped = client.completions.create(**kw, stop=[stop]).choices[0]
     assert stopped.text == full[: full.index(stop)] and stopped.finish_reason == "stop"
+    assert stopped.model_extra["stop_reason"] == stop  # vLLM's field: which stop ended it
+    assert client.completions.create(**kw).choices[0].model_extra["stop_reason"] is None  # ended by length
     # Streamed, the start of a stop string that spans two tokens is held back until the rest shows.
     tokens = client.completions.create(**kw, logprobs=1).choices[0].logprobs.tokens
     at = [len("".join(tokens[: i + 1])) for i in range(len(tokens) - 1) if tokens[i] and tokens[i + 1]]

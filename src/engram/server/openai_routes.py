@@ -7,6 +7,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from typing import Any
 
 from fastapi import APIRouter, Request
 
@@ -91,7 +92,7 @@ async def chat_completions(request: ChatCompletionRequest, raw_request: Request)
             index=i,
             message=AssistantMessage(content=out.text),
             logprobs=_chat_logprobs(s, logprobs if params.logprobs is not None else None),
-            finish_reason=_finish_reason(out),
+            **_finish(out),
         )
         for i, (out, logprobs) in enumerate(results)
     ]
@@ -130,7 +131,7 @@ async def _chat_events(
             if out.new_text or out.logprobs or out.finished:
                 delta = DeltaMessage(content=out.new_text or None)
                 logprobs = _chat_logprobs(s, out.logprobs)
-                yield chunk([ChatChunkChoice(index=i, delta=delta, logprobs=logprobs, finish_reason=_finish_reason(out))])
+                yield chunk([ChatChunkChoice(index=i, delta=delta, logprobs=logprobs, **_finish(out))])
     if request.include_usage:
         yield chunk([], Usage.of(*last.values()))
 
@@ -152,7 +153,7 @@ async def completions(request: CompletionRequest, raw_request: Request):
             index=i,
             text=out.text,
             logprobs=_completion_logprobs(s, logprobs if params.logprobs is not None else None, 0),
-            finish_reason=_finish_reason(out),
+            **_finish(out),
         )
         for i, (out, logprobs) in enumerate(results)
     ]
@@ -174,13 +175,14 @@ async def _completion_events(
             if out.new_text or out.logprobs or out.finished:
                 offset = len(out.text) - len(out.new_text)
                 logprobs = _completion_logprobs(s, out.logprobs, offset)
-                yield chunk([CompletionChoice(index=i, text=out.new_text, logprobs=logprobs, finish_reason=_finish_reason(out))])
+                yield chunk([CompletionChoice(index=i, text=out.new_text, logprobs=logprobs, **_finish(out))])
     if request.include_usage:
         yield chunk([], Usage.of(*last.values()))
 
 
-def _finish_reason(out: RequestOutput) -> str | None:
-    return out.finish_reason.value if out.finish_reason is not None else None
+def _finish(out: RequestOutput) -> dict[str, Any]:
+    """A choice's finish_reason, and (as vLLM) the stop string or token id that ended it."""
+    return {"finish_reason": out.finish_reason.value if out.finish_reason is not None else None, "stop_reason": out.stop_reason}
 
 
 def _top_logprob(s: Serving, token_id: int, logprob: float) -> TopLogprob:

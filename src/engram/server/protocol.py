@@ -289,6 +289,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None
+    stop_reason: int | str | None = None  # the stop string or token id that ended it (vLLM leaves EOS out)
 
 
 class ChatChunkChoice(BaseModel):
@@ -296,6 +297,7 @@ class ChatChunkChoice(BaseModel):
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop string or token id that ended it (vLLM leaves EOS out)
 
 
 class CompletionChoice(BaseModel):
@@ -303,6 +305,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop string or token id that ended it (vLLM leaves EOS out)
 
 
 class _Response(BaseModel):
