@@ -275,3 +275,36 @@ def test_a_reply_cut_short_is_closed_as_the_template_closes_it(reply_ids):
     prompt = ConversationTurns(manager=None, tokenizer=tokenizer).prompt(plan, new)
     rest = tokenizer.apply_chat_template([user, reply, *new], add_generation_prompt=True, tokenize=False)[len(head) + len(reply["content"]):]
     assert prompt == history_tokens + tokenizer.encode(rest, add_special_tokens=False)
+
+
+# Templates that put text after the end token (ChatML-like, as Granite's "<|end_of_text|>\n") or
+# before it (Nemotron-like, trimming the content), on the byte tokenizer's special tokens.
+TEMPLATE_AFTER_END = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+TEMPLATE_BEFORE_END = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] | trim }}\n<|end|>\n{% endfor %}"
+                       "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@pytest.mark.parametrize("template, generated, fed", [
+    (TEMPLATE_AFTER_END, b"Hi", "<|end|>\n"),  # cut by max_tokens: the whole closing
+    (TEMPLATE_AFTER_END, b"Hi<|end|>", "\n"),  # stopped at EOS: only what follows it
+    (TEMPLATE_BEFORE_END, b"Hi\n", "<|end|>\n"),  # the newline the template adds, generated
+    (TEMPLATE_BEFORE_END, b"Hi<|end|>", "\n"),  # the model ended its turn without the newline
+], ids=["after-cut", "after-eos", "before-newline", "before-eos"])
+def test_the_closing_the_model_generated_is_not_fed_again(template, generated, fed):
+    from types import SimpleNamespace
+
+    from engram.models.byte_tokenizer import build_byte_tokenizer
+    from engram.server.conversations import ConversationTurns
+
+    tokenizer = build_byte_tokenizer()
+    tokenizer.chat_template = template
+    user = {"role": "user", "content": "hello"}
+    head = tokenizer.apply_chat_template([user], add_generation_prompt=True, tokenize=False)
+    history_tokens = tokenizer.encode(head + generated.decode(), add_special_tokens=False)
+    reply = {"role": "assistant", "content": generated.decode().replace("<|end|>", "")}
+    plan = SimpleNamespace(history_messages=[user, reply], history_tokens=history_tokens)
+    new = [{"role": "user", "content": "next"}]
+    prompt = ConversationTurns(manager=None, tokenizer=tokenizer).prompt(plan, new)
+    fresh = tokenizer.apply_chat_template([user, reply, *new], add_generation_prompt=True, tokenize=False)
+    rest = fresh[len(tokenizer.apply_chat_template([user, reply], tokenize=False)):]
+    assert prompt == history_tokens + tokenizer.encode(fed + rest, add_special_tokens=False)

@@ -143,16 +143,23 @@ class ConversationTurns:
             raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
 
     def _unclosed_reply(self, plan: TurnPlan) -> str:
-        """The template's end-of-turn text after the last reply, when the model did not generate it
-        (a reply cut by max_tokens or a stop string): it has to be fed before the new messages.
-        Found after a marker rendered in the reply's place, whatever the reply's text (empty, or
-        a piece of the template's own markup)."""
+        """What the template puts after the last reply that the model did not generate itself: it
+        has to be fed before the new messages. The template's closing text is found after a marker
+        rendered in the reply's place, whatever the reply's text (empty, or a piece of the
+        template's own markup). Of it, the part the history already ends with is left out (an
+        end-of-turn token the model generated, or a newline the template would trim), and after an
+        end token the model generated on its own, what precedes that token in the closing too."""
         *earlier, reply = plan.history_messages
         rendering = self._render(earlier + [{**reply, "content": REPLY_MARKER}], False)
         at = rendering.rfind(REPLY_MARKER)
         closing = rendering[at + len(REPLY_MARKER) :] if at >= 0 else ""
-        generated = self.tokenizer.decode(plan.history_tokens[-16:], skip_special_tokens=False)
-        return closing if closing and not generated.endswith(closing) else ""
+        ids = encode(self.tokenizer, closing, add_special_tokens=False)
+        history = plan.history_tokens
+        done = next((k for k in range(min(len(ids), len(history)), 0, -1) if history[-k:] == ids[:k]), 0)
+        if not done and history and history[-1] in self.tokenizer.all_special_ids and history[-1] in ids:
+            done = ids.index(history[-1]) + 1
+        fed = self.tokenizer.decode(ids[:done], skip_special_tokens=False)
+        return closing[len(fed) :] if closing.startswith(fed) else closing
 
     async def record(
         self, rid: str, plan: TurnPlan, new_messages: list[dict], outputs: AsyncIterator[RequestOutput]
