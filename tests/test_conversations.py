@@ -173,6 +173,18 @@ def test_the_warm_limit_counts_conversations_not_their_turns(engine, tmp_path):
     assert manager.begin("a").state is not None
 
 
+
+def test_the_warm_limit_evicts_the_least_recently_used_conversation_whole():
+    from types import SimpleNamespace
+
+    warm, evicted = WarmCache(2, 1 << 30), []
+    warm.on_evict = lambda cid, ref, state: evicted.append((cid, ref))
+    for cid, ref in (("a", "1"), ("b", "1"), ("a", "2"), ("b", "2"), ("c", "1")):
+        warm.put(cid, ref, SimpleNamespace(nbytes=1))
+    assert evicted == [("a", "1"), ("a", "2")]  # a's latest use is older than b's: a goes, b keeps both turns
+    assert len(warm) == 3 and warm.peek("b", "1") is not None
+
+
 def test_delete_conversation_removes_files(engine, tmp_path):
     manager = manager_for(engine, tmp_path)
     take_turn(engine, manager, "c7", random_prompt(4, 1), max_tokens=2)
@@ -245,6 +257,22 @@ def test_a_damaged_snapshot_is_quarantined_and_the_next_turn_resumes_from_an_ear
     assert out.token_ids == full_generation(engine, history + new, max_tokens=3)
     held = restarted.quarantine.list("d")
     assert [q["ref"] for q in held] == [ref_name("main", 2)] and "checksum" in held[0]["reason"]
+
+
+def test_a_snapshot_that_could_not_be_read_is_not_quarantined(engine, tmp_path, monkeypatch):
+    manager = manager_for(engine, tmp_path)
+    take_turn(engine, manager, "io", random_prompt(6, 1), max_tokens=3)
+    restarted = manager_for(engine, tmp_path)
+
+    def too_many_open_files(*args):
+        try:
+            raise OSError(24, "Too many open files")
+        except OSError as e:
+            raise SnapshotCorruptError("000001.safetensors: unreadable: [Errno 24]") from e
+
+    monkeypatch.setattr(restarted, "_load_turn", too_many_open_files)
+    assert restarted.begin("io").state is None  # recomputed this time
+    assert restarted.quarantine.list("io") == []  # and the file is still trusted
 
 
 def test_an_unreadable_quarantine_list_stops_the_start(engine, tmp_path):

@@ -52,6 +52,7 @@ def test_user_key(server):
     r = httpx.post(server.url + "/generate", headers=bearer(USER), json={"text": "hi", "sampling_params": {"max_new_tokens": 2}})
     assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] >= 1
     assert httpx.post(server.url + "/flush_cache", headers=bearer(USER)).status_code == 401  # admin route
+    assert httpx.post(server.url + "/abort_request", headers=bearer(USER), json={"abort_all": True}).status_code == 401
 
 
 def test_admin_key(server):

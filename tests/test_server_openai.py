@@ -207,6 +207,8 @@ def test_chat_template_options_and_no_op_values_of_unsupported_fields(client, to
     ).usage.prompt_tokens
     closed = client.chat.completions.create(messages=partial, extra_body={"add_generation_prompt": False}, **kw).usage.prompt_tokens
     assert continued < closed  # the assistant's turn left open: no end-of-message tokens after "Sure"
+    forced_eos = client.chat.completions.create(messages=MESSAGES, logit_bias={str(tokenizer.eos_token_id): 100}, **kw).choices[0]
+    assert forced_eos.finish_reason == "stop" and forced_eos.model_extra["stop_reason"] is None  # EOS: None, as vLLM
     no_ops = {"min_tokens": 0, "best_of": 1, "use_beam_search": False, "include_stop_str_in_output": False}
     assert client.completions.create(model=MODEL, prompt="a", max_tokens=1, echo=False, extra_body=no_ops).usage.completion_tokens == 1
 
@@ -270,7 +272,8 @@ def test_client_errors(client):
         ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}], "conversation_id": "c",
                                   "add_generation_prompt": False}, "a conversation turn renders its own template"),
         ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}],
-                                  "chat_template_kwargs": {"tokenize": True}}, "cannot apply the chat template"),
+                                  "chat_template_kwargs": {"tokenize": True, "chat_template": "{{ 1/0 }}"}},
+         "chat_template_kwargs may not set chat_template, tokenize"),
         ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}],
                                   "response_format": {"type": "json_object"}}, "response_format 'json_object' is not supported"),
         ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}], "conversation_id": "c", "n": 2},

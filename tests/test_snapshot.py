@@ -288,6 +288,7 @@ def test_bad_parents_are_refused(parent):
 
 def test_good_ids_are_accepted(tmp_path):
     assert validate_id("a" * 128, "x") == "a" * 128
+    assert validate_id("legacy.json", "x") == "legacy.json"  # only the folder's own record names are taken
     assert snapshot_path(tmp_path, "Conv_1.x-y", "b.2", 999_999) == tmp_path / "Conv_1.x-y" / "b.2" / "999999.safetensors"
 
 

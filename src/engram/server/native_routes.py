@@ -1,5 +1,5 @@
-"""SGLang-native routes: `/generate`, `/abort_request`, health, model and server info, metrics, the
-admin `/flush_cache`; and vLLM's `/version`."""
+"""SGLang-native routes: `/generate`, health, model and server info, metrics, the admin
+`/abort_request` and `/flush_cache`; and vLLM's `/version`."""
 
 from __future__ import annotations
 
@@ -136,9 +136,10 @@ async def get_server_info(raw_request: Request) -> dict[str, Any]:
     return {"version": _version(), "server_args": server_args, "engine_args": dataclasses.asdict(get_serving(raw_request).engine.engine.args)}
 
 
-@router.post("/abort_request")
+@admin_router.post("/abort_request")
 async def abort_request(request: AbortRequest, raw_request: Request) -> dict[str, Any]:
-    """Abort a running request by its rid (or every one): its client gets what it has, finish reason abort."""
+    """Abort a running request by its rid (or every one): its client gets what it has, finish reason
+    abort. An admin route: it acts on other clients' requests."""
     engine = get_serving(raw_request).engine
     if request.abort_all:
         await engine.abort_all()

@@ -92,7 +92,7 @@ async def chat_completions(request: ChatCompletionRequest, raw_request: Request)
             index=i,
             message=AssistantMessage(content=out.text),
             logprobs=_chat_logprobs(s, logprobs if params.logprobs is not None else None),
-            **_finish(out),
+            **_finish(s, out),
         )
         for i, (out, logprobs) in enumerate(results)
     ]
@@ -131,7 +131,7 @@ async def _chat_events(
             if out.new_text or out.logprobs or out.finished:
                 delta = DeltaMessage(content=out.new_text or None)
                 logprobs = _chat_logprobs(s, out.logprobs)
-                yield chunk([ChatChunkChoice(index=i, delta=delta, logprobs=logprobs, **_finish(out))])
+                yield chunk([ChatChunkChoice(index=i, delta=delta, logprobs=logprobs, **_finish(s, out))])
     if request.include_usage:
         yield chunk([], Usage.of(*last.values()))
 
@@ -153,7 +153,7 @@ async def completions(request: CompletionRequest, raw_request: Request):
             index=i,
             text=out.text,
             logprobs=_completion_logprobs(s, logprobs if params.logprobs is not None else None, 0),
-            **_finish(out),
+            **_finish(s, out),
         )
         for i, (out, logprobs) in enumerate(results)
     ]
@@ -175,14 +175,15 @@ async def _completion_events(
             if out.new_text or out.logprobs or out.finished:
                 offset = len(out.text) - len(out.new_text)
                 logprobs = _completion_logprobs(s, out.logprobs, offset)
-                yield chunk([CompletionChoice(index=i, text=out.new_text, logprobs=logprobs, **_finish(out))])
+                yield chunk([CompletionChoice(index=i, text=out.new_text, logprobs=logprobs, **_finish(s, out))])
     if request.include_usage:
         yield chunk([], Usage.of(*last.values()))
 
 
-def _finish(out: RequestOutput) -> dict[str, Any]:
-    """A choice's finish_reason, and (as vLLM) the stop string or token id that ended it."""
-    return {"finish_reason": out.finish_reason.value if out.finish_reason is not None else None, "stop_reason": out.stop_reason}
+def _finish(s: Serving, out: RequestOutput) -> dict[str, Any]:
+    """A choice's finish_reason, and (as vLLM) the stop string or token id that ended it, None for EOS."""
+    stop = None if out.stop_reason in s.engine.engine.eos_token_ids else out.stop_reason
+    return {"finish_reason": out.finish_reason.value if out.finish_reason is not None else None, "stop_reason": stop}
 
 
 def _top_logprob(s: Serving, token_id: int, logprob: float) -> TopLogprob:

@@ -27,6 +27,10 @@ SingleChoice = Annotated[int, AfterValidator(_only_one)]
 MAX_CHOICES = 64  # OpenAI's `n`: each choice is its own engine request
 # vLLM's and SGLang's constrained decoding: named so that a request relying on it is refused, not ignored.
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs", "regex", "ebnf", "json_schema")
+# Arguments of `apply_chat_template` that a request's chat_template_kwargs may not set (its own
+# template, other messages or tools, tokenization, or the fields that have names of their own).
+TEMPLATE_RESERVED_KWARGS = frozenset({"chat_template", "conversation", "messages", "tools", "documents", "tokenize", "return_dict",
+                                      "return_tensors", "add_generation_prompt", "continue_final_message", "tokenizer_kwargs"})
 # logit_bias maps token ids to biases; JSON object keys are strings ("50256"), so they are parsed.
 LogitBias = dict[Annotated[int, Strict(False)], float]
 
@@ -161,6 +165,9 @@ class ChatCompletionRequest(_OpenAIRequest):
                              "and chat_template_kwargs are for requests without a conversation_id")
         if self.add_generation_prompt and self.continue_final_message:
             raise ValueError("continue_final_message needs add_generation_prompt=false")
+        reserved = sorted(set(self.chat_template_kwargs or {}) & TEMPLATE_RESERVED_KWARGS)
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}: the server renders its own template")
         return self
 
     def template_options(self) -> dict[str, Any]:
@@ -289,7 +296,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None
-    stop_reason: int | str | None = None  # the stop string or token id that ended it (vLLM leaves EOS out)
+    stop_reason: int | str | None = None  # the stop string or token id that ended it (None for EOS, as vLLM)
 
 
 class ChatChunkChoice(BaseModel):
@@ -297,7 +304,7 @@ class ChatChunkChoice(BaseModel):
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
-    stop_reason: int | str | None = None  # the stop string or token id that ended it (vLLM leaves EOS out)
+    stop_reason: int | str | None = None  # the stop string or token id that ended it (None for EOS, as vLLM)
 
 
 class CompletionChoice(BaseModel):
@@ -305,7 +312,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
-    stop_reason: int | str | None = None  # the stop string or token id that ended it (vLLM leaves EOS out)
+    stop_reason: int | str | None = None  # the stop string or token id that ended it (None for EOS, as vLLM)
 
 
 class _Response(BaseModel):

@@ -24,6 +24,8 @@ from engram.state.identity import ModelIdentity
 from engram.state.sequence_state import SequenceState, StateDtypes
 from engram.state.store import Clock, SnapshotWriter, TierStats, WarmCache
 from engram.state.snapshot import (
+    QUARANTINE_NAME,
+    RECORD_NAME,
     SnapshotCorruptError,
     SnapshotError,
     SnapshotMeta,
@@ -40,7 +42,6 @@ from engram.state.snapshot import (
     validate_id,
 )
 
-RECORD_NAME = "conversation.json"
 log = logging.getLogger(__name__)
 
 
@@ -212,7 +213,7 @@ class ConversationManager:
         self._next_expiry_scan = 0.0
         self.writer = SnapshotWriter() if tiers.durability == "async" and self.root is not None else None
         self.health = health or HealthMonitor(clock=clock)
-        self.quarantine = Quarantine(self.root / "quarantine.json" if self.root is not None else None, clock=clock)
+        self.quarantine = Quarantine(self.root / QUARANTINE_NAME if self.root is not None else None, clock=clock)
         self.quarantine.list()  # read now: an unreadable list stops the start with its message, not every later request
         self._conversations: dict[str, Conversation] = {}
         self._busy: set[str] = set()
@@ -370,9 +371,16 @@ class ConversationManager:
                 continue
             except SnapshotCorruptError as e:  # a damaged file costs a recomputation, not the conversation
                 log.warning("conversation %s: %s; resuming from an earlier state", conv.conversation_id, e)
-                self.quarantine.add(conv.conversation_id, turn.ref, f"unreadable snapshot: {e}")
+                if not isinstance(e.__cause__, OSError):  # damage, not a read that failed (it may work next time)
+                    self._quarantine_damaged(conv.conversation_id, turn.ref, str(e))
                 continue
         return None, None
+
+    def _quarantine_damaged(self, conversation_id: str, ref: str, reason: str) -> None:
+        try:
+            self.quarantine.add(conversation_id, ref, f"unreadable snapshot: {reason}")
+        except OSError as e:  # the turn goes on from an earlier state all the same
+            log.warning("conversation %s: the quarantine list could not be written: %s", conversation_id, e)
 
     def finish(
         self,

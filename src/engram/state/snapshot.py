@@ -63,13 +63,20 @@ class InvalidIdError(SnapshotError, ValueError):
     pass
 
 
+# The snapshot folder's own records (a conversation's, in its folder; the quarantine list, at the
+# top), whose names no conversation or branch may take.
+RECORD_NAME = "conversation.json"
+QUARANTINE_NAME = "quarantine.json"
+RESERVED_IDS = (RECORD_NAME, QUARANTINE_NAME)
+
+
 def validate_id(value: str, what: str) -> str:
     """Return `value` if it is a safe path component: `[A-Za-z0-9_.-]{1,128}`, not '.' or '..', and
-    not ending in '.json' (the names of the snapshot folder's own records)."""
-    if not isinstance(value, str) or not _ID_RE.fullmatch(value) or value in (".", "..") or value.endswith(".json"):
+    not a name of the folder's own records."""
+    if not isinstance(value, str) or not _ID_RE.fullmatch(value) or value in (".", "..", *RESERVED_IDS):
         raise InvalidIdError(
             f"invalid {what} {value!r:.80}: ids are 1-128 characters of A-Z a-z 0-9 _ . -, not '.' or '..' "
-            "and not ending in '.json'"
+            f"and not {' or '.join(RESERVED_IDS)}"
         )
     return value
 

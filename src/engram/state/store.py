@@ -95,14 +95,22 @@ class WarmCache:
         self.drop(conversation_id, ref)
         self._states[(conversation_id, ref)] = (state, self.clock())
         self.nbytes += state.nbytes
-        while self._states and (self._num_conversations() > self.max_conversations or self.nbytes > self.max_bytes):
-            (cid, old_ref), (old_state, _) = next(iter(self._states.items()))
-            self.drop(cid, old_ref)
-            if (cid, old_ref) != (conversation_id, ref):  # a state larger than the whole budget is just not kept
-                self.on_evict(cid, old_ref, old_state)
+        while self._states and (len(self._latest_use()) > self.max_conversations or self.nbytes > self.max_bytes):
+            latest = self._latest_use()
+            if len(latest) > self.max_conversations:  # every state of the least recently used conversation
+                out = min(latest, key=latest.get)
+                victims = [key for key in self._states if key[0] == out]
+            else:  # the least recently used state
+                victims = [next(iter(self._states))]
+            for cid, old_ref in victims:
+                old_state = self._states[(cid, old_ref)][0]
+                self.drop(cid, old_ref)
+                if (cid, old_ref) != (conversation_id, ref):  # a state larger than the whole budget is just not kept
+                    self.on_evict(cid, old_ref, old_state)
 
-    def _num_conversations(self) -> int:
-        return len({conversation_id for conversation_id, _ in self._states})
+    def _latest_use(self) -> dict[str, int]:
+        """Each conversation's most recently used state, as a place in the use order."""
+        return {conversation_id: place for place, (conversation_id, _) in enumerate(self._states)}
 
     def drop(self, conversation_id: str, ref: str | None = None) -> None:
         for key in [k for k in self._states if k[0] == conversation_id and (ref is None or k[1] == ref)]:
