@@ -84,14 +84,10 @@ class _OpenAIRequest(_Request):
                                               "use_beam_search": False}
 
     @model_validator(mode="after")
-    def _no_guided_decoding(self) -> _OpenAIRequest:
-        used = [name for name in GUIDED_FIELDS if getattr(self, name) is not None]
-        if used:
-            raise ValueError(f"{', '.join(used)}: constrained decoding is not supported")
-        return self
-
-    @model_validator(mode="after")
     def _no_unsupported_features(self) -> _OpenAIRequest:
+        guided = [name for name in GUIDED_FIELDS if getattr(self, name) is not None]
+        if guided:
+            raise ValueError(f"{', '.join(guided)}: constrained decoding is not supported")
         used = [name for name, no_op in self._UNSUPPORTED.items() if getattr(self, name) not in (None, no_op)]
         if self.best_of not in (None, self.n):
             used.append("best_of")

@@ -95,13 +95,15 @@ class WarmCache:
         self.drop(conversation_id, ref)
         self._states[(conversation_id, ref)] = (state, self.clock())
         self.nbytes += state.nbytes
-        while self._states and (len(self._latest_use()) > self.max_conversations or self.nbytes > self.max_bytes):
+        while self._states:
             latest = self._latest_use()
             if len(latest) > self.max_conversations:  # every state of the least recently used conversation
                 out = min(latest, key=latest.get)
                 victims = [key for key in self._states if key[0] == out]
-            else:  # the least recently used state
+            elif self.nbytes > self.max_bytes:  # the least recently used state
                 victims = [next(iter(self._states))]
+            else:
+                break
             for cid, old_ref in victims:
                 old_state = self._states[(cid, old_ref)][0]
                 self.drop(cid, old_ref)
