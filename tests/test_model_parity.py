@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from checkpoints import KINDS
+from checkpoints import KINDS, write_checkpoint
 from engine_utils import greedy, make_engine, random_prompt, record_logits, run_to_end
 
 
@@ -41,3 +41,32 @@ def test_loads_sharded_checkpoint(kind, checkpoint_dir, hf_model, tmp_path):
     with torch.no_grad():
         expected = ref.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
     assert run_to_end(engine)["r"].token_ids == expected[0, 20:].tolist()
+
+
+
+@pytest.mark.parametrize(
+    "kind, flags, proj_bias, attention_bias",
+    [
+        ("granite", dict(attention_bias=True, mamba_proj_bias=True), True, True),
+        # transformers builds Nemotron-H's attention without biases whatever attention_bias says, and
+        # gives its Mamba2 projections biases by use_bias (mamba_proj_bias is not read)
+        ("nemotron", dict(attention_bias=True), False, False),
+        ("nemotron", dict(use_bias=True), True, False),
+        ("nemotron", dict(mamba_proj_bias=True), False, False),
+    ],
+)
+def test_bias_flags_read_as_transformers(kind, flags, proj_bias, attention_bias, hf_model, tmp_path):
+    """A checkpoint that transformers saves with a bias flag set loads and gives its logits."""
+    path = str(write_checkpoint(kind, tmp_path, **flags))
+    ref = hf_model(path)
+    names = [name for name, _ in ref.named_parameters()]
+    assert any(n.endswith("in_proj.bias") for n in names) == proj_bias
+    assert any(n.endswith("q_proj.bias") for n in names) == attention_bias
+    engine = make_engine(path)
+    logits = record_logits(engine)
+    prompt = random_prompt(21, seed=3)
+    engine.add_request("r", prompt, greedy(1))
+    run_to_end(engine)
+    with torch.no_grad():
+        ref_logits = ref(torch.tensor([prompt])).logits[0, -1]
+    assert (logits[0][0] - ref_logits).abs().max().item() < 1e-4

@@ -183,7 +183,7 @@ def _rope(cfg: dict, head_dim: int, partial: float) -> tuple[int, float]:
     return int(head_dim * partial), float(theta)
 
 
-def _attention(cfg: dict, arch: str, scaling: float | None, rotary_dim: int, rope_theta: float, head_dim: int) -> AttentionSpec:
+def _attention(cfg: dict, arch: str, scaling: float | None, rotary_dim: int, rope_theta: float, head_dim: int, bias: bool) -> AttentionSpec:
     heads = _positive_int(cfg, "num_attention_heads", arch)
     return AttentionSpec(
         num_heads=heads,
@@ -192,7 +192,7 @@ def _attention(cfg: dict, arch: str, scaling: float | None, rotary_dim: int, rop
         scaling=head_dim**-0.5 if scaling is None else scaling,
         rotary_dim=rotary_dim,
         rope_theta=rope_theta,
-        bias=bool(cfg.get("attention_bias", False)),
+        bias=bias,
     )
 
 
@@ -251,7 +251,7 @@ def _parse_granite_or_bamba(cfg: dict, arch: str):
             uses_rope = cfg.get("position_embedding_type") == "rope"
             rotary_dim, theta = _rope(cfg, head_dim, 1.0) if uses_rope else (0, 10000.0)
             scaling = float(cfg.get("attention_multiplier", 1.0))
-        attention = _attention(cfg, arch, scaling, rotary_dim, theta, head_dim)
+        attention = _attention(cfg, arch, scaling, rotary_dim, theta, head_dim, bool(cfg.get("attention_bias", False)))
     return kinds, mamba, attention
 
 
@@ -270,7 +270,7 @@ def _parse_nemotron_h(cfg: dict, arch: str):
             conv_kernel=_positive_int(cfg, "conv_kernel", arch, ("mamba_d_conv",)),
             chunk_size=int(cfg.get("chunk_size", cfg.get("mamba_chunk_size", 128))),
             conv_bias=bool(cfg.get("use_conv_bias", cfg.get("mamba_conv_bias", True))),
-            proj_bias=bool(cfg.get("mamba_proj_bias", False)),
+            proj_bias=bool(cfg.get("use_bias", False)),  # as transformers: Nemotron-H's mamba_proj_bias is not read
             norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)),
             time_step_limit=_time_step_limit(cfg),
         )
@@ -278,7 +278,8 @@ def _parse_nemotron_h(cfg: dict, arch: str):
     if LayerKind.ATTENTION in kinds:
         heads = _positive_int(cfg, "num_attention_heads", arch)
         head_dim = cfg.get("head_dim") or _positive_int(cfg, "hidden_size", arch) // heads
-        attention = _attention(cfg, arch, None, 0, 10000.0, head_dim)
+        # transformers builds Nemotron-H's attention without biases, whatever attention_bias says
+        attention = _attention(cfg, arch, None, 0, 10000.0, head_dim, bias=False)
     return kinds, mamba, attention
 
 
