@@ -187,8 +187,16 @@ def test_tokenize_and_detokenize(client, server, tokenizer):
     chat = post("/tokenize", {"messages": MESSAGES}).json()
     assert chat["count"] == chat_prompt_len(tokenizer, MESSAGES)
     assert post("/tokenize", {"messages": MESSAGES, "add_generation_prompt": False}).json()["count"] < chat["count"]
+    # the template options of a chat request, with the same prompt as that request
+    partial = MESSAGES + [{"role": "assistant", "content": "Sure"}]
+    options = {"add_generation_prompt": False, "continue_final_message": True}
+    continued = client.chat.completions.create(model=MODEL, messages=partial, max_tokens=1, extra_body=options).usage.prompt_tokens
+    assert post("/tokenize", {"messages": partial, **options}).json()["count"] == continued
+    assert continued < post("/tokenize", {"messages": partial, "add_generation_prompt": False}).json()["count"]
     for route, body, status, says in (("/detokenize", {"tokens": [99999]}, 400, "outside the vocabulary"),
                                       ("/tokenize", {"prompt": "a", "messages": MESSAGES}, 400, "exactly one"),
+                                      ("/tokenize", {"messages": MESSAGES, "continue_final_message": True}, 400, "add_generation_prompt=false"),
+                                      ("/tokenize", {"messages": MESSAGES, "chat_template_kwargs": {"tools": []}}, 400, "may not set tools"),
                                       ("/tokenize", {"model": "other", "prompt": "a"}, 404, "does not exist")):
         bad = post(route, body)
         assert bad.status_code == status and says in bad.json()["error"]["message"], bad.text

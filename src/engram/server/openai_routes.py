@@ -56,7 +56,7 @@ async def tokenize(request: TokenizeRequest, raw_request: Request) -> TokenizeRe
     if request.model is not None:
         s.check_model(request.model)
     if request.messages is not None:
-        tokens = s.encode_chat([m.template_dict() for m in request.messages], add_generation_prompt=request.add_generation_prompt)
+        tokens = s.encode_chat([m.template_dict() for m in request.messages], **request.template_options())
     else:
         tokens = s.encode_prompt(request.prompt, request.add_special_tokens)
     return TokenizeResponse(count=len(tokens), max_model_len=s.engine.engine.max_context_length, tokens=tokens)

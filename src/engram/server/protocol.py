@@ -129,7 +129,31 @@ class ResponseFormat(_Request):
     json_schema: dict[str, Any] | None = None
 
 
-class ChatCompletionRequest(_OpenAIRequest):
+class _ChatTemplateOptions(_Request):
+    """vLLM's chat template options."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _template_options_agree(self) -> _ChatTemplateOptions:
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ValueError("continue_final_message needs add_generation_prompt=false")
+        reserved = sorted(set(self.chat_template_kwargs or {}) & TEMPLATE_RESERVED_KWARGS)
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}: the server renders its own template")
+        return self
+
+    def template_options(self) -> dict[str, Any]:
+        """Keyword arguments of the chat template beyond the messages."""
+        options = {**(self.chat_template_kwargs or {}), "add_generation_prompt": self.add_generation_prompt}
+        if self.continue_final_message:
+            options["continue_final_message"] = True
+        return options
+
+
+class ChatCompletionRequest(_OpenAIRequest, _ChatTemplateOptions):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -141,10 +165,6 @@ class ChatCompletionRequest(_OpenAIRequest):
     functions: list[dict[str, Any]] | None = None  # the deprecated form of tools
     function_call: str | dict[str, Any] | None = None
     response_format: ResponseFormat | None = None
-    # vLLM's chat template options
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
     # Engram's extensions: continue a server-side conversation (send only the new messages).
     conversation_id: str | None = None
     branch: str | None = None
@@ -159,19 +179,7 @@ class ChatCompletionRequest(_OpenAIRequest):
         if self.conversation_id is not None and self.template_options() != {"add_generation_prompt": True}:
             raise ValueError("a conversation turn renders its own template: add_generation_prompt, continue_final_message "
                              "and chat_template_kwargs are for requests without a conversation_id")
-        if self.add_generation_prompt and self.continue_final_message:
-            raise ValueError("continue_final_message needs add_generation_prompt=false")
-        reserved = sorted(set(self.chat_template_kwargs or {}) & TEMPLATE_RESERVED_KWARGS)
-        if reserved:
-            raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}: the server renders its own template")
         return self
-
-    def template_options(self) -> dict[str, Any]:
-        """Keyword arguments of the chat template beyond the messages."""
-        options = {**(self.chat_template_kwargs or {}), "add_generation_prompt": self.add_generation_prompt}
-        if self.continue_final_message:
-            options["continue_final_message"] = True
-        return options
 
     @model_validator(mode="after")
     def _no_tool_calls_or_constrained_output(self) -> ChatCompletionRequest:
@@ -210,14 +218,14 @@ class CompletionRequest(_OpenAIRequest):
         return {**self._common_fields(), "max_tokens": self.max_tokens, "logprobs": self.logprobs}
 
 
-class TokenizeRequest(_Request):
-    """vLLM's `/tokenize`: a prompt, or chat messages rendered by the chat template."""
+class TokenizeRequest(_ChatTemplateOptions):
+    """vLLM's `/tokenize`: a prompt, or chat messages rendered by the chat template (with the
+    template options of a chat request)."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True  # for a prompt
-    add_generation_prompt: bool = True  # for messages
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
