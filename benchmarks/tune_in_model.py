@@ -30,6 +30,8 @@ from engram.ops import dispatch, triton_ops  # noqa: E402
 
 GRIDS = {
     "linear": list(itertools.product((1, 2, 4), (1024, 2048, 4096), (1, 2))),
+    "linear_row": list(itertools.product((1, 2, 4), (1024, 2048, 4096), (1, 2))),
+    "linear_row_long_k": list(itertools.product((1, 2, 4), (512, 1024, 2048, 4096), (1, 2))),
     "moe_up": list(itertools.product((1, 2), (1024, 2048), (1, 2))),
     "moe_down": list(itertools.product((1, 2, 4), (512, 1024), (1, 2))),
     "moe_grouped_up": list(itertools.product((16, 32), (32, 64), (64, 128), (4,), (3, 4))),

@@ -1509,10 +1509,13 @@ LINEAR_DOT_MAX_ROWS = 64
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for the up projection and (BLOCK_N, BLOCK_K,
 # num_warps, num_stages) for the down projection (`--rows 64`).
 GEMV_CONFIG = {
-    "linear": (2, 1024, 1), "linear_dot": (32, 128, 4, 4), "linear_dot_narrow": (16, 256, 4, 4),
+    "linear": (2, 1024, 1), "linear_row": (4, 1024, 1), "linear_row_long_k": (2, 4096, 1), "linear_dot": (32, 128, 4, 4), "linear_dot_narrow": (16, 256, 4, 4),
     "moe_up": (2, 2048, 2), "moe_down": (2, 512, 1), "moe_grouped_up": (16, 32, 64, 4, 3), "moe_grouped_down": (64, 128, 4, 3),
 }
 MOE_GROUPED_SMALL_PAIRS = 2048
+# A single row (decode at batch 1) longer than this takes the GEMV's "linear_row_long_k" blocks
+# (Mamba2's out_proj), a shorter one "linear_row"; 2-4 rows take "linear".
+LINEAR_GEMV_LONG_K = 2048
 
 
 def _small_linear_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -1538,6 +1541,12 @@ def _row_rsqrt_args(row_rsqrt: tuple | None, dummy: torch.Tensor) -> tuple[tuple
     return args, dict(ROW_RSQRT=row_rsqrt is not None, BLOCK_PART=_np2(part.shape[-1]) if row_rsqrt is not None else 1)
 
 
+def _gemv_config(rows: int, k: int) -> tuple[int, int, int]:
+    if rows == 1:
+        return GEMV_CONFIG["linear_row_long_k" if k > LINEAR_GEMV_LONG_K else "linear_row"]
+    return GEMV_CONFIG["linear"]
+
+
 def _gemv(x, weight, bias, conv=None, row_rsqrt=None):
     K = x.shape[-1]
     x2 = _rows(x)
@@ -1545,7 +1554,7 @@ def _gemv(x, weight, bias, conv=None, row_rsqrt=None):
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     cw, cb, pool, slots, conv_start = conv if conv is not None else (weight, None, weight, weight, 0)
     rsqrt_args, rsqrt_flags = _row_rsqrt_args(row_rsqrt, weight)
-    bn, bk, warps = GEMV_CONFIG["linear"]
+    bn, bk, warps = _gemv_config(M, K)
     _gemv_kernel[(triton.cdiv(N, bn),)](
         x2, weight, bias if bias is not None else weight, y, M, N, x2.stride(0), weight.stride(0), y.stride(0),
         cw, cb if cb is not None else cw, pool, slots, conv_start, cw.shape[0], cw.stride(0), cw.stride(-1), pool.stride(0),
