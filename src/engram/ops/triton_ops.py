@@ -1502,14 +1502,15 @@ LINEAR_GEMV_MAX_ROWS = 4
 LINEAR_DOT_MAX_ROWS = 64
 
 # Block sizes of the small-batch kernels, measured on an H200 with benchmarks/tune_gemv.py and
-# benchmarks/tune_in_model.py (the MoE GEMVs, inside the decode step at batch 1):
+# benchmarks/tune_in_model.py (the MoE GEMVs and the single-row GEMVs, inside the decode step at batch 1):
 # (BLOCK_N, BLOCK_K, num_warps) of the GEMVs; (BLOCK_N, BLOCK_K, num_warps, num_stages) of the
 # linear layers' tensor-core kernel, for layers wide enough to give every SM a program at that
 # BLOCK_N and for narrower ones; up to MOE_GROUPED_SMALL_PAIRS routed pairs, the grouped MoE GEMM's
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for the up projection and (BLOCK_N, BLOCK_K,
 # num_warps, num_stages) for the down projection (`--rows 64`).
 GEMV_CONFIG = {
-    "linear": (2, 1024, 1), "linear_row": (4, 1024, 1), "linear_row_long_k": (2, 4096, 1), "linear_dot": (32, 128, 4, 4), "linear_dot_narrow": (16, 256, 4, 4),
+    "linear": (2, 1024, 1), "linear_row": (4, 1024, 1), "linear_row_long_k": (2, 4096, 1),
+    "linear_dot": (32, 128, 4, 4), "linear_dot_narrow": (16, 256, 4, 4),
     "moe_up": (2, 2048, 2), "moe_down": (2, 512, 1), "moe_grouped_up": (16, 32, 64, 4, 3), "moe_grouped_down": (64, 128, 4, 3),
 }
 MOE_GROUPED_SMALL_PAIRS = 2048
