@@ -28,9 +28,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_speed import build_models, engine_decode, find_config  # noqa: E402
 from engram.ops import dispatch, triton_ops  # noqa: E402
 
+GEMV_GRID = list(itertools.product((1, 2, 4), (1024, 2048, 4096), (1, 2)))
 GRIDS = {
-    "linear": list(itertools.product((1, 2, 4), (1024, 2048, 4096), (1, 2))),
-    "linear_row": list(itertools.product((1, 2, 4), (1024, 2048, 4096), (1, 2))),
+    "linear": GEMV_GRID,
+    "linear_row": GEMV_GRID,
     "linear_row_long_k": list(itertools.product((1, 2, 4), (512, 1024, 2048, 4096), (1, 2))),
     "moe_up": list(itertools.product((1, 2), (1024, 2048), (1, 2))),
     "moe_down": list(itertools.product((1, 2, 4), (512, 1024), (1, 2))),

@@ -43,7 +43,6 @@ def test_loads_sharded_checkpoint(kind, checkpoint_dir, hf_model, tmp_path):
     assert run_to_end(engine)["r"].token_ids == expected[0, 20:].tolist()
 
 
-
 @pytest.mark.parametrize(
     "kind, flags, proj_bias, attention_bias",
     [
