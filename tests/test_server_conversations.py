@@ -308,3 +308,23 @@ def test_the_closing_the_model_generated_is_not_fed_again(template, generated, f
     fresh = tokenizer.apply_chat_template([user, reply, *new], add_generation_prompt=True, tokenize=False)
     rest = fresh[len(tokenizer.apply_chat_template([user, reply], tokenize=False)):]
     assert prompt == history_tokens + tokenizer.encode(fed + rest, add_special_tokens=False)
+
+
+def test_a_storage_failure_is_a_503_that_names_no_path_and_the_turn_is_undone(checkpoint_dir, tmp_path, monkeypatch):
+    """A full disk (or a folder the server may not write) while a turn records: a 503 with the
+    system's reason and not the server's paths; the conversation is as before the turn."""
+    import engram.state.conversations as conversations
+
+    def full_disk(path, data):
+        raise OSError(28, "No space left on device", str(path))
+
+    with serving(checkpoint_dir("nemotron"), tmp_path) as (srv, http):
+        chat(http, "disk", "hello")
+        with monkeypatch.context() as m:
+            m.setattr(conversations, "atomic_write", full_disk)
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "more"}], "conversation_id": "disk", **GREEDY}
+            r = http.post("/v1/chat/completions", json=body)
+        error = r.json()["error"]
+        assert r.status_code == 503 and error["code"] == "storage_unavailable", r.text
+        assert "No space left on device" in error["message"] and str(tmp_path) not in error["message"]
+        assert chat(http, "disk", "more")["turn"] == 2

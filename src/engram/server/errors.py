@@ -60,7 +60,8 @@ _STATUS_OF = (
 
 
 def error_for(exc: Exception) -> APIError:
-    """The API error an exception stands for: its own status, 503 for a dead engine, else 500."""
+    """The API error an exception stands for: its own status, 503 for a dead engine or a storage
+    failure, else 500."""
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, EngineDeadError):
@@ -68,6 +69,9 @@ def error_for(exc: Exception) -> APIError:
     for kind, status, code in _STATUS_OF:
         if isinstance(exc, kind):
             return APIError(status, str(exc), code=code)
+    if isinstance(exc, OSError):  # the snapshot and record files: a full disk, a folder it may not write
+        reason = exc.strerror or type(exc).__name__  # not str(exc): it names the server's own paths
+        return APIError(503, f"the server could not read or write its conversation storage: {reason}", code="storage_unavailable")
     return APIError(500, f"internal error: {exc!r}")
 
 
