@@ -56,7 +56,7 @@ async def tokenize(request: TokenizeRequest, raw_request: Request) -> TokenizeRe
     if request.model is not None:
         s.check_model(request.model)
     if request.messages is not None:
-        tokens = s.encode_chat([m.template_dict() for m in request.messages], **request.template_options())
+        tokens = s.encode_chat([m.template_dict() for m in request.messages], request.template_options())
     else:
         tokens = s.encode_prompt(request.prompt, request.add_special_tokens)
     return TokenizeResponse(count=len(tokens), max_model_len=s.engine.engine.max_context_length, tokens=tokens)
@@ -80,7 +80,7 @@ async def chat_completions(request: ChatCompletionRequest, raw_request: Request)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     if request.conversation_id is None:
         where = ConversationFields()
-        streams = await s.generate_choices(rid, s.encode_chat(messages, **request.template_options()), params, request.n)
+        streams = await s.generate_choices(rid, s.encode_chat(messages, request.template_options()), params, request.n)
     else:  # one choice (the protocol refuses n > 1 there)
         where, outputs = await _conversation_turn(s, request, rid, messages, params)
         streams = [outputs]

@@ -61,13 +61,12 @@ class Serving:
             raise APIError(400, "the model has no tokenizer: send token ids instead of text")
         return self.tokenizer
 
-    def encode_chat(self, messages: list[dict[str, str]], **template_options: Any) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, str]], template_options: dict[str, Any]) -> list[int]:
         """The messages through the chat template; `template_options` (add_generation_prompt,
         continue_final_message, the template's own variables) go to the template."""
         tokenizer = self._require_tokenizer()
-        options = {"add_generation_prompt": True, **template_options}
         try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False, **options)
+            text = tokenizer.apply_chat_template(messages, tokenize=False, **template_options)
         except (ValueError, TypeError, jinja2.TemplateError) as e:
             raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
         return encode(tokenizer, text, add_special_tokens=False)
