@@ -129,7 +129,7 @@ def main() -> None:
         key, grid = ("linear", GRID) if gemv else (triton_ops.linear.linear_dot_config_key(n, x.device), LINEAR_DOT_GRID)
         t_cublas = time_graph(lambda i: F.linear(x, ws[i]), COPIES)
         print(f"{name} [{n} x {k}], {m} row(s): cuBLAS {t_cublas * 1e6:.2f} us ({nbytes / t_cublas / 1e12:.2f} TB/s)", flush=True)
-        r = sweep(key, lambda i: triton_ops.linear(x, ws[i]), COPIES, nbytes, grid)
+        r = sweep(key, lambda i: triton_ops.linear.linear(x, ws[i]), COPIES, nbytes, grid)
         r["cublas_us"] = t_cublas * 1e6
         results[name] = r
 

@@ -104,7 +104,7 @@ def test_linear(dtype, rows, bias):
     for n, k in shapes:
         x, w = _randn(rows, k, g=g, dtype=dtype), _randn(n, k, g=g, dtype=dtype) * 0.05
         for b in (_randn(n, g=g, dtype=dtype), _randn(2 * n, g=g, dtype=dtype)[::2]) if bias else (None,):  # the second strided
-            torch.testing.assert_close(triton_ops.linear(x, w, b), F.linear(x, w, b), **_tol(dtype))
+            torch.testing.assert_close(triton_ops.linear.linear(x, w, b), F.linear(x, w, b), **_tol(dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
