@@ -1,4 +1,4 @@
-"""Choose the block sizes of the small-batch kernels (`triton_ops.GEMV_CONFIG`) on this GPU.
+"""Choose the block sizes of the small-batch kernels (`triton_ops.blocks.GEMV_CONFIG`) on this GPU.
 
     python benchmarks/tune_gemv.py [--config granite-4.0-h-tiny] [--rows 1]
 
@@ -54,14 +54,14 @@ def time_graph(fn, copies: int, reps: int = 8) -> float:
 
 def sweep(key: str, fn, copies: int, nbytes: int, grid: list[tuple] = GRID) -> dict:
     rows = []
-    saved = triton_ops.GEMV_CONFIG[key]
+    saved = triton_ops.blocks.GEMV_CONFIG[key]
     for cfg in grid:
-        triton_ops.GEMV_CONFIG[key] = cfg
+        triton_ops.blocks.GEMV_CONFIG[key] = cfg
         try:
             rows.append((time_graph(fn, copies), cfg))
         except Exception as e:  # noqa: BLE001 - a config may not compile (registers, shared memory)
             print(f"  {key} {cfg}: {type(e).__name__}")
-    triton_ops.GEMV_CONFIG[key] = saved
+    triton_ops.blocks.GEMV_CONFIG[key] = saved
     rows.sort()
     best_t, best = rows[0]
     print(f"{key}: best {best} {best_t * 1e6:.2f} us ({nbytes / best_t / 1e12:.2f} TB/s); "
@@ -72,7 +72,7 @@ def sweep(key: str, fn, copies: int, nbytes: int, grid: list[tuple] = GRID) -> d
 
 def tune_moe(cfg: dict, m: int, rnd, results: dict) -> None:
     H = cfg["hidden_size"]
-    gemv = m <= triton_ops.LINEAR_GEMV_MAX_ROWS
+    gemv = m <= triton_ops.linear.LINEAR_GEMV_MAX_ROWS
     E, I, top_k, Is = cfg["num_local_experts"], cfg["intermediate_size"], cfg["num_experts_per_tok"], cfg["shared_intermediate_size"]
     copies = 4
     w_in = [rnd(E, 2 * I, H) for _ in range(copies)]
@@ -86,20 +86,20 @@ def tune_moe(cfg: dict, m: int, rnd, results: dict) -> None:
     nbytes = distinct * 3 * I * H * 2 + 3 * Is * H * 2
 
     def moe(i):
-        return triton_ops.moe_experts(x, w_in[i], w_out[i], weights, ids, F.silu, True, (s_in[i], s_out[i]))
+        return triton_ops.moe.moe_experts(x, w_in[i], w_out[i], weights, ids, F.silu, True, (s_in[i], s_out[i]))
 
     tk = m * top_k
-    if not gemv and not triton_ops.MOE_GEMV_MAX_PAIRS < tk <= triton_ops.MOE_GROUPED_SMALL_PAIRS:
+    if not gemv and not triton_ops.moe.MOE_GEMV_MAX_PAIRS < tk <= triton_ops.moe.MOE_GROUPED_SMALL_PAIRS:
         raise SystemExit(f"{tk} routed pairs do not take the tuned grouped MoE GEMM "
-                         f"(it runs for {triton_ops.MOE_GEMV_MAX_PAIRS + 1}..{triton_ops.MOE_GROUPED_SMALL_PAIRS} pairs)")
+                         f"(it runs for {triton_ops.moe.MOE_GEMV_MAX_PAIRS + 1}..{triton_ops.moe.MOE_GROUPED_SMALL_PAIRS} pairs)")
     print(f"moe: {distinct} experts + shared, {nbytes / 1e6:.1f} MB per call", flush=True)
     if gemv:
         results["moe_up"] = sweep("moe_up", moe, copies, nbytes)
-        triton_ops.GEMV_CONFIG["moe_up"] = tuple(results["moe_up"]["best"])
+        triton_ops.blocks.GEMV_CONFIG["moe_up"] = tuple(results["moe_up"]["best"])
         results["moe_down"] = sweep("moe_down", moe, copies, nbytes)
     else:  # the grouped GEMM (and, inside the same timing, the alignment and the combine)
         results["moe_grouped_up"] = sweep("moe_grouped_up", moe, copies, nbytes, GROUPED_UP_GRID)
-        triton_ops.GEMV_CONFIG["moe_grouped_up"] = tuple(results["moe_grouped_up"]["best"])
+        triton_ops.blocks.GEMV_CONFIG["moe_grouped_up"] = tuple(results["moe_grouped_up"]["best"])
         results["moe_grouped_down"] = sweep("moe_grouped_down", moe, copies, nbytes, GROUPED_DOWN_GRID)
 
 
@@ -115,21 +115,21 @@ def main() -> None:
     dt, dev, m = torch.bfloat16, "cuda", args.rows
     H, mamba = spec.hidden_size, spec.mamba
     results = {"gpu": torch.cuda.get_device_name(), "rows": m, "config": args.config}
-    gemv = m <= triton_ops.LINEAR_GEMV_MAX_ROWS
+    gemv = m <= triton_ops.linear.LINEAR_GEMV_MAX_ROWS
 
     def rnd(*shape):
         return torch.randn(*shape, device=dev, dtype=dt) * 0.02
 
     linear_shapes = {"in_proj": (mamba.intermediate_size + mamba.conv_dim + mamba.num_heads, H), "out_proj": (H, mamba.intermediate_size)}
-    tune_linear = "linear" in args.kernels and m <= triton_ops.LINEAR_DOT_MAX_ROWS
+    tune_linear = "linear" in args.kernels and m <= triton_ops.linear.LINEAR_DOT_MAX_ROWS
     for name, (n, k) in linear_shapes.items() if tune_linear else ():
         ws = [rnd(n, k) for _ in range(COPIES)]
         x = rnd(m, k)
         nbytes = n * k * 2
-        key, grid = ("linear", GRID) if gemv else (triton_ops.linear_dot_config_key(n, x.device), LINEAR_DOT_GRID)
+        key, grid = ("linear", GRID) if gemv else (triton_ops.linear.linear_dot_config_key(n, x.device), LINEAR_DOT_GRID)
         t_cublas = time_graph(lambda i: F.linear(x, ws[i]), COPIES)
         print(f"{name} [{n} x {k}], {m} row(s): cuBLAS {t_cublas * 1e6:.2f} us ({nbytes / t_cublas / 1e12:.2f} TB/s)", flush=True)
-        r = sweep(key, lambda i: triton_ops.linear(x, ws[i]), COPIES, nbytes, grid)
+        r = sweep(key, lambda i: triton_ops.linear.linear(x, ws[i]), COPIES, nbytes, grid)
         r["cublas_us"] = t_cublas * 1e6
         results[name] = r
 

@@ -1,4 +1,4 @@
-"""Block sizes of the decode kernels, timed inside the whole model (`triton_ops.GEMV_CONFIG`).
+"""Block sizes of the decode kernels, timed inside the whole model (`triton_ops.blocks.GEMV_CONFIG`).
 
     python benchmarks/tune_in_model.py [--config granite-4.0-h-tiny] [--batch 64] [--keys moe_grouped_up,moe_grouped_down]
 
@@ -66,7 +66,7 @@ def routing_report(eng, batch: int) -> None:
     if not counts:
         return
     c = torch.stack(counts)
-    bm = triton_ops.GEMV_CONFIG["moe_grouped_up"][0]
+    bm = triton_ops.blocks.GEMV_CONFIG["moe_grouped_up"][0]
     blocks = ((c + bm - 1) // bm).sum(1)
     print(f"routing at batch {batch}: experts used per layer {c.gt(0).sum(1).float().mean():.1f} of {c.shape[1]}; "
           f"most pairs on one expert per layer: mean {c.max(1).values.float().mean():.1f}, max {int(c.max())}; "
@@ -90,22 +90,22 @@ def main() -> None:
         _, eng = build_models(find_config(args.config), Path(tmp), setup)
         vocab = eng.spec.vocab_size
         base = step_ms(eng, args.batch, vocab)
-        print(f"current {dict(triton_ops.GEMV_CONFIG)}: {base:.3f} ms per step", flush=True)
+        print(f"current {dict(triton_ops.blocks.GEMV_CONFIG)}: {base:.3f} ms per step", flush=True)
         routing_report(eng, args.batch)
         for key in args.keys.split(","):
-            saved, rows = triton_ops.GEMV_CONFIG[key], []
+            saved, rows = triton_ops.blocks.GEMV_CONFIG[key], []
             for cfg in GRIDS[key]:
-                triton_ops.GEMV_CONFIG[key] = cfg
+                triton_ops.blocks.GEMV_CONFIG[key] = cfg
                 try:
                     rows.append((step_ms(eng, args.batch, vocab), cfg))
                 except Exception as e:  # noqa: BLE001 - a config may not compile (registers, shared memory)
                     print(f"  {key} {cfg}: {type(e).__name__}", flush=True)
             if not rows:
-                triton_ops.GEMV_CONFIG[key] = saved
+                triton_ops.blocks.GEMV_CONFIG[key] = saved
                 print(f"{key}: no configuration ran", flush=True)
                 continue
             rows.sort()
-            triton_ops.GEMV_CONFIG[key] = rows[0][1]
+            triton_ops.blocks.GEMV_CONFIG[key] = rows[0][1]
             print(f"{key}: best {rows[0][1]} {rows[0][0]:.3f} ms; current {saved} "
                   f"{dict((c, t) for t, c in rows).get(saved, float('nan')):.3f} ms; "
                   f"next {[(c, round(t, 3)) for t, c in rows[1:5]]}", flush=True)

@@ -57,7 +57,7 @@ def test_rms_norm(dtype, w_fp32):
     g = _gen(0)
     for n in (48, 1536, 4096 + 8):
         w, x = _randn(n, g=g, dtype=dtype), _randn(7, n, g=g, dtype=dtype)  # weights first: see _PDL_LAUNCH
-        out = triton_ops.rms_norm(x, w, 1e-5, w_fp32)
+        out = triton_ops.norm.rms_norm(x, w, 1e-5, w_fp32)
         ref = norm.rms_norm(x, w, 1e-5, w_fp32)
         assert out.dtype == ref.dtype
         torch.testing.assert_close(out, ref, **_tol(dtype))
@@ -71,7 +71,7 @@ def test_add_rms_norm(dtype, residual_fp32, scale):
     for n in (48, 1536):
         w, x = _randn(n, g=g, dtype=dtype), _randn(7, n, g=g, dtype=dtype)  # weights first: see _PDL_LAUNCH
         r = _randn(7, n, g=g, dtype=torch.float32 if residual_fp32 else dtype)
-        out, stream = triton_ops.add_rms_norm(x, r, w, 1e-5, scale)
+        out, stream = triton_ops.norm.add_rms_norm(x, r, w, 1e-5, scale)
         ref, ref_stream = norm.add_rms_norm(x, r, w, 1e-5, scale)
         assert out.dtype == ref.dtype and stream.dtype == ref_stream.dtype
         # the same roundings (in float32 the kernel may fuse the multiply-add: within an ulp)
@@ -84,7 +84,7 @@ def test_gated_rms_norm(dtype):
     g = _gen(1)
     for n, gs in ((96, 48), (3072, 3072), (1024, 128)):
         w, x, z = _randn(n, g=g, dtype=dtype), _randn(5, n, g=g), _randn(5, n, g=g, dtype=dtype)  # weights first: see _PDL_LAUNCH
-        out = triton_ops.gated_rms_norm(x, z, w, 1e-6, gs, dtype)
+        out = triton_ops.norm.gated_rms_norm(x, z, w, 1e-6, gs, dtype)
         ref = norm.gated_rms_norm(x, z, w, 1e-6, gs, dtype)
         torch.testing.assert_close(out, ref, **_tol(dtype))
 
@@ -99,18 +99,18 @@ def test_linear(dtype, rows, bias):
     sms = torch.cuda.get_device_properties(0).multi_processor_count if HAS_CUDA else 1
     # one, two and four blocks of K; layers narrow and wide for the tensor-core kernel's blocks; a K
     # too short for tensor cores (cuBLAS then)
-    shapes = ((40, 96), (200, 1536 + 16), (24, 3072 + 16), (triton_ops.LINEAR_DOT_WIDE_COLUMNS_PER_SM * sms + 8, 256), (40, 8))
-    assert {triton_ops.linear_dot_config_key(n, torch.device(DEV)) for n, _ in shapes} == {"linear_dot", "linear_dot_narrow"}
+    shapes = ((40, 96), (200, 1536 + 16), (24, 3072 + 16), (triton_ops.linear.LINEAR_DOT_WIDE_COLUMNS_PER_SM * sms + 8, 256), (40, 8))
+    assert {triton_ops.linear.linear_dot_config_key(n, torch.device(DEV)) for n, _ in shapes} == {"linear_dot", "linear_dot_narrow"}
     for n, k in shapes:
         x, w = _randn(rows, k, g=g, dtype=dtype), _randn(n, k, g=g, dtype=dtype) * 0.05
         for b in (_randn(n, g=g, dtype=dtype), _randn(2 * n, g=g, dtype=dtype)[::2]) if bias else (None,):  # the second strided
-            torch.testing.assert_close(triton_ops.linear(x, w, b), F.linear(x, w, b), **_tol(dtype))
+            torch.testing.assert_close(triton_ops.linear.linear(x, w, b), F.linear(x, w, b), **_tol(dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul(dtype):
     h = _randn(9, 2 * 56, g=_gen(2), dtype=dtype)
-    torch.testing.assert_close(triton_ops.silu_and_mul(h), activation.silu_and_mul(h), **_tol(dtype))
+    torch.testing.assert_close(triton_ops.norm.silu_and_mul(h), activation.silu_and_mul(h), **_tol(dtype))
 
 
 def _conv_inputs(g, dtype, C=144, K=4, slots_total=6):
@@ -134,7 +134,7 @@ def test_linear_conv_update_in_place_by_slot(dtype, K, slots, bias):
     proj_w, proj_b = _randn(200, 96, g=g, dtype=dtype) * 0.1, _randn(200, g=g, dtype=dtype)
     pool_ref = pool.clone()
     real = slots >= 0
-    out = triton_ops.linear_conv_update(x, proj_w, proj_b, w, b, pool, slots, 10)
+    out = triton_ops.linear.linear_conv_update(x, proj_w, proj_b, w, b, pool, slots, 10)
     ref = conv.linear_conv_update(x[real], proj_w, proj_b, w, b, pool_ref, slots[real], 10)
     torch.testing.assert_close(out[real], ref, **_tol(dtype))
     torch.testing.assert_close(pool, pool_ref, **_tol(dtype))  # untouched slots too
@@ -149,7 +149,7 @@ def test_causal_conv1d_varlen_in_place_by_slot(dtype, K):
     slots = torch.tensor([5, 1, 3, 0, 2], device=DEV)
     xbc = _randn(sum(lens), 160, g=g, dtype=dtype)[:, 8:152]
     pool_ref = pool.clone()
-    y = triton_ops.causal_conv1d_varlen(xbc, w, b, pool, slots, lens)
+    y = triton_ops.conv.causal_conv1d_varlen(xbc, w, b, pool, slots, lens)
     y_ref = conv.causal_conv1d_varlen(xbc, w, b, pool_ref, slots, lens)
     torch.testing.assert_close(y, y_ref, **_tol(dtype))
     torch.testing.assert_close(pool, pool_ref, **_tol(dtype))
@@ -178,12 +178,12 @@ def test_ssd_state_update_in_place_by_slot(dtype, shape):
     dt = _randn(S, H, g=g, dtype=dtype) * 2
     pool_ref = pool.clone()
     real = slots >= 0
-    y = triton_ops.ssd_state_update(pool, slots, x, dt, dt_bias, (0.0, float("inf")), A_log, B, C, D)
+    y = triton_ops.ssd.ssd_state_update(pool, slots, x, dt, dt_bias, (0.0, float("inf")), A_log, B, C, D)
     y_ref = ssd.ssd_state_update(pool_ref, slots[real], x[real], dt[real], dt_bias, (0.0, float("inf")), A_log, B[real], C[real], D)
     torch.testing.assert_close(y[real], y_ref, atol=1e-3, rtol=1e-3)
     torch.testing.assert_close(pool, pool_ref, atol=1e-4, rtol=1e-4)
     # a time-step limit clamps
-    y2 = triton_ops.ssd_state_update(pool.clone(), slots, x, dt, dt_bias, (0.01, 0.1), A_log, B, C, D)
+    y2 = triton_ops.ssd.ssd_state_update(pool.clone(), slots, x, dt, dt_bias, (0.01, 0.1), A_log, B, C, D)
     y2_ref = ssd.ssd_state_update(pool.clone(), slots[real], x[real], dt[real], dt_bias, (0.01, 0.1), A_log, B[real], C[real], D)
     torch.testing.assert_close(y2[real], y2_ref, atol=1e-3, rtol=1e-3)
 
@@ -215,10 +215,10 @@ def test_ssd_state_update_norm_linear(dtype, rows, shape, bias, monkeypatch):
     pool_ref = pool.clone()
     args = (dt_bias, (0.0, float("inf")), A_log)
     norm_calls = []
-    norm_kernel = triton_ops.gated_rms_norm
-    monkeypatch.setattr(triton_ops, "gated_rms_norm", lambda *a: norm_calls.append(a) or norm_kernel(*a))
-    out = triton_ops.ssd_state_update_norm_linear(pool, slots, x, dt, *args, B, C, D, gate, norm_w, 1e-5, H * P // G, w, b)
-    fused = G == 1 and rows <= triton_ops.LINEAR_GEMV_MAX_ROWS and H * P // 8 <= triton_ops.SSD_NORM_MAX_PARTS
+    norm_kernel = triton_ops.norm.gated_rms_norm
+    monkeypatch.setattr(triton_ops.ssd, "gated_rms_norm", lambda *a: norm_calls.append(a) or norm_kernel(*a))
+    out = triton_ops.ssd.ssd_state_update_norm_linear(pool, slots, x, dt, *args, B, C, D, gate, norm_w, 1e-5, H * P // G, w, b)
+    fused = G == 1 and rows <= triton_ops.linear.LINEAR_GEMV_MAX_ROWS and H * P // 8 <= triton_ops.ssd.SSD_NORM_MAX_PARTS
     assert not norm_calls if fused else len(norm_calls) == 1  # fused: no norm kernel of its own
     ref = ssd.ssd_state_update_norm_linear(
         pool_ref, slots[real], x[real], dt[real], *args, B[real], C[real], D, gate[real], norm_w, 1e-5, H * P // G, w, b
@@ -265,7 +265,7 @@ def test_ssd_varlen_scan_matches_reference(dtype, shape):
     C = proj[:, H * P + G * N : H * P + 2 * G * N].reshape(T, G, N)
     dt = _randn(T, H, g=g, dtype=dtype) - 1
     pool_ref = pool.clone()
-    y = triton_ops.ssd_varlen_scan(x, dt, dt_bias, (0.0, float("inf")), A_log, B, C, D, 8, lens, pool, slots)
+    y = triton_ops.ssd.ssd_varlen_scan(x, dt, dt_bias, (0.0, float("inf")), A_log, B, C, D, 8, lens, pool, slots)
     y_ref = ssd.ssd_varlen(x, dt, dt_bias, (0.0, float("inf")), A_log, B, C, D, 8, lens, pool_ref, slots)
     torch.testing.assert_close(y, y_ref, atol=2e-3, rtol=2e-3)
     torch.testing.assert_close(pool, pool_ref, atol=2e-3, rtol=2e-3)
@@ -294,24 +294,24 @@ def test_store_kv_and_paged_attention_prefill(dtype, hq, hkv, d, bs):
     key, value = _randn(T, hkv, d, g=g, dtype=dtype), _randn(T, hkv, d, g=g, dtype=dtype)
     slot_mapping = torch.cat([attention.token_slots(tables[i], c + m, bs)[c:] for i, (c, m) in enumerate(zip(ctx, n))])
     kc_ref, vc_ref = k_cache.clone(), v_cache.clone()
-    triton_ops.store_kv(k_cache, v_cache, key, value, slot_mapping)
+    triton_ops.attention.store_kv(k_cache, v_cache, key, value, slot_mapping)
     attention.store_kv(kc_ref, vc_ref, key, value, slot_mapping)
     assert torch.equal(k_cache, kc_ref) and torch.equal(v_cache, vc_ref)
     q = _randn(T, hq, d, g=g, dtype=dtype)
-    out = triton_ops.paged_attention(q, k_cache, v_cache, n, ctx, tables, bs, d**-0.5)
+    out = triton_ops.attention.paged_attention(q, k_cache, v_cache, n, ctx, tables, bs, d**-0.5)
     ref = attention.paged_attention(q, k_cache, v_cache, n, ctx, tables, bs, d**-0.5)
     torch.testing.assert_close(out, ref, **_tol(dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_paged_attention_split_keys_for_a_short_turn_on_a_long_history(dtype, monkeypatch):
-    monkeypatch.setattr(triton_ops, "ATTENTION_SPLIT_MIN_KEYS", 64)
+    monkeypatch.setattr(triton_ops.attention, "ATTENTION_SPLIT_MIN_KEYS", 64)
     g = _gen(17)
     hq, hkv, d, bs = 12, 4, 32, 16
     ctx, n = [700, 300], [5, 30]
     k_cache, v_cache, tables = _kv_setup(g, dtype, hq, hkv, d, bs, ctx, n)
     q = _randn(sum(n), hq, d, g=g, dtype=dtype)
-    out = triton_ops.paged_attention(q, k_cache, v_cache, n, ctx, tables, bs, 0.2)
+    out = triton_ops.attention.paged_attention(q, k_cache, v_cache, n, ctx, tables, bs, 0.2)
     ref = attention.paged_attention(q, k_cache, v_cache, n, ctx, tables, bs, 0.2)
     torch.testing.assert_close(out, ref, **_tol(dtype))
 
@@ -320,7 +320,7 @@ def test_paged_attention_split_keys_for_a_short_turn_on_a_long_history(dtype, mo
 @pytest.mark.parametrize("split", [True, False])
 def test_paged_attention_decode_with_device_lengths_and_padding(dtype, split, monkeypatch):
     if not split:  # enough sequences to fill the GPU: one program per (sequence, KV head)
-        monkeypatch.setattr(triton_ops, "ATTENTION_TARGET_PROGRAMS", 1)
+        monkeypatch.setattr(triton_ops.attention, "ATTENTION_TARGET_PROGRAMS", 1)
     g = _gen(8)
     hq, hkv, d, bs = 12, 4, 64, 16
     ctx = [1, 40, 300, 17]
@@ -331,12 +331,12 @@ def test_paged_attention_decode_with_device_lengths_and_padding(dtype, split, mo
     cu = torch.arange(len(ctx) + 2, device=DEV)
     ctx_t = torch.tensor([*ctx, -1], device=DEV)
     tables_pad = torch.cat([tables, torch.full((1, tables.shape[1]), -1, device=DEV, dtype=tables.dtype)])
-    out = triton_ops.paged_attention(q, k_cache, v_cache, n + [1], ctx + [1], tables_pad, bs, 0.125, cu, ctx_t)
+    out = triton_ops.attention.paged_attention(q, k_cache, v_cache, n + [1], ctx + [1], tables_pad, bs, 0.125, cu, ctx_t)
     ref = attention.paged_attention(q[:-1], k_cache, v_cache, n, ctx, tables, bs, 0.125)
     torch.testing.assert_close(out[:-1], ref, **_tol(dtype))
     assert torch.isfinite(out[-1]).all()
     # a transposed (column-major) block table, as the CUDA-graph runner keeps it
-    out_t = triton_ops.paged_attention(q, k_cache, v_cache, n + [1], ctx + [1], tables_pad.t().contiguous().t(), bs, 0.125, cu, ctx_t)
+    out_t = triton_ops.attention.paged_attention(q, k_cache, v_cache, n + [1], ctx + [1], tables_pad.t().contiguous().t(), bs, 0.125, cu, ctx_t)
     torch.testing.assert_close(out_t, out)
 
 
@@ -344,7 +344,7 @@ def test_route_softmax_topk():
     g = _gen(9)
     for experts, k in ((4, 2), (64, 6), (40, 3)):
         logits = _randn(33, experts, g=g)
-        w, ids = triton_ops.route_softmax_topk(logits, k)
+        w, ids = triton_ops.moe.route_softmax_topk(logits, k)
         w_ref, ids_ref = moe.route_softmax_topk(logits, k)
         assert torch.equal(ids, ids_ref)
         torch.testing.assert_close(w, w_ref)
@@ -354,7 +354,7 @@ def test_route_softmax_topk_ties_and_padding_rows():
     """Equal logits go to the lower index first; a CUDA-graph padding row (NaN, or all -inf) still
     picks k distinct valid experts, so that the expert kernels read no memory outside the weights."""
     logits = torch.tensor([[1.0, 3.0, 3.0, 0.5, 3.0], [float("nan")] * 5, [float("-inf")] * 5], device=DEV)
-    _, ids = triton_ops.route_softmax_topk(logits, 3)
+    _, ids = triton_ops.moe.route_softmax_topk(logits, 3)
     assert ids[0].tolist() == [1, 2, 4]
     assert ids[1].tolist() == ids[2].tolist() == [0, 1, 2]
 
@@ -365,18 +365,18 @@ def test_argmax(dtype):
     -inf, a non-contiguous view, and NaN taken as the largest value, +inf included, as torch.argmax
     does (the first NaN)."""
     g = _gen(14)
-    vocab = 3 * triton_ops.ARGMAX_CHUNK + 123
+    vocab = 3 * triton_ops.sample.ARGMAX_CHUNK + 123
     logits = _randn(6, vocab, g=g, dtype=dtype)
     logits[1, [5000, 9000, 200]] = 50.0  # equal maxima in different chunks
     logits[2, [7, 8]] = 50.0  # within one chunk
     logits[3] = float("-inf")
     logits[4, 10000] = float("nan")
     logits[5, [3, 9000, 9001]] = torch.tensor([float("inf"), float("nan"), float("nan")], dtype=dtype, device=DEV)
-    assert torch.equal(triton_ops.argmax(logits), sample.argmax(logits))
+    assert torch.equal(triton_ops.sample.argmax(logits), sample.argmax(logits))
     strided = logits[:, ::2]
-    assert torch.equal(triton_ops.argmax(strided), sample.argmax(strided))
+    assert torch.equal(triton_ops.sample.argmax(strided), sample.argmax(strided))
     out = torch.empty(6, dtype=torch.int64, device=DEV)
-    assert triton_ops.argmax(logits, out=out) is out and torch.equal(out, sample.argmax(logits))
+    assert triton_ops.sample.argmax(logits, out=out) is out and torch.equal(out, sample.argmax(logits))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -387,7 +387,7 @@ def test_add_rms_norm_linear(dtype, residual_fp32):
         w, lin = _randn(hidden, g=g, dtype=dtype), _randn(outputs, hidden, g=g, dtype=dtype) * 0.2  # weights first: see _PDL_LAUNCH
         x = _randn(tokens, hidden, g=g, dtype=dtype)
         r = _randn(tokens, hidden, g=g, dtype=torch.float32 if residual_fp32 else dtype)
-        h, stream, out = triton_ops.add_rms_norm_linear(x, r, w, 1e-5, scale, lin)
+        h, stream, out = triton_ops.norm.add_rms_norm_linear(x, r, w, 1e-5, scale, lin)
         h_ref, stream_ref, out_ref = norm.add_rms_norm_linear(x, r, w, 1e-5, scale, lin)
         assert stream.dtype == stream_ref.dtype and h.dtype == h_ref.dtype and out.dtype == out_ref.dtype
         torch.testing.assert_close(stream, stream_ref, **(dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=0, rtol=0)))
@@ -406,7 +406,7 @@ def _check_moe_experts(dtype, tokens, hidden, inter, experts, k, gated, shared_i
     x = _randn(tokens, hidden, g=g, dtype=dtype)  # after the weights: some kernels read weights before the PDL wait
     weights, ids = moe.route_softmax_topk(_randn(tokens, experts, g=g), k)
     act = F.silu if gated else moe.relu2
-    out = triton_ops.moe_experts(x, w_in, w_out, weights, ids, act, gated, shared)
+    out = triton_ops.moe.moe_experts(x, w_in, w_out, weights, ids, act, gated, shared)
     ref = moe.moe_experts(x, w_in, w_out, weights, ids, act, gated, shared)
     if dtype == torch.float32:
         torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
@@ -432,7 +432,7 @@ def test_moe_experts(dtype, tokens, gated, shared_inter):
 def test_moe_gemv_blocks(dtype, tokens, hidden, inter, experts, k, gated, shared_inter):
     """The per-pair GEMVs (few tokens) over several K blocks (routed, shared, and in the up
     projection), a last column block cut short (odd hidden sizes) and a top-k that is not a power of two."""
-    assert tokens * k <= triton_ops.MOE_GEMV_MAX_PAIRS
+    assert tokens * k <= triton_ops.moe.MOE_GEMV_MAX_PAIRS
     _check_moe_experts(dtype, tokens, hidden, inter, experts, k, gated, shared_inter, scale=0.05, seed=15)
 
 
@@ -444,9 +444,9 @@ def test_moe_align_blocks_cover_every_pair_once(align, tokens, skewed):
     if skewed:  # one expert takes over 2,100 of the 2,800 pairs: its run spans more than one chunk of 128 blocks
         ids[:, :3] = 3
     ids = ids.to(DEV)
-    fn = triton_ops.moe_align if align == "torch" else triton_ops.moe_align_triton
+    fn = triton_ops.moe.moe_align if align == "torch" else triton_ops.moe.moe_align_triton
     sorted_ids, block_expert = fn(ids, 16, 16)
-    ref_sorted, ref_blocks = triton_ops.moe_align(ids, 16, 16)
+    ref_sorted, ref_blocks = triton_ops.moe.moe_align(ids, 16, 16)
     assert torch.equal(sorted_ids, ref_sorted) and torch.equal(block_expert, ref_blocks)
     flat = ids.reshape(-1)
     real = sorted_ids < flat.numel()
@@ -473,20 +473,20 @@ def test_route_softmax_topk_align(tokens, experts, k, fused, monkeypatch):
         logits[1] = float("nan")
         logits[2] = float("-inf")
     if tokens <= 128:  # the kernel holds 128 x 64 logits a program, beyond the op's threshold
-        weights, ids, sorted_ids, block_expert = triton_ops.route_softmax_topk_align(logits, k, bm)
-        w_ref, ids_ref = triton_ops.route_softmax_topk(logits, k)
+        weights, ids, sorted_ids, block_expert = triton_ops.moe.route_softmax_topk_align(logits, k, bm)
+        w_ref, ids_ref = triton_ops.moe.route_softmax_topk(logits, k)
         assert torch.equal(ids, ids_ref)
         torch.testing.assert_close(weights, w_ref, equal_nan=True)  # rows of NaN or -inf: NaN weights in both
-        ref_sorted, ref_blocks = triton_ops.moe_align(ids_ref, experts, bm)
+        ref_sorted, ref_blocks = triton_ops.moe.moe_align(ids_ref, experts, bm)
         assert torch.equal(sorted_ids, ref_sorted) and torch.equal(block_expert, ref_blocks)
     one_launch = []
-    align = triton_ops.route_softmax_topk_align
-    monkeypatch.setattr(triton_ops, "route_softmax_topk_align", lambda *a: one_launch.append(a) or align(*a))
+    align = triton_ops.moe.route_softmax_topk_align
+    monkeypatch.setattr(triton_ops.moe, "route_softmax_topk_align", lambda *a: one_launch.append(a) or align(*a))
     g = _gen(17)
     w_in, w_out = _randn(experts, 2 * 24, 40, g=g) * 0.2, _randn(experts, 40, 24, g=g) * 0.2
     shared = (_randn(2 * 32, 40, g=g) * 0.2, _randn(40, 32, g=g) * 0.2)
     x = _randn(tokens, 40, g=g)
-    out = triton_ops.softmax_topk_experts(x, logits, k, w_in, w_out, F.silu, True, shared)
+    out = triton_ops.moe.softmax_topk_experts(x, logits, k, w_in, w_out, F.silu, True, shared)
     ref = moe.softmax_topk_experts(x, logits, k, w_in, w_out, F.silu, True, shared)
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4, equal_nan=True)
     assert bool(one_launch) == fused

@@ -1,15 +1,14 @@
 """The CUDA fast path: which fast op serves which reference op.
 
-- Triton kernels of this package (engram.ops.triton_ops): linear layers at decode batch sizes
-  (a GEMV reading each weight once for all rows; for Mamba2's in_proj with the conv update of its
-  xBC columns in the same launch), RMS norms (alone and fused with the
-  residual add before them), gated RMS norm, SiLU-and-mul,
-  the single-token SSD state update and causal-conv update (in place in the state pool, by slot;
-  up to LINEAR_GEMV_MAX_ROWS rows the update also applies Mamba2's gate and norm weight, and the
-  output projection's GEMV the norm's row statistic),
-  the varlen causal conv1d, KV store, paged attention (prefill with context and decode), router
-  top-k and the fused MoE (per-pair GEMV at small batch, grouped GEMM over the expert-sorted
-  routed tokens above), and the greedy token's argmax over the vocabulary.
+- Triton kernels of this package (engram.ops.triton_ops, a module per op family): linear layers
+  at decode batch sizes (a GEMV reading each weight once for all rows; for Mamba2's in_proj with
+  the conv update of its xBC columns in the same launch), RMS norms (alone and fused with the
+  residual add before them), gated RMS norm, SiLU-and-mul, the single-token SSD state update and
+  causal-conv update (in place in the state pool, by slot; up to LINEAR_GEMV_MAX_ROWS rows the
+  update also applies Mamba2's gate and norm weight, and the output projection's GEMV the norm's
+  row statistic), the varlen causal conv1d, KV store, paged attention (prefill with context and
+  decode), router top-k and the fused MoE (per-pair GEMV at small batch, grouped GEMM over the
+  expert-sorted routed tokens above), and the greedy token's argmax over the vocabulary.
 - fla-core (optional, the `cuda` extra): Mamba2 chunked prefill through `chunk_simple_gla`, which
   computes SSD exactly with q=C, k=B, v=x*dt, g=A*dt, scale=1 and the groups repeated to heads,
   over `cu_seqlens` with initial states read from the state pool. Short sequences (up to
@@ -27,7 +26,16 @@ import warnings
 import torch
 
 from engram.ops import ssd as ssd_ref
-from engram.ops import triton_ops
+from engram.ops.triton_ops import (
+    attention,
+    common,
+    conv,
+    linear,
+    moe,
+    norm,
+    sample,
+    ssd,
+)
 
 try:  # optional dependency
     from fla.ops.simple_gla import chunk_simple_gla as _chunk_simple_gla
@@ -57,7 +65,7 @@ def ssd_varlen_fla(x, dt, dt_bias, dt_limit, A_log, B, C, D, chunk_size, seq_len
     v = (x.float() * dtf[..., None]).to(dtype)
     g = dtf * A[None]
     if cu_seqlens is None:
-        cu_seqlens = triton_ops._cu_seqlens(seq_lens, x.device)
+        cu_seqlens = common.cu_seqlens_of(seq_lens, x.device)
     cu_cpu = torch.tensor([0, *torch.tensor(seq_lens).cumsum(0).tolist()], dtype=torch.int64)
     initial = ssm_pool[slots].to(torch.float32).transpose(-1, -2).contiguous()  # [S, H, N, P]
     o, final = _chunk_simple_gla(
@@ -71,8 +79,8 @@ def ssd_varlen_fla(x, dt, dt_bias, dt_limit, A_log, B, C, D, chunk_size, seq_len
 def ssd_varlen(x, dt, dt_bias, dt_limit, A_log, B, C, D, chunk_size, seq_lens, ssm_pool, slots, cu_seqlens=None):
     """Short sequences (a resumed turn, small prefill chunks): the token-by-token Triton scan, one
     launch. Long ones: fla-core's chunked kernels (the scan when fla-core is missing)."""
-    if not has_fla() or max(seq_lens, default=0) <= triton_ops.SSD_SCAN_MAX_LEN:
-        return triton_ops.ssd_varlen_scan(x, dt, dt_bias, dt_limit, A_log, B, C, D, chunk_size, seq_lens, ssm_pool, slots, cu_seqlens)
+    if not has_fla() or max(seq_lens, default=0) <= ssd.SSD_SCAN_MAX_LEN:
+        return ssd.ssd_varlen_scan(x, dt, dt_bias, dt_limit, A_log, B, C, D, chunk_size, seq_lens, ssm_pool, slots, cu_seqlens)
     return ssd_varlen_fla(x, dt, dt_bias, dt_limit, A_log, B, C, D, chunk_size, seq_lens, ssm_pool, slots, cu_seqlens)
 
 
@@ -81,21 +89,21 @@ def available() -> dict:
     ops = dict(
         name="cuda-triton" + ("+fla" if has_fla() else ""),
         ssd_varlen=ssd_varlen,
-        causal_conv1d_varlen=triton_ops.causal_conv1d_varlen,
-        linear_conv_update=triton_ops.linear_conv_update,
-        ssd_state_update=triton_ops.ssd_state_update,
-        ssd_state_update_norm_linear=triton_ops.ssd_state_update_norm_linear,
-        linear=triton_ops.linear,
-        rms_norm=triton_ops.rms_norm,
-        add_rms_norm=triton_ops.add_rms_norm,
-        add_rms_norm_linear=triton_ops.add_rms_norm_linear,
-        gated_rms_norm=triton_ops.gated_rms_norm,
-        silu_and_mul=triton_ops.silu_and_mul,
-        store_kv=triton_ops.store_kv,
-        paged_attention=triton_ops.paged_attention,
-        moe_experts=triton_ops.moe_experts,
-        softmax_topk_experts=triton_ops.softmax_topk_experts,
-        argmax=triton_ops.argmax,
+        causal_conv1d_varlen=conv.causal_conv1d_varlen,
+        linear_conv_update=linear.linear_conv_update,
+        ssd_state_update=ssd.ssd_state_update,
+        ssd_state_update_norm_linear=ssd.ssd_state_update_norm_linear,
+        linear=linear.linear,
+        rms_norm=norm.rms_norm,
+        add_rms_norm=norm.add_rms_norm,
+        add_rms_norm_linear=norm.add_rms_norm_linear,
+        gated_rms_norm=norm.gated_rms_norm,
+        silu_and_mul=norm.silu_and_mul,
+        store_kv=attention.store_kv,
+        paged_attention=attention.paged_attention,
+        moe_experts=moe.moe_experts,
+        softmax_topk_experts=moe.softmax_topk_experts,
+        argmax=sample.argmax,
         graph_safe_decode=True,
     )
     return ops

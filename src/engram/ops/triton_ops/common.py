@@ -1,0 +1,68 @@
+"""What the Triton kernels share: sizes, the dot precision, rows of an input, and programmatic
+dependent launch (PDL)."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def np2(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+def precision(t: torch.Tensor) -> str:
+    """Dot precision: exact float32 for float32 inputs (tests), native for half types."""
+    return "ieee" if t.dtype == torch.float32 else "tf32"
+
+
+def _pdl_supported() -> bool:
+    """Hopper or later, not Triton's CPU interpreter, not turned off with ENGRAM_DISABLE_PDL=1."""
+    if os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("ENGRAM_DISABLE_PDL") == "1" or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability()[0] >= 9
+
+
+# Programmatic dependent launch (Hopper and later): every kernel here is launched while the one
+# before it drains, so that the launch of each small kernel of a decode step overlaps the tail of
+# the previous one. A kernel waits for the one before it (griddepcontrol.wait: it is complete and
+# its writes are visible) before it writes anything or reads what that kernel may write. Before the
+# wait it may read what the kernel just before it does not write: every earlier kernel is complete
+# once every program of that one has passed its own wait, which is when the next one is let in.
+# Read so: model weights (the GEMVs' first blocks, the norms' and the router's weights), the SSD
+# update's state and parameters, and the MoE down projection's routing (from the top-k kernel, two
+# launches back). The grouped MoE up projection's shared-expert programs compute their whole tile
+# (their input is from before the routing) and wait only to store it.
+PDL = tl.constexpr(_pdl_supported())
+PDL_LAUNCH = {"launch_pdl": True} if PDL else {}
+
+
+@triton.jit
+def wait_for_previous_kernel():
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()  # the next kernel may be scheduled once every program got here
+
+
+def as_rows(x: torch.Tensor) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def cu_seqlens_of(seq_lens: list[int], device: torch.device) -> torch.Tensor:
+    cu = [0]
+    for n in seq_lens:
+        cu.append(cu[-1] + n)
+    return torch.tensor(cu, dtype=torch.int64, device=device)
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1

@@ -1,0 +1,164 @@
+"""Mamba2's short causal conv1d, state in the pool [slots, K-1, C]: the single-token update and the
+varlen prefill.
+
+Each thread owns whole channels: every state row is a 1-D vector over the same channels, loaded
+before any row is stored, so the in-place shift has no cross-thread hazard. K <= 4 (Mamba2 uses 4).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engram.ops.triton_ops.common import PDL_LAUNCH, cu_seqlens_of, wait_for_previous_kernel
+
+
+@triton.jit
+def conv_step(x, state, stride_pk, w, stride_wk, bias, m, sm, K: tl.constexpr):
+    """One token of the causal conv, elementwise over any block of (sequence, channel) entries:
+    `state` points at row 0 of each entry's window in the pool, `w` at its weight row; masks `m`
+    (channel valid) and `sm` (and a state to touch). Returns silu(conv) in float32 and shifts the
+    window in place (every row is loaded before any is stored)."""
+    xdt = x.dtype
+    s0 = tl.load(state, mask=sm, other=0.0).to(xdt).to(tl.float32)
+    acc = s0 * tl.load(w, mask=m, other=0.0).to(tl.float32)
+    if K >= 3:
+        s1 = tl.load(state + stride_pk, mask=sm, other=0.0).to(xdt).to(tl.float32)
+        acc += s1 * tl.load(w + stride_wk, mask=m, other=0.0).to(tl.float32)
+    if K >= 4:
+        s2 = tl.load(state + 2 * stride_pk, mask=sm, other=0.0).to(xdt).to(tl.float32)
+        acc += s2 * tl.load(w + 2 * stride_wk, mask=m, other=0.0).to(tl.float32)
+    acc += x.to(tl.float32) * tl.load(w + (K - 1) * stride_wk, mask=m, other=0.0).to(tl.float32)
+    acc += bias
+    pt = state.dtype.element_ty
+    if K == 2:
+        tl.store(state, x.to(pt), mask=sm)
+    elif K == 3:
+        tl.store(state, s1.to(pt), mask=sm)
+        tl.store(state + stride_pk, x.to(pt), mask=sm)
+    else:
+        tl.store(state, s1.to(pt), mask=sm)
+        tl.store(state + stride_pk, s2.to(pt), mask=sm)
+        tl.store(state + 2 * stride_pk, x.to(pt), mask=sm)
+    return acc * tl.sigmoid(acc)
+
+
+@triton.jit
+def _conv_update_kernel(
+    X, W, Bias, Pool, Slots, Y,
+    stride_x, stride_wc, stride_wk, stride_ps, stride_pk, stride_y, C,
+    K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    wait_for_previous_kernel()
+    s = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cm = c < C
+    slot = tl.load(Slots + s).to(tl.int64)
+    x = tl.load(X + s * stride_x + c, mask=cm, other=0.0)
+    bias = tl.load(Bias + c, mask=cm, other=0.0).to(tl.float32) if HAS_BIAS else 0.0
+    y = conv_step(x, Pool + slot * stride_ps + c, stride_pk, W + c * stride_wc, stride_wk, bias, cm, cm & (slot >= 0), K)
+    tl.store(Y + s * stride_y + c, y.to(Y.dtype.element_ty), mask=cm)
+
+
+def launch_conv_update(x, weight, bias, conv_pool, slots, y):
+    S, C = x.shape
+    K = weight.shape[1]
+    assert 2 <= K <= 4, "the fused conv update handles kernel widths 2..4"
+    if S:
+        block = 256
+        _conv_update_kernel[(S, triton.cdiv(C, block))](
+            x, weight, bias if bias is not None else weight, conv_pool, slots, y,
+            x.stride(0), weight.stride(0), weight.stride(1), conv_pool.stride(0), conv_pool.stride(1), y.stride(0), C,
+            K=K, HAS_BIAS=bias is not None, BLOCK_C=block, num_warps=4, **PDL_LAUNCH
+        )
+    return y
+
+
+@triton.jit
+def _conv_varlen_kernel(
+    X, W, Bias, Pool, Slots, Cu, Y,
+    stride_x, stride_wc, stride_wk, stride_ps, stride_pk, stride_y, C,
+    K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    wait_for_previous_kernel()
+    s = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+    start = tl.load(Cu + s).to(tl.int64)
+    n = tl.load(Cu + s + 1).to(tl.int64) - start
+    if tl.program_id(1) * BLOCK_T >= n:
+        return
+    slot = tl.load(Slots + s).to(tl.int64)
+    tm = t < n
+    cm = c < C
+    acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    for j in tl.static_range(K):
+        p = t - (K - 1) + j  # input position of tap j, relative to the sequence start
+        xv = tl.load(X + (start + p)[:, None] * stride_x + c[None, :], mask=(tm & (p >= 0))[:, None] & cm[None, :], other=0.0)
+        sv = tl.load(
+            Pool + slot * stride_ps + (K - 1 + p)[:, None] * stride_pk + c[None, :], mask=(tm & (p < 0))[:, None] & cm[None, :], other=0.0
+        )
+        wj = tl.load(W + c * stride_wc + j * stride_wk, mask=cm, other=0.0).to(tl.float32)
+        acc += (xv.to(tl.float32) + sv.to(xv.dtype).to(tl.float32)) * wj[None, :]
+    if HAS_BIAS:
+        acc += tl.load(Bias + c, mask=cm, other=0.0).to(tl.float32)[None, :]
+    y = acc * tl.sigmoid(acc)
+    tl.store(Y + (start + t)[:, None] * stride_y + c[None, :], y.to(Y.dtype.element_ty), mask=tm[:, None] & cm[None, :])
+
+
+@triton.jit
+def _window_row(X, base, start, n, i, stride_x, stride_pk, c, m, K: tl.constexpr):
+    """Row n + i of the window [old state (K-1 rows); x (n rows)], as float32."""
+    idx = n + i
+    from_state = idx < K - 1
+    sv = tl.load(base + idx * stride_pk + c, mask=m & from_state, other=0.0).to(tl.float32)
+    xv = tl.load(X + (start + idx - (K - 1)) * stride_x + c, mask=m & (idx >= K - 1), other=0.0).to(tl.float32)
+    return tl.where(from_state, sv, xv)
+
+
+@triton.jit
+def _conv_state_kernel(X, Pool, Slots, Cu, stride_x, stride_ps, stride_pk, C, K: tl.constexpr, BLOCK_C: tl.constexpr):
+    """New state = the last K-1 rows of [old state; x], all rows read before any is written."""
+    wait_for_previous_kernel()
+    s = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    start = tl.load(Cu + s).to(tl.int64)
+    n = tl.load(Cu + s + 1).to(tl.int64) - start
+    slot = tl.load(Slots + s).to(tl.int64)
+    m = (c < C) & (slot >= 0)
+    base = Pool + slot * stride_ps
+    pt = Pool.dtype.element_ty
+    r0 = _window_row(X, base, start, n, 0, stride_x, stride_pk, c, m, K)
+    if K >= 3:
+        r1 = _window_row(X, base, start, n, 1, stride_x, stride_pk, c, m, K)
+    if K >= 4:
+        r2 = _window_row(X, base, start, n, 2, stride_x, stride_pk, c, m, K)
+    tl.store(base + c, r0.to(pt), mask=m)
+    if K >= 3:
+        tl.store(base + stride_pk + c, r1.to(pt), mask=m)
+    if K >= 4:
+        tl.store(base + 2 * stride_pk + c, r2.to(pt), mask=m)
+
+
+def causal_conv1d_varlen(x, weight, bias, conv_pool, slots, seq_lens, cu_seqlens=None):
+    T, C = x.shape
+    K = weight.shape[1]
+    assert 2 <= K <= 4, "the fused conv handles kernel widths 2..4"
+    S = len(seq_lens)
+    if cu_seqlens is None:
+        cu_seqlens = cu_seqlens_of(seq_lens, x.device)
+    y = torch.empty((T, C), dtype=x.dtype, device=x.device)
+    if S == 0 or T == 0:
+        return y
+    bt, bc = 64, 128
+    bias_arg = bias if bias is not None else weight
+    _conv_varlen_kernel[(S, triton.cdiv(max(seq_lens), bt), triton.cdiv(C, bc))](
+        x, weight, bias_arg, conv_pool, slots, cu_seqlens, y,
+        x.stride(0), weight.stride(0), weight.stride(1), conv_pool.stride(0), conv_pool.stride(1), y.stride(0), C,
+        K=K, HAS_BIAS=bias is not None, BLOCK_T=bt, BLOCK_C=bc, num_warps=4, **PDL_LAUNCH
+    )
+    _conv_state_kernel[(S, triton.cdiv(C, 256))](
+        x, conv_pool, slots, cu_seqlens, x.stride(0), conv_pool.stride(0), conv_pool.stride(1), C, K=K, BLOCK_C=256, num_warps=4, **PDL_LAUNCH
+    )
+    return y
