@@ -187,8 +187,6 @@ def paged_attention(q, k_cache, v_cache, seq_lens, context_lens, block_tables, b
 # When there are too few (query block, KV head) programs to fill the GPU, decode steps and prefills
 # whose keys reach this far (a short turn on top of a long history) split the keys across programs.
 ATTENTION_SPLIT_MIN_KEYS = 4096
-
-
 ATTENTION_TARGET_PROGRAMS = 264
 
 

@@ -122,8 +122,6 @@ def _linear_dot_kernel(
 
 # Rows of x up to which `linear` runs the GEMV above, and then the tensor-core kernel, instead of cuBLAS.
 LINEAR_GEMV_MAX_ROWS = 4
-
-
 LINEAR_DOT_MAX_ROWS = 64
 
 

@@ -390,6 +390,9 @@ def route_softmax_topk_align(router_logits: torch.Tensor, top_k: int, block_m: i
 # Up to this many routed (token, expert) pairs, each pair is its own GEMV (decode at small batch:
 # fewer launches, each expert's weights read once per pair); above it, the grouped GEMM.
 MOE_GEMV_MAX_PAIRS = 32
+# Up to this many, the grouped GEMM takes the tuned blocks of GEMV_CONFIG and runs the shared expert
+# as extra programs of its two launches; above it (prefill), larger blocks and cuBLAS for the shared expert.
+MOE_GROUPED_SMALL_PAIRS = 2048
 
 
 @triton.jit
@@ -514,5 +517,3 @@ def _moe_gemv(x, w_in, w_out, weights, ids, code, gated, shared, h1, out):
     )
     return out
 
-
-MOE_GROUPED_SMALL_PAIRS = 2048
