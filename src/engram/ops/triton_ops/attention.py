@@ -184,10 +184,13 @@ def paged_attention(q, k_cache, v_cache, seq_lens, context_lens, block_tables, b
     return out
 
 
-# When there are too few (query block, KV head) programs to fill the GPU, decode steps and prefills
-# whose keys reach this far (a short turn on top of a long history) split the keys across programs.
+# When there are fewer (query block, KV head) programs than ATTENTION_TARGET_PROGRAMS, decode steps
+# and prefills whose keys reach ATTENTION_SPLIT_MIN_KEYS (a short turn on top of a long history)
+# split the keys across programs, up to that many programs. 528 (4 per SM on the H200) was as fast
+# as 264 or faster at every decode batch of 1-64 measured, and up to 1% faster with 1K-token
+# contexts at batches 8-64 (BENCHMARKS.md, fifth session of 2026-11-30).
 ATTENTION_SPLIT_MIN_KEYS = 4096
-ATTENTION_TARGET_PROGRAMS = 264
+ATTENTION_TARGET_PROGRAMS = 528
 
 
 @triton.jit
