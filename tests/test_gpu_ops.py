@@ -56,7 +56,7 @@ def _randn(*shape, g, dtype=torch.float32):
 def test_rms_norm(dtype, w_fp32):
     g = _gen(0)
     for n in (48, 1536, 4096 + 8):
-        w, x = _randn(n, g=g, dtype=dtype), _randn(7, n, g=g, dtype=dtype)  # weights first: see _PDL_LAUNCH
+        w, x = _randn(n, g=g, dtype=dtype), _randn(7, n, g=g, dtype=dtype)  # weights first: see PDL_LAUNCH
         out = triton_ops.norm.rms_norm(x, w, 1e-5, w_fp32)
         ref = norm.rms_norm(x, w, 1e-5, w_fp32)
         assert out.dtype == ref.dtype
@@ -69,7 +69,7 @@ def test_rms_norm(dtype, w_fp32):
 def test_add_rms_norm(dtype, residual_fp32, scale):
     g = _gen(12)
     for n in (48, 1536):
-        w, x = _randn(n, g=g, dtype=dtype), _randn(7, n, g=g, dtype=dtype)  # weights first: see _PDL_LAUNCH
+        w, x = _randn(n, g=g, dtype=dtype), _randn(7, n, g=g, dtype=dtype)  # weights first: see PDL_LAUNCH
         r = _randn(7, n, g=g, dtype=torch.float32 if residual_fp32 else dtype)
         out, stream = triton_ops.norm.add_rms_norm(x, r, w, 1e-5, scale)
         ref, ref_stream = norm.add_rms_norm(x, r, w, 1e-5, scale)
@@ -83,7 +83,7 @@ def test_add_rms_norm(dtype, residual_fp32, scale):
 def test_gated_rms_norm(dtype):
     g = _gen(1)
     for n, gs in ((96, 48), (3072, 3072), (1024, 128)):
-        w, x, z = _randn(n, g=g, dtype=dtype), _randn(5, n, g=g), _randn(5, n, g=g, dtype=dtype)  # weights first: see _PDL_LAUNCH
+        w, x, z = _randn(n, g=g, dtype=dtype), _randn(5, n, g=g), _randn(5, n, g=g, dtype=dtype)  # weights first: see PDL_LAUNCH
         out = triton_ops.norm.gated_rms_norm(x, z, w, 1e-6, gs, dtype)
         ref = norm.gated_rms_norm(x, z, w, 1e-6, gs, dtype)
         torch.testing.assert_close(out, ref, **_tol(dtype))
@@ -383,8 +383,9 @@ def test_argmax(dtype):
 @pytest.mark.parametrize("residual_fp32", [False, True])
 def test_add_rms_norm_linear(dtype, residual_fp32):
     g = _gen(13)
-    for tokens, hidden, outputs, scale in ((1, 1536, 64, 1.0), (33, 96, 4, 0.22), (70, 200, 40, 1.0), (3, 48, 600, 1.0)):
-        w, lin = _randn(hidden, g=g, dtype=dtype), _randn(outputs, hidden, g=g, dtype=dtype) * 0.2  # weights first: see _PDL_LAUNCH
+    # Granite's router at 1 and at 64 tokens (on an H200 twice the rows a program there), and other shapes
+    for tokens, hidden, outputs, scale in ((1, 1536, 64, 1.0), (64, 1536, 64, 0.22), (33, 96, 4, 0.22), (70, 200, 40, 1.0), (3, 48, 600, 1.0)):
+        w, lin = _randn(hidden, g=g, dtype=dtype), _randn(outputs, hidden, g=g, dtype=dtype) * 0.2  # weights first: see PDL_LAUNCH
         x = _randn(tokens, hidden, g=g, dtype=dtype)
         r = _randn(tokens, hidden, g=g, dtype=torch.float32 if residual_fp32 else dtype)
         h, stream, out = triton_ops.norm.add_rms_norm_linear(x, r, w, 1e-5, scale, lin)
