@@ -30,16 +30,16 @@ def _pdl_supported() -> bool:
     return torch.cuda.get_device_capability()[0] >= 9
 
 
-# Programmatic dependent launch (Hopper and later): every kernel here is launched while the one
-# before it drains, so that the launch of each small kernel of a decode step overlaps the tail of
-# the previous one. A kernel waits for the one before it (griddepcontrol.wait: it is complete and
-# its writes are visible) before it writes anything or reads what that kernel may write. Before the
-# wait it may read what the kernel just before it does not write: every earlier kernel is complete
-# once every program of that one has passed its own wait, which is when the next one is let in.
-# Read so: model weights (the GEMVs' first blocks, the norms' and the router's weights), the SSD
-# update's state and parameters, and the MoE down projection's routing (from the top-k kernel, two
-# launches back). The grouped MoE up projection's shared-expert programs compute their whole tile
-# (their input is from before the routing) and wait only to store it.
+# Programmatic dependent launch (Hopper and later): every kernel of the package is launched while
+# the one before it drains, so that the launch of each small kernel of a decode step overlaps the
+# tail of the previous one. A kernel waits for the one before it (griddepcontrol.wait: it is
+# complete and its writes are visible) before it writes anything or reads what that kernel may
+# write. Before the wait it may read what the kernel just before it does not write: every earlier
+# kernel is complete once every program of that one has passed its own wait, which is when the next
+# one is let in. Read so: model weights (the GEMVs' first blocks, the norms' and the router's
+# weights), the SSD update's state and parameters, and the MoE down projection's routing (from the
+# top-k kernel, two launches back). The grouped MoE up projection's shared-expert programs compute
+# their whole tile (their input is from before the routing) and wait only to store it.
 PDL = tl.constexpr(_pdl_supported())
 PDL_LAUNCH = {"launch_pdl": True} if PDL else {}
 
