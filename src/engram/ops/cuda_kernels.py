@@ -26,16 +26,7 @@ import warnings
 import torch
 
 from engram.ops import ssd as ssd_ref
-from engram.ops.triton_ops import (
-    attention,
-    common,
-    conv,
-    linear,
-    moe,
-    norm,
-    sample,
-    ssd,
-)
+from engram.ops.triton_ops import attention, common, conv, linear, moe, norm, sample, ssd
 
 try:  # optional dependency
     from fla.ops.simple_gla import chunk_simple_gla as _chunk_simple_gla
