@@ -18,27 +18,37 @@ from engram.ops.triton_ops.norm import silu_and_mul
 
 
 @triton.jit
+def _softmax_topk_rows(x, valid, TOPK: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The TOPK largest entries of each row of x [ROWS, BLOCK_E] where `valid` (the first index of
+    ties first), and their softmax: (weights float32, ids int32), each [ROWS, BLOCK_K], zero past TOPK.
+    NaN (a CUDA-graph padding row holds whatever was in memory) must still pick distinct valid
+    experts: it counts as -inf, and an expert once taken is not a candidate again even then."""
+    e = tl.arange(0, BLOCK_E)[None, :]
+    kk = tl.arange(0, BLOCK_K)[None, :]
+    x = tl.where(x == x, x, float("-inf"))
+    free = valid
+    vals = tl.full([ROWS, BLOCK_K], float("-inf"), dtype=tl.float32)
+    idxs = tl.zeros([ROWS, BLOCK_K], dtype=tl.int32)
+    for j in tl.static_range(TOPK):
+        m = tl.max(tl.where(free, x, float("-inf")), axis=1)
+        i = tl.min(tl.where(free & (x == m[:, None]), e, BLOCK_E), axis=1)
+        vals = tl.where(kk == j, m[:, None], vals)
+        idxs = tl.where(kk == j, i[:, None], idxs)
+        free = free & (e != i[:, None])
+    mx = tl.max(vals, axis=1)
+    p = tl.where(kk < TOPK, tl.exp(vals - mx[:, None]), 0.0)
+    return p / tl.sum(p, axis=1)[:, None], idxs
+
+
+@triton.jit
 def _topk_softmax_kernel(L, Wt, Ids, stride_l, E, TOPK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One token's row of router logits per program, as a [1, BLOCK_E] tile."""
     wait_for_previous_kernel()
     t = tl.program_id(0).to(tl.int64)
-    e = tl.arange(0, BLOCK_E)
+    e = tl.arange(0, BLOCK_E)[None, :]
     x = tl.load(L + t * stride_l + e, mask=e < E, other=float("-inf")).to(tl.float32)
-    # NaN (a CUDA-graph padding row holds whatever was in memory) must still pick distinct valid
-    # experts: it counts as -inf, and an expert once taken is not a candidate again even then.
-    x = tl.where(x == x, x, float("-inf"))
-    free = e < E
-    kk = tl.arange(0, BLOCK_K)
-    vals = tl.full([BLOCK_K], float("-inf"), dtype=tl.float32)
-    idxs = tl.zeros([BLOCK_K], dtype=tl.int32)
-    for j in tl.static_range(TOPK):
-        m = tl.max(tl.where(free, x, float("-inf")), axis=0)
-        i = tl.min(tl.where(free & (x == m), e, BLOCK_E), axis=0)
-        vals = tl.where(kk == j, m, vals)
-        idxs = tl.where(kk == j, i, idxs)
-        free = free & (e != i)
-    mx = tl.max(vals, axis=0)
-    p = tl.where(kk < TOPK, tl.exp(vals - mx), 0.0)
-    p = p / tl.sum(p, axis=0)
+    p, idxs = _softmax_topk_rows(x, e < E, TOPK, 1, BLOCK_E, BLOCK_K)
+    kk = tl.arange(0, BLOCK_K)[None, :]
     tl.store(Wt + t * TOPK + kk, p, mask=kk < TOPK)
     tl.store(Ids + t * TOPK + kk, idxs.to(tl.int64), mask=kk < TOPK)
 
@@ -312,27 +322,16 @@ def _topk_align_kernel(L, Wt, Ids, SortedIds, BlockExpert, stride_l, T, NB, MAXP
                        TOPK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
                        BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
     """`route_softmax_topk` of all T rows and `moe_align` of their pairs in one launch: each of the
-    E + 1 programs takes the top-k of every row (as `_topk_softmax_kernel`, a row per tile row),
-    program 0 stores the weights and ids, and each then does its part of the sort (`_align_pairs`)."""
+    E + 1 programs takes the top-k of every row (`_softmax_topk_rows`), program 0 stores the weights
+    and ids, and each then does its part of the sort (`_align_pairs`)."""
     wait_for_previous_kernel()
     t = tl.arange(0, BLOCK_T)
     tm = t < T
     e = tl.arange(0, BLOCK_E)
-    x = tl.load(L + t[:, None] * stride_l + e[None, :], mask=tm[:, None] & (e < E)[None, :], other=float("-inf")).to(tl.float32)
-    x = tl.where(x == x, x, float("-inf"))
-    free = tm[:, None] & (e < E)[None, :]
+    logit = tm[:, None] & (e < E)[None, :]
+    x = tl.load(L + t[:, None] * stride_l + e[None, :], mask=logit, other=float("-inf")).to(tl.float32)
+    p, idxs = _softmax_topk_rows(x, logit, TOPK, BLOCK_T, BLOCK_E, BLOCK_K)
     kk = tl.arange(0, BLOCK_K)
-    vals = tl.full([BLOCK_T, BLOCK_K], float("-inf"), dtype=tl.float32)
-    idxs = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
-    for j in tl.static_range(TOPK):
-        m = tl.max(tl.where(free, x, float("-inf")), axis=1)
-        i = tl.min(tl.where(free & (x == m[:, None]), e[None, :], BLOCK_E), axis=1)
-        vals = tl.where(kk[None, :] == j, m[:, None], vals)
-        idxs = tl.where(kk[None, :] == j, i[:, None], idxs)
-        free = free & (e[None, :] != i[:, None])
-    mx = tl.max(vals, axis=1)
-    p = tl.where(kk[None, :] < TOPK, tl.exp(vals - mx[:, None]), 0.0)
-    p = p / tl.sum(p, axis=1)[:, None]
     pair = t[:, None] * TOPK + kk[None, :]
     valid = tm[:, None] & (kk[None, :] < TOPK)
     if tl.program_id(0) == 0:
