@@ -320,7 +320,7 @@ def test_paged_attention_split_keys_for_a_short_turn_on_a_long_history(dtype, mo
 @pytest.mark.parametrize("split", [True, False])
 def test_paged_attention_decode_with_device_lengths_and_padding(dtype, split, monkeypatch):
     if not split:  # enough sequences to fill the GPU: one program per (sequence, KV head)
-        monkeypatch.setattr(triton_ops.attention, "ATTENTION_TARGET_PROGRAMS", 1)
+        monkeypatch.setattr(triton_ops.attention, "ATTENTION_DECODE_TARGET_PROGRAMS", 1)
     g = _gen(8)
     hq, hkv, d, bs = 12, 4, 64, 16
     ctx = [1, 40, 300, 17]

@@ -152,8 +152,9 @@ def paged_attention(q, k_cache, v_cache, seq_lens, context_lens, block_tables, b
     # whatever the lengths, so that its CUDA graph serves every context length.
     programs = grid[0] * Hkv
     nsplit = 1
-    if programs < ATTENTION_TARGET_PROGRAMS and (decode or max(c + n for c, n in zip(context_lens, seq_lens)) >= ATTENTION_SPLIT_MIN_KEYS):
-        nsplit = min(64, np2(ATTENTION_TARGET_PROGRAMS // programs))
+    target = ATTENTION_DECODE_TARGET_PROGRAMS if decode else ATTENTION_PREFILL_TARGET_PROGRAMS
+    if programs < target and (decode or max(c + n for c, n in zip(context_lens, seq_lens)) >= ATTENTION_SPLIT_MIN_KEYS):
+        nsplit = min(64, np2(target // programs))
     if nsplit > 1:
         # Every split writes the rows of every real token (an empty split: max -inf, sum 0), a decode
         # graph's padding sequences included; a prefill graph's padding tokens (past its device
@@ -184,13 +185,14 @@ def paged_attention(q, k_cache, v_cache, seq_lens, context_lens, block_tables, b
     return out
 
 
-# When there are fewer (query block, KV head) programs than ATTENTION_TARGET_PROGRAMS, decode steps
-# and prefills whose keys reach ATTENTION_SPLIT_MIN_KEYS (a short turn on top of a long history)
-# split the keys across programs, up to that many programs. 528 (4 per SM on the H200) was as fast
-# as 264 or faster at every decode batch of 1-64 measured, and up to 1% faster with 1K-token
-# contexts at batches 8-64 (BENCHMARKS.md, fifth session of 2026-11-30).
+# When there are fewer (query block, KV head) programs than their target, decode steps and prefills
+# whose keys reach ATTENTION_SPLIT_MIN_KEYS (a short turn on top of a long history) split the keys
+# across programs, up to that many programs. For decode, 528 (4 per SM on the H200) was as fast as
+# 264 or faster at every batch of 1-64 measured, and up to 1% faster with 1K-token contexts at
+# batches 8-64 (BENCHMARKS.md, fifth session of 2026-11-30); prefills keep 264, as measured before.
 ATTENTION_SPLIT_MIN_KEYS = 4096
-ATTENTION_TARGET_PROGRAMS = 528
+ATTENTION_DECODE_TARGET_PROGRAMS = 528
+ATTENTION_PREFILL_TARGET_PROGRAMS = 264
 
 
 @triton.jit
