@@ -173,7 +173,6 @@ def test_the_warm_limit_counts_conversations_not_their_turns(engine, tmp_path):
     assert manager.begin("a").state is not None
 
 
-
 def test_the_warm_limit_evicts_the_least_recently_used_conversation_whole():
     from types import SimpleNamespace
 
