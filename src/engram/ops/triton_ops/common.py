@@ -37,9 +37,11 @@ def _pdl_supported() -> bool:
 # write. Before the wait it may read what the kernel just before it does not write: every earlier
 # kernel is complete once every program of that one has passed its own wait, which is when the next
 # one is let in. Read so: model weights (the GEMVs' first blocks, the norms' and the router's
-# weights), the SSD update's state and parameters, and the MoE down projection's routing (from the
-# top-k kernel, two launches back). The grouped MoE up projection's shared-expert programs compute
-# their whole tile (their input is from before the routing) and wait only to store it.
+# weights), the SSD update's state and parameters, the conv update's window and weights, the MoE
+# down GEMV's routing (from the top-k kernel, two launches back), and the grouped MoE down
+# projection's block of sorted pairs with their routing weights and its first weight tile (from the
+# sort, two launches back). The grouped MoE up projection's shared-expert programs compute their
+# whole tile (their input is from before the routing) and wait only to store it.
 PDL = tl.constexpr(_pdl_supported())
 PDL_LAUNCH = {"launch_pdl": True} if PDL else {}
 

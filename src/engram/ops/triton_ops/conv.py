@@ -15,21 +15,36 @@ from engram.ops.triton_ops.common import PDL_LAUNCH, cu_seqlens_of, wait_for_pre
 
 
 @triton.jit
-def conv_step(x, state, stride_pk, w, stride_wk, bias, m, sm, K: tl.constexpr):
-    """One token of the causal conv, elementwise over any block of (sequence, channel) entries:
-    `state` points at row 0 of each entry's window in the pool, `w` at its weight row; masks `m`
-    (channel valid) and `sm` (and a state to touch). Returns silu(conv) in float32 and shifts the
-    window in place (every row is loaded before any is stored)."""
+def conv_window(state, stride_pk, w, stride_wk, m, sm, K: tl.constexpr):
+    """The pool's window rows and the conv weights of a block of (sequence, channel) entries:
+    (s0, s1, s2, w0, w1, w2, w3), rows past K - 1 and weights past K as zeros. `state` points at row
+    0 of each entry's window, `w` at its weight row; masks `m` (channel valid) and `sm` (and a state
+    to touch)."""
+    s0 = tl.load(state, mask=sm, other=0.0)
+    s1 = tl.load(state + stride_pk, mask=sm & (K >= 3), other=0.0)
+    s2 = tl.load(state + 2 * stride_pk, mask=sm & (K >= 4), other=0.0)
+    w0 = tl.load(w, mask=m, other=0.0)
+    w1 = tl.load(w + stride_wk, mask=m, other=0.0)
+    w2 = tl.load(w + 2 * stride_wk, mask=m & (K >= 3), other=0.0)
+    w3 = tl.load(w + 3 * stride_wk, mask=m & (K >= 4), other=0.0)
+    return s0, s1, s2, w0, w1, w2, w3
+
+
+@triton.jit
+def conv_apply(x, window, state, stride_pk, bias, sm, K: tl.constexpr):
+    """One token of the causal conv from its `conv_window`: silu(conv) in float32; the window in
+    the pool shifted in place (every row was loaded before any is stored)."""
+    s0, s1, s2, w0, w1, w2, w3 = window
     xdt = x.dtype
-    s0 = tl.load(state, mask=sm, other=0.0).to(xdt).to(tl.float32)
-    acc = s0 * tl.load(w, mask=m, other=0.0).to(tl.float32)
+    acc = s0.to(xdt).to(tl.float32) * w0.to(tl.float32)
+    wl = w1
     if K >= 3:
-        s1 = tl.load(state + stride_pk, mask=sm, other=0.0).to(xdt).to(tl.float32)
-        acc += s1 * tl.load(w + stride_wk, mask=m, other=0.0).to(tl.float32)
+        acc += s1.to(xdt).to(tl.float32) * w1.to(tl.float32)
+        wl = w2
     if K >= 4:
-        s2 = tl.load(state + 2 * stride_pk, mask=sm, other=0.0).to(xdt).to(tl.float32)
-        acc += s2 * tl.load(w + 2 * stride_wk, mask=m, other=0.0).to(tl.float32)
-    acc += x.to(tl.float32) * tl.load(w + (K - 1) * stride_wk, mask=m, other=0.0).to(tl.float32)
+        acc += s2.to(xdt).to(tl.float32) * w2.to(tl.float32)
+        wl = w3
+    acc += x.to(tl.float32) * wl.to(tl.float32)
     acc += bias
     pt = state.dtype.element_ty
     if K == 2:
@@ -45,19 +60,30 @@ def conv_step(x, state, stride_pk, w, stride_wk, bias, m, sm, K: tl.constexpr):
 
 
 @triton.jit
+def conv_step(x, state, stride_pk, w, stride_wk, bias, m, sm, K: tl.constexpr):
+    """`conv_apply` of the window loaded here."""
+    return conv_apply(x, conv_window(state, stride_pk, w, stride_wk, m, sm, K), state, stride_pk, bias, sm, K)
+
+
+@triton.jit
 def _conv_update_kernel(
     X, W, Bias, Pool, Slots, Y,
     stride_x, stride_wc, stride_wk, stride_ps, stride_pk, stride_y, C,
     K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    wait_for_previous_kernel()
+    """The window and the weights are read before the wait: the projection before this kernel
+    writes neither."""
     s = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     cm = c < C
     slot = tl.load(Slots + s).to(tl.int64)
-    x = tl.load(X + s * stride_x + c, mask=cm, other=0.0)
+    state = Pool + slot * stride_ps + c
+    sm = cm & (slot >= 0)
+    window = conv_window(state, stride_pk, W + c * stride_wc, stride_wk, cm, sm, K)
     bias = tl.load(Bias + c, mask=cm, other=0.0).to(tl.float32) if HAS_BIAS else 0.0
-    y = conv_step(x, Pool + slot * stride_ps + c, stride_pk, W + c * stride_wc, stride_wk, bias, cm, cm & (slot >= 0), K)
+    wait_for_previous_kernel()
+    x = tl.load(X + s * stride_x + c, mask=cm, other=0.0)
+    y = conv_apply(x, window, state, stride_pk, bias, sm, K)
     tl.store(Y + s * stride_y + c, y.to(Y.dtype.element_ty), mask=cm)
 
 

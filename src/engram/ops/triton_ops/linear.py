@@ -35,10 +35,28 @@ def dot_rows(x_ptr, w_ptr, n, nm, stride_wn, w_first, K: tl.constexpr, BLOCK_K: 
 
 
 @triton.jit
+def dot_tile(W, n, nm, stride_wn, k0, K, BLOCK_K: tl.constexpr):
+    """W[n, k0:k0 + BLOCK_K]^T, the [BLOCK_K, n] weight operand of a `grouped_dot` step (zeros outside
+    W), to read before the wait."""
+    kk = k0 + tl.arange(0, BLOCK_K)
+    return tl.load(W + n[None, :] * stride_wn + kk[:, None], mask=nm[None, :] & (kk < K)[:, None], other=0.0)
+
+
+@triton.jit
+def first_dot(A, w0, a_rows, rv, stride_a, K, acc, BLOCK_K: tl.constexpr, PREC: tl.constexpr):
+    """acc + A[a_rows, :BLOCK_K] @ w0, for the first `dot_tile` w0 read early; `grouped_dot` from
+    K0 = BLOCK_K does the rest."""
+    kk = tl.arange(0, BLOCK_K)
+    a = tl.load(A + a_rows[:, None] * stride_a + kk[None, :], mask=rv[:, None] & (kk < K)[None, :], other=0.0)
+    return tl.dot(a, w0.to(a.dtype), acc, input_precision=PREC)
+
+
+@triton.jit
 def grouped_dot(A, W, a_rows, rv, n, nm, stride_a, stride_wn, K, acc,
-                 BLOCK_K: tl.constexpr, PREC: tl.constexpr):
-    """acc + A[a_rows] @ W[n]^T over K: the rows of one block of tokens times one expert's rows n."""
-    for k0 in range(0, K, BLOCK_K):
+                 BLOCK_K: tl.constexpr, PREC: tl.constexpr, K0: tl.constexpr = 0):
+    """acc + A[a_rows, K0:] @ W[n, K0:]^T: the rows of one block of tokens times one expert's rows n.
+    (The loop reads its tiles itself: written with `dot_tile` it compiled to other code, BENCHMARKS.md.)"""
+    for k0 in range(K0, K, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
         km = kk < K
         a = tl.load(A + a_rows[:, None] * stride_a + kk[None, :], mask=rv[:, None] & km[None, :], other=0.0)
@@ -108,7 +126,8 @@ def _linear_dot_kernel(
     PREC: tl.constexpr,
 ):
     """y = x W^T (+ b) for up to BLOCK_M rows on tensor cores (decode batches of a few dozen): one
-    program per BLOCK_N output columns, all rows at once, so each weight is read once."""
+    program per BLOCK_N output columns, all rows at once, so each weight is read once. (Reading the
+    first weight tile before the wait made the batch-64 step 1.7% longer: BENCHMARKS.md.)"""
     wait_for_previous_kernel()
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < N

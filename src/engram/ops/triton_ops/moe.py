@@ -13,7 +13,7 @@ import triton.language as tl
 from engram.ops import moe as moe_ref
 from engram.ops.triton_ops.blocks import GEMV_CONFIG
 from engram.ops.triton_ops.common import PDL_LAUNCH, as_rows, np2, precision, wait_for_previous_kernel
-from engram.ops.triton_ops.linear import dot_rows, grouped_dot, weight_block
+from engram.ops.triton_ops.linear import dot_rows, dot_tile, first_dot, grouped_dot, weight_block
 from engram.ops.triton_ops.norm import silu_and_mul
 
 
@@ -213,8 +213,9 @@ def _moe_down_grouped_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
 ):
     """Routed blocks: O2[pair] = weight * (W_down h), each rounded as the reference (so O2 holds them
-    exactly in the model's dtype); then (with a shared expert) S[token] = W_shared_down h_shared."""
-    wait_for_previous_kernel()
+    exactly in the model's dtype); then (with a shared expert) S[token] = W_shared_down h_shared.
+    A routed block reads its expert, pairs, routing weights and first weight tile before the wait:
+    the routing and its sort are from launches before the previous one."""
     b = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < Hdim
@@ -223,14 +224,19 @@ def _moe_down_grouped_kernel(
     if b < NB:
         e = tl.load(BlockExpert + b).to(tl.int64)
         if e >= E:
+            wait_for_previous_kernel()
             return
         rows = tl.load(SortedIds + b * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         rv = rows < Tk
-        acc = grouped_dot(H1, Wout + e * stride_we, rows, rv, n, nm, stride_h, stride_wn, I, zero, BLOCK_K, PREC)
         wt = tl.load(Wts + rows, mask=rv, other=0.0).to(dt).to(tl.float32)
+        w0 = dot_tile(Wout + e * stride_we, n, nm, stride_wn, 0, I, BLOCK_K)
+        wait_for_previous_kernel()
+        acc = first_dot(H1, w0, rows, rv, stride_h, I, zero, BLOCK_K, PREC)
+        acc = grouped_dot(H1, Wout + e * stride_we, rows, rv, n, nm, stride_h, stride_wn, I, acc, BLOCK_K, PREC, BLOCK_K)
         o = (acc.to(dt).to(tl.float32) * wt[:, None]).to(dt).to(tl.float32)
         tl.store(O2 + rows[:, None] * stride_o + n[None, :], o, mask=rv[:, None] & nm[None, :])
     else:
+        wait_for_previous_kernel()
         t = (b - NB) * BLOCK_M + tl.arange(0, BLOCK_M)
         tv = t < T
         acc = grouped_dot(Hs, Sout, t, tv, n, nm, stride_hs, stride_sn, IS, zero, BLOCK_K, PREC)

@@ -96,14 +96,13 @@ def add_rms_norm(
 
 @triton.jit
 def _add_rms_norm_linear_kernel(
-    X, R, W, Y, RO, L, Out, stride_x, stride_r, stride_y, stride_ro, stride_l, stride_o, N, NL, eps, scale,
-    SCALED: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+    X, R, W, Y, RO, L, Out, T, stride_x, stride_r, stride_y, stride_ro, stride_l, stride_o, N, NL, eps, scale,
+    SCALED: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, TOKENS: tl.constexpr,
 ):
-    """Programs (token, block of ROWS output features): each normalizes its token's row (as
-    `_add_rms_norm_kernel`; the first program of the token stores it and the stream) and applies
-    its ROWS rows of the linear layer to it, so the weight loads of all programs are in flight at once
-    (issued before the wait, with the norm's)."""
-    row = tl.program_id(0).to(tl.int64)
+    """Programs (TOKENS tokens, block of ROWS output features): each normalizes its tokens' rows (as
+    `_add_rms_norm_kernel`; the programs of the first feature block store them and the stream) and
+    applies its ROWS rows of the linear layer to them, so the weight loads of all programs are in
+    flight at once (issued before the wait, with the norm's)."""
     j = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
     jm = j < NL
     cols = tl.arange(0, BLOCK)
@@ -111,29 +110,35 @@ def _add_rms_norm_linear_kernel(
     lw = tl.load(L + j[:, None] * stride_l + cols[None, :], mask=jm[:, None] & mask[None, :], other=0.0)
     w = tl.load(W + cols, mask=mask, other=0.0)
     wait_for_previous_kernel()
-    r, h = _add_and_normalize(X, R, w, RO, row, cols, mask, stride_x, stride_r, N, eps, scale, SCALED, False)
-    h = h.to(Y.dtype.element_ty)
-    if tl.program_id(1) == 0:
-        tl.store(RO + row * stride_ro + cols, r, mask=mask)
-        tl.store(Y + row * stride_y + cols, h, mask=mask)
-    out = tl.sum(lw.to(tl.float32) * h.to(tl.float32)[None, :], axis=1)
-    tl.store(Out + row * stride_o + j, out.to(Out.dtype.element_ty), mask=jm)
+    for i in tl.static_range(TOKENS):
+        row = tl.program_id(0).to(tl.int64) * TOKENS + i
+        if row < T:
+            r, h = _add_and_normalize(X, R, w, RO, row, cols, mask, stride_x, stride_r, N, eps, scale, SCALED, False)
+            h = h.to(Y.dtype.element_ty)
+            if tl.program_id(1) == 0:
+                tl.store(RO + row * stride_ro + cols, r, mask=mask)
+                tl.store(Y + row * stride_y + cols, h, mask=mask)
+            out = tl.sum(lw.to(tl.float32) * h.to(tl.float32)[None, :], axis=1)
+            tl.store(Out + row * stride_o + j, out.to(Out.dtype.element_ty), mask=jm)
 
 
 # Output features up to which `add_rms_norm_linear` runs the fused kernel (a router; not a projection).
 NORM_LINEAR_MAX_FEATURES = 512
-# With at least this many programs per SM at twice the rows, each program takes twice the rows (each
-# normalizes its token's row again). On the H200 at Granite-4.0-H-tiny's 64 experts: 64 tokens, 8 rows a
-# program (512 programs), a 0.8% shorter decode step than 4 rows; 32 tokens the same; 8 tokens 6% longer.
+# With at least this many programs per SM at twice the rows, each program takes twice the rows for two
+# tokens. On the H200 at Granite-4.0-H-tiny's 64 experts and 64 tokens: 8 rows for one token (512
+# programs of 210 registers a thread: 2 per SM, two waves) gave a 0.8% shorter decode step than 4 rows;
+# 8 rows for two tokens (256 programs, one wave) 0.5% shorter again. 32 tokens: 4 rows either way; 8
+# tokens: 8 rows 6% longer.
 NORM_LINEAR_PROGRAMS_PER_SM = 3
 
 
-def _norm_linear_rows(tokens: int, features: int, block: int, device: torch.device) -> int:
-    """Rows of the linear layer per program: a [rows, hidden] tile of 8,192 weights, or twice that."""
+def _norm_linear_tile(tokens: int, features: int, block: int, device: torch.device) -> tuple[int, int]:
+    """(rows of the linear layer, tokens) per program: a [rows, hidden] tile of 8,192 weights for one
+    token, or twice the rows for two tokens."""
     rows = max(1, 8192 // block)
     if tokens * triton.cdiv(features, 2 * rows) >= NORM_LINEAR_PROGRAMS_PER_SM * sm_count(device):
-        rows *= 2
-    return rows
+        return rows * 2, 2
+    return rows, 1
 
 
 def add_rms_norm_linear(x, residual, weight, eps, scale, linear_weight):
@@ -147,11 +152,11 @@ def add_rms_norm_linear(x, residual, weight, eps, scale, linear_weight):
     out = torch.empty((T, nl), dtype=x.dtype, device=x.device)
     if T:
         block = np2(n)
-        rows = _norm_linear_rows(T, nl, block, x.device)
-        _add_rms_norm_linear_kernel[(T, triton.cdiv(nl, rows))](
-            x2, r2, weight, y, r_out, linear_weight, out, x2.stride(0), r2.stride(0), y.stride(0), r_out.stride(0),
+        rows, tokens = _norm_linear_tile(T, nl, block, x.device)
+        _add_rms_norm_linear_kernel[(triton.cdiv(T, tokens), triton.cdiv(nl, rows))](
+            x2, r2, weight, y, r_out, linear_weight, out, T, x2.stride(0), r2.stride(0), y.stride(0), r_out.stride(0),
             linear_weight.stride(0), out.stride(0), n, nl, eps, float(scale), SCALED=scale != 1.0, BLOCK=block, ROWS=rows,
-            num_warps=min(16, max(4, block // 512)), **PDL_LAUNCH,
+            TOKENS=tokens, num_warps=min(16, max(4, block // 512)), **PDL_LAUNCH,
         )
     return y.view(*x.shape[:-1], n), r_out.view(*residual.shape[:-1], n), out.view(*x.shape[:-1], nl)
 
