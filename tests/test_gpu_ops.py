@@ -383,8 +383,11 @@ def test_argmax(dtype):
 @pytest.mark.parametrize("residual_fp32", [False, True])
 def test_add_rms_norm_linear(dtype, residual_fp32):
     g = _gen(13)
-    # Granite's router at 1 and at 64 tokens (on an H200 twice the rows a program there), and other shapes
-    for tokens, hidden, outputs, scale in ((1, 1536, 64, 1.0), (64, 1536, 64, 0.22), (33, 96, 4, 0.22), (70, 200, 40, 1.0), (3, 48, 600, 1.0)):
+    # Granite's router at 1, 64 and 101 tokens (on an H200 twice the rows a program for two tokens at 64
+    # and 101, the last program of 101 with one), and other shapes
+    for tokens, hidden, outputs, scale in (
+        (1, 1536, 64, 1.0), (64, 1536, 64, 0.22), (101, 1536, 64, 1.0), (33, 96, 4, 0.22), (70, 200, 40, 1.0), (3, 48, 600, 1.0),
+    ):
         w, lin = _randn(hidden, g=g, dtype=dtype), _randn(outputs, hidden, g=g, dtype=dtype) * 0.2  # weights first: see PDL_LAUNCH
         x = _randn(tokens, hidden, g=g, dtype=dtype)
         r = _randn(tokens, hidden, g=g, dtype=torch.float32 if residual_fp32 else dtype)
