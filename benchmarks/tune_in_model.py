@@ -27,6 +27,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_speed import build_models, engine_decode, find_config  # noqa: E402
 from engram.ops import dispatch, triton_ops  # noqa: E402
+from engram.ops import moe as moe_ref  # noqa: E402
 
 GEMV_GRID = list(itertools.product((1, 2, 4), (1024, 2048, 4096), (1, 2)))
 GRIDS = {
@@ -57,7 +58,12 @@ def routing_report(eng, batch: int) -> None:
         counts.append(torch.bincount(ids.flatten(), minlength=w_in.shape[0]).cpu())
         return kernels.moe_experts(x, w_in, w_out, weights, ids, *args, **kw)
 
-    dispatch.use_kernels(replace(kernels, moe_experts=spy))
+    def spy_softmax_topk(x, logits, top_k, w_in, *args, **kw):  # Granite routes inside the op
+        ids = moe_ref.route_softmax_topk(logits, top_k)[1]
+        counts.append(torch.bincount(ids.flatten(), minlength=w_in.shape[0]).cpu())
+        return kernels.softmax_topk_experts(x, logits, top_k, w_in, *args, **kw)
+
+    dispatch.use_kernels(replace(kernels, moe_experts=spy, softmax_topk_experts=spy_softmax_topk))
     try:
         with torch.inference_mode():
             eng.runner.model(eng.runner._graph_batch(eng.runner._bucket(batch)))
