@@ -20,6 +20,17 @@ def engram_cache(tmp_path_factory):
     mp.undo()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def kernel_dispatch():
+    """Each test module leaves the kernels as it found them: an engine installs its device's
+    kernels process-wide, and a GPU module's CUDA ones must not reach a later module's CPU tensors."""
+    from engram.ops.dispatch import kernels, use_kernels
+
+    before = kernels()
+    yield
+    use_kernels(before)
+
+
 @pytest.fixture(scope="session")
 def checkpoint_dir(tmp_path_factory):
     """checkpoint_dir(kind) -> folder of a tiny random checkpoint of that kind (cached per session)."""

@@ -60,6 +60,21 @@ def test_draws_follow_the_filtered_distribution_and_greedy_rows_take_the_argmax(
     assert float((freq - expected).abs().max()) < 0.015  # about 6 standard deviations at n = 40,000
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_logits_in_the_model_dtype_are_sampled_as_their_float32_copy(device):
+    """The model hands over its logits in its own dtype: every row, drawn on the device or on the
+    host's terms (penalties, a seed of its own), picks the token its float32 copy picks."""
+    params = MIXED * 8 + [SamplingParams(temperature=0.8, top_p=0.9, seed=i, repetition_penalty=1.3) for i in range(8)]
+    logits = _logits(len(params), vocab=4000, seed=5).to(device, torch.bfloat16)
+
+    def draw(x: torch.Tensor) -> list[int]:
+        generators = [torch.Generator().manual_seed(p.seed) if p.seed is not None else None for p in params]
+        history = lambda i: (token_mask([1, 2], 4000, x.device), token_counts([3, 3], 4000, x.device))  # noqa: E731
+        return sample_batch(x, params, history, generators, torch.Generator(device).manual_seed(0))
+
+    assert draw(logits) == draw(logits.float())
+
+
 def test_tiny_temperature_or_top_p_keeps_the_most_likely_token():
     logits = torch.tensor([[0.5, 3.0, 1.0, -2.0]])
     assert SamplingParams(temperature=1e-46).greedy  # would overflow the division by the temperature

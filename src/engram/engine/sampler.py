@@ -1,7 +1,8 @@
 """Next-token choice from logits: logit bias, penalties, temperature, top-k, top-p, min-p, seeded
 sampling, and logprobs of the model's own distribution.
 
-Logits may live on the GPU. `sample_on_device` picks the tokens of every row without penalties,
+Logits may live on the GPU and come in the model's dtype: every computation on them is in float32
+(an argmax needs none). `sample_on_device` picks the tokens of every row without penalties,
 logit bias or a seed of its own at once, on the logits' device and with no host sync: greedy rows
 take the argmax, the others filter in one batch and draw by an exponential race (the argmax of
 p / Exp(1), which picks token i with probability p_i) from the engine's generator on that device.
@@ -88,7 +89,7 @@ def sample_row(
     output_counts: torch.Tensor | None,
     generator: torch.Generator | None,
 ) -> int:
-    logits = adjust_logits(logits.clone(), params, prompt_mask, output_counts)
+    logits = adjust_logits(logits.to(torch.float32, copy=True), params, prompt_mask, output_counts)
     if params.greedy:
         return int(logits.argmax())
     probs = torch.softmax(filter_logits(logits[None], [params])[0], dim=-1)
@@ -109,7 +110,7 @@ def sample_on_device(logits: torch.Tensor, params: list[SamplingParams], generat
     drawn = [i for i, p in enumerate(params) if not p.greedy]
     if drawn:
         rows = torch.tensor(drawn, device=logits.device)
-        probs = torch.softmax(filter_logits(logits[rows], [params[i] for i in drawn]), dim=-1)
+        probs = torch.softmax(filter_logits(logits[rows].float(), [params[i] for i in drawn]), dim=-1)
         race = probs / torch.empty_like(probs).exponential_(generator=generator)
         tokens[rows] = kernels().argmax(race)
     return tokens
