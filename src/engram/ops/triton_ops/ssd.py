@@ -61,9 +61,9 @@ def _ssd_update_kernel(
     b = tl.load(Bm + s * stride_bs + g * stride_bg + n, mask=nm, other=0.0).to(tl.float32)
     c = tl.load(Cm + s * stride_cs + g * stride_cg + n, mask=nm, other=0.0).to(tl.float32)
     st = st * tl.exp(dt * A) + (x * dt)[:, None] * b[None, :]
-    # The new state stays in L2 ahead of the lines of the kernels after it (evict_last): the
-    # batch-64 step on the H200 took 1.1% less, the SSD updates and the MoE up projections less
-    # time (BENCHMARKS.md).
+    # The new state is stored with L2's evict_last priority (kept while other lines are evicted):
+    # the batch-64 step on the H200 took 1.1% less, its SSD updates and MoE up projections less
+    # time (BENCHMARKS.md, seventh session of 2026-11-30; the cause was not traced).
     tl.store(ptr, st.to(Pool.dtype.element_ty), mask=m2, eviction_policy="evict_last")
     y = tl.sum(st * c[None, :], axis=1) + x * Dh
     if GATED:
