@@ -364,7 +364,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Logits [number of completing chunks, vocab] (float32, on the model's device), valid until
+        """Logits [number of completing chunks, vocab] (as the model returns them, on its device), valid until
         the next call (graph replays reuse their output buffers)."""
         if self._graphs_usable(chunks):
             return self._run_graph(chunks)
