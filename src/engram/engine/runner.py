@@ -9,7 +9,8 @@ only the chosen token ids.
 
 With overlapped scheduling a step can be launched before the previous step's tokens reach the
 host: a sequence whose input token is still in flight (`num_inflight`) reads it from `sampled`,
-where the engine's device-side sampling left it, by its row (`inflight_row`).
+where the engine's device-side sampling left it, by its row (`inflight_row`). A decode graph also
+takes each row's argmax into `sampled` (one launch fewer a step than sampling after it).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class ModelRunner:
         self.num_graph_replays = 0
         # The last device-sampled step's tokens, one row per completing sequence (at most one per slot).
         self.sampled = torch.zeros(state_pool.num_slots, dtype=torch.int64, device=device)
+        self.argmax_in_sampled = False  # the last run was a decode graph: `sampled` holds its rows' argmax
 
     # ---- eager batches (prefill, mixed steps, CPU) --------------------------------------------
 
@@ -196,11 +198,15 @@ class ModelRunner:
         self._static["packed"].copy_(self._host, non_blocking=True)
 
     def _decode_forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """A graph-captured decode step: in-flight input tokens are taken from `sampled` first."""
-        rows = self._static["packed"][5, : batch.input_ids.shape[0]]
+        """A graph-captured decode step: in-flight input tokens are taken from `sampled` first, and
+        each row's argmax is left there at the end."""
+        b = batch.input_ids.shape[0]
+        rows = self._static["packed"][5, :b]
         ids = batch.input_ids
         torch.where(rows >= 0, self.sampled[rows.clamp(min=0)], ids, out=ids)
-        return self.model(batch)
+        logits = self.model(batch)
+        kernels().argmax(logits, out=self.sampled[:b])
+        return logits
 
     def _record(self, forward: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Warm up on a side stream, then capture one call of `forward` (on static buffers) as a graph."""
@@ -221,7 +227,9 @@ class ModelRunner:
             self._alloc_static()
         self._fill_padding()  # padding rows only: the warm-up and capture touch no state
         batch = self._graph_batch(b)
+        in_flight = self.sampled.clone()  # the warm-up's argmax overwrites tokens this step still reads
         self._graphs[b] = self._record(lambda: self._decode_forward(batch))
+        self.sampled.copy_(in_flight)
 
     def _wait_pinned_inputs_read(self) -> None:
         """Before refilling the pinned input buffers: with overlapped steps the host can come back
@@ -366,7 +374,8 @@ class ModelRunner:
     def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """Logits [number of completing chunks, vocab] (as the model returns them, on its device), valid until
         the next call (graph replays reuse their output buffers)."""
-        if self._graphs_usable(chunks):
+        self.argmax_in_sampled = self._graphs_usable(chunks)
+        if self.argmax_in_sampled:
             return self._run_graph(chunks)
         if self._prefill_graph_usable(chunks):
             return self._run_prefill_graph(chunks)
