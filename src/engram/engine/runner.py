@@ -152,18 +152,27 @@ class ModelRunner:
         width = self._max_pages() if self.kv_pool.needs_pages else 1
         dev = self.device
         # A step's inputs, sent in one copy: six int64 rows (input_ids, positions, slots, slot_mapping,
-        # context, row in `sampled` of an in-flight input (-1: none)), then the block tables (int32,
-        # column-major).
+        # context, where each row's input token is), then the block tables (int32, column-major). On
+        # the device they follow `sampled` (moved there), so that one gather takes each row's token
+        # from `sampled` (in flight) or from the sent input_ids.
+        slots = self.state_pool.num_slots
         self._packed_words = 12 * bmax  # int32 words of the six int64 rows
         self._host_inputs = torch.zeros(self._packed_words + width * bmax, dtype=torch.int32).pin_memory()
         self._host = self._host_inputs[: self._packed_words].view(torch.int64).view(6, bmax)
         self._host_np = self._host.numpy()
         self._host_tables_np = self._host_inputs[self._packed_words :].view(width, bmax).numpy()
-        inputs = torch.zeros_like(self._host_inputs, device=dev)
+        self._sent_token_index = np.arange(slots, slots + bmax)  # row i's sent id, in `tokens` below
+        device_words = torch.zeros(2 * slots + self._host_inputs.numel(), dtype=torch.int32, device=dev)
+        tokens = device_words[: 2 * slots + 2 * bmax].view(torch.int64)  # sampled, then input_ids
+        tokens[:slots].copy_(self.sampled)
+        self.sampled = tokens[:slots]
+        inputs = device_words[2 * slots :]
         self._static = {
             "inputs": inputs,
             "packed": inputs[: self._packed_words].view(torch.int64).view(6, bmax),
             "tables_t": inputs[self._packed_words :].view(width, bmax),
+            "tokens": tokens,
+            "input_ids": torch.zeros(bmax, dtype=torch.int64, device=dev),
             "cu": torch.arange(bmax + 1, dtype=torch.int64, device=dev),
             "logits_indices": torch.arange(bmax, dtype=torch.int64, device=dev),
         }
@@ -173,7 +182,7 @@ class ModelRunner:
         st = self._static
         packed = st["packed"]
         return ForwardBatch(
-            input_ids=packed[0, :b],
+            input_ids=st["input_ids"][:b],
             positions=packed[1, :b],
             seq_lens=[1] * b,
             context_lens=[1] * b,  # host placeholders: a decode step; kernels read the device tensors
@@ -188,22 +197,21 @@ class ModelRunner:
         )
 
     def _clear_host_rows(self, b: int) -> None:
-        """Columns :b of the pinned inputs as padding: token and position 0, no slot, no in-flight row."""
+        """Columns :b of the pinned inputs as padding: token and position 0, no slot, the token sent."""
         h = self._host_np
         h[0:2, :b] = 0
-        h[2:6, :b] = -1
+        h[2:5, :b] = -1
+        h[5, :b] = self._sent_token_index[:b]
 
     def _fill_padding(self) -> None:
         self._clear_host_rows(self._host_np.shape[1])
         self._static["packed"].copy_(self._host, non_blocking=True)
 
     def _decode_forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """A graph-captured decode step: in-flight input tokens are taken from `sampled` first, and
-        each row's argmax is left there at the end."""
+        """A graph-captured decode step: each row's input token is gathered from `sampled` (in flight)
+        or the sent ids, and each row's argmax is left in `sampled` at the end."""
         b = batch.input_ids.shape[0]
-        rows = self._static["packed"][5, :b]
-        ids = batch.input_ids
-        torch.where(rows >= 0, self.sampled[rows.clamp(min=0)], ids, out=ids)
+        torch.index_select(self._static["tokens"], 0, self._static["packed"][5, :b], out=batch.input_ids)
         logits = self.model(batch)
         kernels().argmax(logits, out=self.sampled[:b])
         return logits
