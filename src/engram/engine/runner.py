@@ -9,8 +9,9 @@ only the chosen token ids.
 
 With overlapped scheduling a step can be launched before the previous step's tokens reach the
 host: a sequence whose input token is still in flight (`num_inflight`) reads it from `sampled`,
-where the engine's device-side sampling left it, by its row (`inflight_row`). A decode graph also
-takes each row's argmax into `sampled` (one launch fewer a step than sampling after it).
+where the engine's device-side sampling left it, by its row (`inflight_row`). A decode graph takes
+each row's token with one gather (from `sampled` or from the ids sent with the step) and leaves
+each row's argmax in `sampled` at its end, so that between two replays there are only the copies.
 """
 
 from __future__ import annotations
