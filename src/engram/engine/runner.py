@@ -163,10 +163,13 @@ class ModelRunner:
         self._host_np = self._host.numpy()
         self._host_tables_np = self._host_inputs[self._packed_words :].view(width, bmax).numpy()
         self._sent_token_index = np.arange(slots, slots + bmax)  # row i's sent id, in `tokens` below
-        device_words = torch.zeros(2 * slots + self._host_inputs.numel(), dtype=torch.int32, device=dev)
-        tokens = device_words[: 2 * slots + 2 * bmax].view(torch.int64)  # sampled, then input_ids
-        tokens[:slots].copy_(self.sampled)
-        self.sampled = tokens[:slots]
+        # The sampler updates `sampled` outside inference mode: neither it nor the views made of it may be
+        # inference tensors.
+        with torch.inference_mode(False):
+            device_words = torch.zeros(2 * slots + self._host_inputs.numel(), dtype=torch.int32, device=dev)
+            tokens = device_words[: 2 * slots + 2 * bmax].view(torch.int64)  # sampled, then input_ids
+            tokens[:slots].copy_(self.sampled)
+            self.sampled = tokens[:slots]
         inputs = device_words[2 * slots :]
         self._static = {
             "inputs": inputs,
