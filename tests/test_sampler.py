@@ -61,6 +61,21 @@ def test_draws_follow_the_filtered_distribution_and_greedy_rows_take_the_argmax(
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_an_argmax_taken_in_the_decode_graph_is_kept_and_drawn_rows_drawn_over_it(device):
+    """`argmax_done`: `out` already holds the greedy rows' tokens (a decode graph's argmax), which are
+    kept as they are (not recomputed), while the other rows draw as they would without it."""
+    params = [SamplingParams(temperature=0.0), *MIXED, SamplingParams(temperature=0.0)]
+    logits = _logits(len(params), seed=6).to(device)
+    plain = sample_on_device(logits, params, torch.Generator(device).manual_seed(1))
+    out = torch.full((len(params),), 7, dtype=torch.int64, device=device)  # not the argmax of the greedy rows
+    got = sample_on_device(logits, params, torch.Generator(device).manual_seed(1), out=out, argmax_done=True)
+    assert got is out
+    assert got[[0, -1]].tolist() == [7, 7]
+    assert torch.equal(got[1:-1], plain[1:-1])
+    assert plain[[0, -1]].tolist() == logits[[0, -1]].argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_logits_in_the_model_dtype_are_sampled_as_their_float32_copy(device):
     """The model hands over its logits in its own dtype: every row, drawn on the device or on the
     host's terms (penalties, a seed of its own), picks the token its float32 copy picks."""

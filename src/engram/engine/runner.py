@@ -9,7 +9,9 @@ only the chosen token ids.
 
 With overlapped scheduling a step can be launched before the previous step's tokens reach the
 host: a sequence whose input token is still in flight (`num_inflight`) reads it from `sampled`,
-where the engine's device-side sampling left it, by its row (`inflight_row`).
+where the engine's device-side sampling left it, by its row (`inflight_row`). A decode graph takes
+each row's token with one gather (from `sampled` or from the ids sent with the step) and leaves
+each row's argmax in `sampled` at its end, so that between two replays there are only the copies.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class ModelRunner:
         self.num_graph_replays = 0
         # The last device-sampled step's tokens, one row per completing sequence (at most one per slot).
         self.sampled = torch.zeros(state_pool.num_slots, dtype=torch.int64, device=device)
+        self.argmax_in_sampled = False  # the last run was a decode graph: `sampled` holds its rows' argmax
 
     # ---- eager batches (prefill, mixed steps, CPU) --------------------------------------------
 
@@ -150,18 +153,30 @@ class ModelRunner:
         width = self._max_pages() if self.kv_pool.needs_pages else 1
         dev = self.device
         # A step's inputs, sent in one copy: six int64 rows (input_ids, positions, slots, slot_mapping,
-        # context, row in `sampled` of an in-flight input (-1: none)), then the block tables (int32,
-        # column-major).
+        # context, where each row's input token is), then the block tables (int32, column-major). On
+        # the device they follow `sampled` (moved there), so that one gather takes each row's token
+        # from `sampled` (in flight) or from the sent input_ids.
+        slots = self.state_pool.num_slots
         self._packed_words = 12 * bmax  # int32 words of the six int64 rows
         self._host_inputs = torch.zeros(self._packed_words + width * bmax, dtype=torch.int32).pin_memory()
         self._host = self._host_inputs[: self._packed_words].view(torch.int64).view(6, bmax)
         self._host_np = self._host.numpy()
         self._host_tables_np = self._host_inputs[self._packed_words :].view(width, bmax).numpy()
-        inputs = torch.zeros_like(self._host_inputs, device=dev)
+        self._sent_token_index = np.arange(slots, slots + bmax)  # row i's sent id, in `tokens` below
+        # The sampler updates `sampled` outside inference mode: neither it nor the views made of it may be
+        # inference tensors.
+        with torch.inference_mode(False):
+            device_words = torch.zeros(2 * slots + self._host_inputs.numel(), dtype=torch.int32, device=dev)
+            tokens = device_words[: 2 * slots + 2 * bmax].view(torch.int64)  # sampled, then input_ids
+            tokens[:slots].copy_(self.sampled)
+            self.sampled = tokens[:slots]
+        inputs = device_words[2 * slots :]
         self._static = {
             "inputs": inputs,
             "packed": inputs[: self._packed_words].view(torch.int64).view(6, bmax),
             "tables_t": inputs[self._packed_words :].view(width, bmax),
+            "tokens": tokens,
+            "input_ids": torch.zeros(bmax, dtype=torch.int64, device=dev),
             "cu": torch.arange(bmax + 1, dtype=torch.int64, device=dev),
             "logits_indices": torch.arange(bmax, dtype=torch.int64, device=dev),
         }
@@ -171,7 +186,7 @@ class ModelRunner:
         st = self._static
         packed = st["packed"]
         return ForwardBatch(
-            input_ids=packed[0, :b],
+            input_ids=st["input_ids"][:b],
             positions=packed[1, :b],
             seq_lens=[1] * b,
             context_lens=[1] * b,  # host placeholders: a decode step; kernels read the device tensors
@@ -186,21 +201,24 @@ class ModelRunner:
         )
 
     def _clear_host_rows(self, b: int) -> None:
-        """Columns :b of the pinned inputs as padding: token and position 0, no slot, no in-flight row."""
+        """Columns :b of the pinned inputs as padding: token and position 0, no slot, the token sent."""
         h = self._host_np
         h[0:2, :b] = 0
-        h[2:6, :b] = -1
+        h[2:5, :b] = -1
+        h[5, :b] = self._sent_token_index[:b]
 
     def _fill_padding(self) -> None:
         self._clear_host_rows(self._host_np.shape[1])
         self._static["packed"].copy_(self._host, non_blocking=True)
 
     def _decode_forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """A graph-captured decode step: in-flight input tokens are taken from `sampled` first."""
-        rows = self._static["packed"][5, : batch.input_ids.shape[0]]
-        ids = batch.input_ids
-        torch.where(rows >= 0, self.sampled[rows.clamp(min=0)], ids, out=ids)
-        return self.model(batch)
+        """A graph-captured decode step: each row's input token is gathered from `sampled` (in flight)
+        or the sent ids, and each row's argmax is left in `sampled` at the end."""
+        b = batch.input_ids.shape[0]
+        torch.index_select(self._static["tokens"], 0, self._static["packed"][5, :b], out=batch.input_ids)
+        logits = self.model(batch)
+        kernels().argmax(logits, out=self.sampled[:b])
+        return logits
 
     def _record(self, forward: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Warm up on a side stream, then capture one call of `forward` (on static buffers) as a graph."""
@@ -221,7 +239,9 @@ class ModelRunner:
             self._alloc_static()
         self._fill_padding()  # padding rows only: the warm-up and capture touch no state
         batch = self._graph_batch(b)
+        in_flight = self.sampled.clone()  # the warm-up's argmax overwrites tokens this step still reads
         self._graphs[b] = self._record(lambda: self._decode_forward(batch))
+        self.sampled.copy_(in_flight)
 
     def _wait_pinned_inputs_read(self) -> None:
         """Before refilling the pinned input buffers: with overlapped steps the host can come back
@@ -366,7 +386,8 @@ class ModelRunner:
     def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """Logits [number of completing chunks, vocab] (as the model returns them, on its device), valid until
         the next call (graph replays reuse their output buffers)."""
-        if self._graphs_usable(chunks):
+        self.argmax_in_sampled = self._graphs_usable(chunks)
+        if self.argmax_in_sampled:
             return self._run_graph(chunks)
         if self._prefill_graph_usable(chunks):
             return self._run_prefill_graph(chunks)

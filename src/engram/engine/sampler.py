@@ -104,9 +104,12 @@ def samples_on_device(params: SamplingParams) -> bool:
     return not params.adjusts_logits and (params.greedy or params.seed is None)
 
 
-def sample_on_device(logits: torch.Tensor, params: list[SamplingParams], generator: torch.Generator, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Token ids [R] (int64, on the logits' device) for rows that `samples_on_device` serves."""
-    tokens = kernels().argmax(logits, out=out)
+def sample_on_device(
+    logits: torch.Tensor, params: list[SamplingParams], generator: torch.Generator, out: torch.Tensor | None = None, argmax_done: bool = False
+) -> torch.Tensor:
+    """Token ids [R] (int64, on the logits' device) for rows that `samples_on_device` serves.
+    `argmax_done`: `out` already holds each row's argmax (a decode graph took it)."""
+    tokens = out if argmax_done else kernels().argmax(logits, out=out)
     drawn = [i for i, p in enumerate(params) if not p.greedy]
     if drawn:
         rows = torch.tensor(drawn, device=logits.device)

@@ -1,0 +1,80 @@
+"""The runner's decode-graph path on the CPU. A stand-in for the CUDA graph re-runs the captured step
+on the same static buffers, so the path's bookkeeping is checked without a GPU: the packed inputs,
+the input tokens gathered from `sampled` (in flight) or from the sent ids, the argmax left in
+`sampled`, padding rows and bucket sizes. The real graphs run in test_gpu_capture.py and
+test_gpu_ops.py on a GPU."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from engine_utils import greedy, make_engine, random_prompt, run_to_end
+from engram.engine import runner as runner_mod
+from engram.engine.request import SamplingParams
+
+
+class _Replayed:
+    """Replays by running the captured step again into the output the capture returned."""
+
+    def __init__(self, forward, out: torch.Tensor):
+        self.forward, self.out = forward, out
+
+    def replay(self) -> None:
+        self.out.copy_(self.forward())
+
+
+class _NoEvent:
+    def record(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+@pytest.fixture
+def cpu_graphs(monkeypatch):
+    """The decode-graph path with its CUDA parts stood in for: graphs, events, pinned memory."""
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "Event", _NoEvent)
+    monkeypatch.setattr(runner_mod.ModelRunner, "_record", lambda self, forward: (lambda out: (_Replayed(forward, out), out))(forward()))
+    monkeypatch.setattr(runner_mod.ModelRunner, "_prefill_graph_usable", lambda self, chunks: False)
+    graph_safe = runner_mod.kernels
+    monkeypatch.setattr(runner_mod, "kernels", lambda: replace(graph_safe(), graph_safe_decode=True))
+    usable = runner_mod.ModelRunner._graphs_usable
+
+    def on_cpu(self, chunks):
+        device, self.device = self.device, torch.device("cuda")  # the only CUDA check left: the device's type
+        try:
+            return usable(self, chunks)
+        finally:
+            self.device = device
+
+    monkeypatch.setattr(runner_mod.ModelRunner, "_graphs_usable", on_cpu)
+
+
+def _workload(engine) -> tuple[dict, int]:
+    """Greedy, unseeded and seeded draws, a stop token and a request admitted mid-way (batches of
+    1-4 sequences: several graph buckets); returns each request's tokens and the graph replays."""
+    prompt = random_prompt(12, seed=21)
+    engine.add_request("greedy", prompt, greedy(14))
+    engine.add_request("free", random_prompt(7, seed=22), SamplingParams(max_tokens=11, temperature=0.9, ignore_eos=True))
+    engine.add_request("seeded", prompt, SamplingParams(max_tokens=9, temperature=1.1, seed=4, ignore_eos=True))
+    outputs = {}
+    for _ in range(5):
+        for out in engine.step():
+            outputs[out.request_id] = out
+    engine.add_request("late", random_prompt(9, seed=23), greedy(6))
+    outputs.update(run_to_end(engine))
+    return {r: o.token_ids for r, o in outputs.items() if o.finished}, engine.runner.num_graph_replays
+
+
+def test_decode_graph_steps_give_the_eager_steps_tokens(cpu_graphs, checkpoint_dir):
+    path = checkpoint_dir("mamba2")
+    expected, eager_replays = _workload(make_engine(path, enable_cuda_graph=False, enable_overlap_schedule=True))
+    got, replays = _workload(make_engine(path, enable_cuda_graph=True, enable_overlap_schedule=True))
+    assert eager_replays == 0 and replays >= 10
+    assert got == expected and len(got) == 4
