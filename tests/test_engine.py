@@ -152,8 +152,10 @@ def test_seeded_sampling_is_reproducible_and_params_matter(checkpoint_dir):
     assert len(set(tokens)) == len(tokens)
 
 
-def test_logprobs_are_those_of_the_model(checkpoint_dir):
-    engine = make_engine(checkpoint_dir("nemotron"))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_logprobs_are_those_of_the_model(dtype, checkpoint_dir):
+    """Of the logits as the model returns them (in its dtype), widened to float32 as the sampler does."""
+    engine = make_engine(checkpoint_dir("nemotron"), dtype=dtype)
     logits = record_logits(engine)
     engine.add_request("r", random_prompt(9, seed=9), greedy(3, logprobs=4))
     entries = []
@@ -162,7 +164,7 @@ def test_logprobs_are_those_of_the_model(checkpoint_dir):
             entries.extend(out.logprobs or [])
     assert len(entries) == 3
     for entry, step_logits in zip(entries, logits):
-        ref = torch.log_softmax(step_logits[0], dim=-1)
+        ref = torch.log_softmax(step_logits[0].float(), dim=-1)
         assert entry.token_id == int(ref.argmax())
         assert abs(entry.logprob - float(ref.max())) < 1e-5
         assert [t for t, _ in entry.top] == ref.topk(4).indices.tolist()
