@@ -6,8 +6,6 @@ test_gpu_ops.py on a GPU."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 
@@ -42,18 +40,7 @@ def cpu_graphs(monkeypatch):
     monkeypatch.setattr(torch.cuda, "Event", _NoEvent)
     monkeypatch.setattr(runner_mod.ModelRunner, "_record", lambda self, forward: (lambda out: (_Replayed(forward, out), out))(forward()))
     monkeypatch.setattr(runner_mod.ModelRunner, "_prefill_graph_usable", lambda self, chunks: False)
-    graph_safe = runner_mod.kernels
-    monkeypatch.setattr(runner_mod, "kernels", lambda: replace(graph_safe(), graph_safe_decode=True))
-    usable = runner_mod.ModelRunner._graphs_usable
-
-    def on_cpu(self, chunks):
-        device, self.device = self.device, torch.device("cuda")  # the only CUDA check left: the device's type
-        try:
-            return usable(self, chunks)
-        finally:
-            self.device = device
-
-    monkeypatch.setattr(runner_mod.ModelRunner, "_graphs_usable", on_cpu)
+    monkeypatch.setattr(runner_mod.ModelRunner, "_graphs_enabled", lambda self: self.enable_cuda_graph)  # not only on CUDA
 
 
 def _workload(engine) -> tuple[dict, int]:

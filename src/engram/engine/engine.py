@@ -259,9 +259,8 @@ class LLMEngine:
         return samples_on_device(p) and p.logprobs is None
 
     def _sample_on_device(self, logits: torch.Tensor, seqs: list[Sequence]) -> InFlightTokens:
-        sampled = sample_on_device(
-            logits, [seq.params for seq in seqs], self._default_generator, out=self.runner.sampled[: len(seqs)], argmax_done=self.runner.argmax_in_sampled
-        )
+        params, out = [seq.params for seq in seqs], self.runner.sampled[: len(seqs)]
+        sampled = sample_on_device(logits, params, self._default_generator, out=out, argmax_done=self.runner.argmax_in_sampled)
         tokens = sampled.to("cpu", non_blocking=True, copy=True)
         ready = None
         if self.device.type == "cuda":

@@ -57,8 +57,13 @@ class ModelRunner:
         self._graph_pool = None
         self._inputs_sent: torch.cuda.Event | None = None  # marks the last replay's copies out of the pinned inputs
         self.num_graph_replays = 0
-        # The last device-sampled step's tokens, one row per completing sequence (at most one per slot).
-        self.sampled = torch.zeros(state_pool.num_slots, dtype=torch.int64, device=device)
+        # The last device-sampled step's tokens, one row per completing sequence (at most one per slot),
+        # then (with CUDA graphs) the decode graphs' inputs, in one buffer: a decode graph gathers each
+        # row's token from either (`_alloc_static`).
+        slots = state_pool.num_slots
+        graph_words = (12 + self._table_width()) * self._max_graph_batch() if self._graphs_enabled() else 0
+        self._device_words = torch.zeros(2 * slots + graph_words, dtype=torch.int32, device=device)
+        self.sampled = self._device_words[: 2 * slots].view(torch.int64)
         self.argmax_in_sampled = False  # the last run was a decode graph: `sampled` holds its rows' argmax
 
     # ---- eager batches (prefill, mixed steps, CPU) --------------------------------------------
@@ -124,8 +129,11 @@ class ModelRunner:
 
     # ---- CUDA graphs for decode steps -----------------------------------------------------------
 
+    def _graphs_enabled(self) -> bool:
+        return self.enable_cuda_graph and self.device.type == "cuda" and kernels().graph_safe_decode
+
     def _graphs_usable(self, chunks: list[ScheduledChunk]) -> bool:
-        if not (self.enable_cuda_graph and self.device.type == "cuda" and kernels().graph_safe_decode):
+        if not self._graphs_enabled():
             return False
         if not chunks or len(chunks) > self._max_graph_batch():
             return False
@@ -148,34 +156,31 @@ class ModelRunner:
                 return b
         return self._max_graph_batch()
 
+    def _table_width(self) -> int:
+        """Block-table columns of the decode graphs' inputs."""
+        return self._max_pages() if self.kv_pool.needs_pages else 1
+
     def _alloc_static(self) -> None:
         bmax = self._max_graph_batch()
-        width = self._max_pages() if self.kv_pool.needs_pages else 1
+        width = self._table_width()
         dev = self.device
         # A step's inputs, sent in one copy: six int64 rows (input_ids, positions, slots, slot_mapping,
         # context, where each row's input token is), then the block tables (int32, column-major). On
-        # the device they follow `sampled` (moved there), so that one gather takes each row's token
-        # from `sampled` (in flight) or from the sent input_ids.
+        # the device they follow `sampled`, so that one gather takes each row's token from `sampled`
+        # (in flight) or from the sent input_ids.
         slots = self.state_pool.num_slots
         self._packed_words = 12 * bmax  # int32 words of the six int64 rows
-        self._host_inputs = torch.zeros(self._packed_words + width * bmax, dtype=torch.int32).pin_memory()
+        inputs = self._device_words[2 * slots :]  # sized in __init__
+        self._host_inputs = torch.zeros_like(inputs, device="cpu").pin_memory()
         self._host = self._host_inputs[: self._packed_words].view(torch.int64).view(6, bmax)
         self._host_np = self._host.numpy()
         self._host_tables_np = self._host_inputs[self._packed_words :].view(width, bmax).numpy()
         self._sent_token_index = np.arange(slots, slots + bmax)  # row i's sent id, in `tokens` below
-        # The sampler updates `sampled` outside inference mode: neither it nor the views made of it may be
-        # inference tensors.
-        with torch.inference_mode(False):
-            device_words = torch.zeros(2 * slots + self._host_inputs.numel(), dtype=torch.int32, device=dev)
-            tokens = device_words[: 2 * slots + 2 * bmax].view(torch.int64)  # sampled, then input_ids
-            tokens[:slots].copy_(self.sampled)
-            self.sampled = tokens[:slots]
-        inputs = device_words[2 * slots :]
         self._static = {
             "inputs": inputs,
             "packed": inputs[: self._packed_words].view(torch.int64).view(6, bmax),
             "tables_t": inputs[self._packed_words :].view(width, bmax),
-            "tokens": tokens,
+            "tokens": self._device_words[: 2 * slots + 2 * bmax].view(torch.int64),  # sampled, then input_ids
             "input_ids": torch.zeros(bmax, dtype=torch.int64, device=dev),
             "cu": torch.arange(bmax + 1, dtype=torch.int64, device=dev),
             "logits_indices": torch.arange(bmax, dtype=torch.int64, device=dev),
@@ -294,7 +299,7 @@ class ModelRunner:
     # ---- CUDA graphs for short single-sequence prefills -------------------------------------------
 
     def _prefill_graph_usable(self, chunks: list[ScheduledChunk]) -> bool:
-        if not (self.enable_cuda_graph and self.device.type == "cuda" and kernels().graph_safe_decode):
+        if not self._graphs_enabled():
             return False
         if len(chunks) != 1:
             return False
@@ -305,7 +310,7 @@ class ModelRunner:
 
     def _alloc_prefill_static(self) -> None:
         tmax = _PREFILL_BUCKETS[-1]
-        width = self._max_pages() if self.kv_pool.needs_pages else 1
+        width = self._table_width()
         dev = self.device
         n = 3 * tmax + 5  # ids | positions | slot mapping | slot, cu[0], cu[1], context, logits row
         self._pf_host = torch.zeros(n, dtype=torch.int64).pin_memory()
