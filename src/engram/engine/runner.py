@@ -31,6 +31,7 @@ _GRAPH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 
 # Short prefills of one sequence (a new turn on top of a kept state) also replay graphs, per
 # token-count bucket; the kernels read the true length from device tensors.
 _PREFILL_BUCKETS = (16, 32, 64, 128)
+_PACKED_ROWS = 6  # int64 rows of a decode graph's packed inputs (`_alloc_static`)
 
 
 class ModelRunner:
@@ -61,7 +62,7 @@ class ModelRunner:
         # then (with CUDA graphs) the decode graphs' inputs, in one buffer: a decode graph gathers each
         # row's token from either (`_alloc_static`).
         slots = state_pool.num_slots
-        graph_words = (12 + self._table_width()) * self._max_graph_batch() if self._graphs_enabled() else 0
+        graph_words = (2 * _PACKED_ROWS + self._table_width()) * self._max_graph_batch() if self._graphs_enabled() else 0
         self._device_words = torch.zeros(2 * slots + graph_words, dtype=torch.int32, device=device)
         self.sampled = self._device_words[: 2 * slots].view(torch.int64)
         self.argmax_in_sampled = False  # the last run was a decode graph: `sampled` holds its rows' argmax
@@ -169,16 +170,16 @@ class ModelRunner:
         # the device they follow `sampled`, so that one gather takes each row's token from `sampled`
         # (in flight) or from the sent input_ids.
         slots = self.state_pool.num_slots
-        self._packed_words = 12 * bmax  # int32 words of the six int64 rows
+        self._packed_words = 2 * _PACKED_ROWS * bmax  # int32 words of the int64 rows
         inputs = self._device_words[2 * slots :]  # sized in __init__
         self._host_inputs = torch.zeros_like(inputs, device="cpu").pin_memory()
-        self._host = self._host_inputs[: self._packed_words].view(torch.int64).view(6, bmax)
+        self._host = self._host_inputs[: self._packed_words].view(torch.int64).view(_PACKED_ROWS, bmax)
         self._host_np = self._host.numpy()
         self._host_tables_np = self._host_inputs[self._packed_words :].view(width, bmax).numpy()
         self._sent_token_index = np.arange(slots, slots + bmax)  # row i's sent id, in `tokens` below
         self._static = {
             "inputs": inputs,
-            "packed": inputs[: self._packed_words].view(torch.int64).view(6, bmax),
+            "packed": inputs[: self._packed_words].view(torch.int64).view(_PACKED_ROWS, bmax),
             "tables_t": inputs[self._packed_words :].view(width, bmax),
             "tokens": self._device_words[: 2 * slots + 2 * bmax].view(torch.int64),  # sampled, then input_ids
             "input_ids": torch.zeros(bmax, dtype=torch.int64, device=dev),

@@ -54,7 +54,8 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Next-token logits (float32) for the rows `batch.logits_indices`.
+        """Next-token logits for the rows `batch.logits_indices`, in the LM head's dtype (float32
+        when the model scales them).
 
         Each block takes and returns (output, residual stream): a block's output is added to the
         stream by the next block's first norm, in one fused kernel (`RMSNorm.add_and_norm`)."""
