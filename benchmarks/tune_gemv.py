@@ -126,7 +126,7 @@ def main() -> None:
         ws = [rnd(n, k) for _ in range(COPIES)]
         x = rnd(m, k)
         nbytes = n * k * 2
-        key, grid = ("linear", GRID) if gemv else (triton_ops.linear.linear_dot_config_key(n, x.device), LINEAR_DOT_GRID)
+        key, grid = ("linear", GRID) if gemv else (triton_ops.linear.linear_dot_config_key(n, m, x.device), LINEAR_DOT_GRID)
         t_cublas = time_graph(lambda i: F.linear(x, ws[i]), COPIES)
         print(f"{name} [{n} x {k}], {m} row(s): cuBLAS {t_cublas * 1e6:.2f} us ({nbytes / t_cublas / 1e12:.2f} TB/s)", flush=True)
         r = sweep(key, lambda i: triton_ops.linear.linear(x, ws[i]), COPIES, nbytes, grid)

@@ -40,6 +40,7 @@ GRIDS = {
     "moe_grouped_down": list(itertools.product((64, 128), (64, 128), (4,), (3, 4))),
     "linear_dot": list(itertools.product((16, 32, 64, 128), (64, 128, 256), (4, 8), (3, 4))),
     "linear_dot_narrow": list(itertools.product((16, 32), (128, 256), (4,), (3, 4))),
+    "linear_dot_narrow_64": list(itertools.product((16, 32), (128, 256), (4,), (3, 4, 5, 8))),
 }
 
 

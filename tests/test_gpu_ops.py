@@ -100,7 +100,8 @@ def test_linear(dtype, rows, bias):
     # one, two and four blocks of K; layers narrow and wide for the tensor-core kernel's blocks; a K
     # too short for tensor cores (cuBLAS then)
     shapes = ((40, 96), (200, 1536 + 16), (24, 3072 + 16), (triton_ops.linear.LINEAR_DOT_WIDE_COLUMNS_PER_SM * sms + 8, 256), (40, 8))
-    assert {triton_ops.linear.linear_dot_config_key(n, torch.device(DEV)) for n, _ in shapes} == {"linear_dot", "linear_dot_narrow"}
+    narrow = "linear_dot_narrow_64" if rows > 32 else "linear_dot_narrow"
+    assert {triton_ops.linear.linear_dot_config_key(n, rows, torch.device(DEV)) for n, _ in shapes} == {"linear_dot", narrow}
     for n, k in shapes:
         x, w = _randn(rows, k, g=g, dtype=dtype), _randn(n, k, g=g, dtype=dtype) * 0.05
         for b in (_randn(n, g=g, dtype=dtype), _randn(2 * n, g=g, dtype=dtype)[::2]) if bias else (None,):  # the second strided
