@@ -1,6 +1,11 @@
 """Block sizes of the decode kernels, timed inside the whole model (`triton_ops.blocks.GEMV_CONFIG`).
 
     python benchmarks/tune_in_model.py [--config granite-4.0-h-tiny] [--batch 64] [--keys moe_grouped_up,moe_grouped_down]
+    python benchmarks/tune_in_model.py --batch 64 --variants variants.py
+
+With --variants, the file defines VARIANTS = {name: {setting: value}}, a setting being "module.NAME"
+or "module.DICT[key]" of a module of engram.ops.triton_ops (a threshold, a GEMV_CONFIG entry): each
+variant is applied on top of the starting values and timed the same way, two rounds in turn.
 
 tune_gemv.py times one kernel alone, on uniform routing; inside a decode step a kernel can rank the
 configurations differently (the model's own routing, the kernels around it). This builds the engine
@@ -12,8 +17,10 @@ time of one step). Each entry keeps its best configuration for the entries after
 from __future__ import annotations
 
 import argparse
+import importlib
 import itertools
 import json
+import runpy
 import sys
 import tempfile
 from dataclasses import replace
@@ -80,11 +87,45 @@ def routing_report(eng, batch: int) -> None:
           f"blocks of {bm} pairs per layer: mean {blocks.float().mean():.1f}", flush=True)
 
 
+def _setting(key: str) -> tuple[dict, str]:
+    """The dict holding a --variants setting ("module.NAME" or "module.DICT[key]"), and its key there."""
+    path, _, entry = key.rstrip("]").partition("[")
+    module, name = path.rsplit(".", 1)
+    holder = vars(importlib.import_module(f"engram.ops.triton_ops.{module}"))
+    return (holder[name], entry) if entry else (holder, name)
+
+
+def _apply(settings: dict) -> None:
+    for key, value in settings.items():
+        holder, k = _setting(key)
+        holder[k] = value
+
+
+def compare_variants(eng, batch: int, vocab: int, path: str) -> dict:
+    variants = runpy.run_path(path)["VARIANTS"]
+    start = {}
+    for settings in variants.values():
+        for key in settings:
+            holder, k = _setting(key)
+            start.setdefault(key, holder[k])
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(2):
+        for name, settings in variants.items():
+            _apply({**start, **settings})
+            times[name].append(step_ms(eng, batch, vocab))
+    _apply(start)
+    for name, ts in sorted(times.items(), key=lambda kv: sum(kv[1])):
+        mean = sum(ts) / len(ts)
+        print(f"batch {batch} {name:24s} {' '.join(f'{t:.4f}' for t in ts)} ms, mean {mean:.4f} ({batch / mean * 1e3:,.0f} tok/s)", flush=True)
+    return times
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="granite-4.0-h-tiny")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--keys", default="moe_grouped_up,moe_grouped_down", help=f"GEMV_CONFIG entries, of {sorted(GRIDS)}")
+    ap.add_argument("--variants", default=None, help="a file of named settings to time against each other (above)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     setup = argparse.Namespace(
@@ -99,7 +140,9 @@ def main() -> None:
         base = step_ms(eng, args.batch, vocab)
         print(f"current {dict(triton_ops.blocks.GEMV_CONFIG)}: {base:.3f} ms per step", flush=True)
         routing_report(eng, args.batch)
-        for key in args.keys.split(","):
+        if args.variants:
+            results["variants"] = compare_variants(eng, args.batch, vocab, args.variants)
+        for key in args.keys.split(",") if not args.variants else ():
             saved, rows = triton_ops.blocks.GEMV_CONFIG[key], []
             for cfg in GRIDS[key]:
                 triton_ops.blocks.GEMV_CONFIG[key] = cfg
