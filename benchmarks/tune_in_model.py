@@ -142,7 +142,7 @@ def main() -> None:
         routing_report(eng, args.batch)
         if args.variants:
             results["variants"] = compare_variants(eng, args.batch, vocab, args.variants)
-        for key in args.keys.split(",") if not args.variants else ():
+        for key in [] if args.variants else args.keys.split(","):
             saved, rows = triton_ops.blocks.GEMV_CONFIG[key], []
             for cfg in GRIDS[key]:
                 triton_ops.blocks.GEMV_CONFIG[key] = cfg

@@ -198,7 +198,8 @@ def gemv(x, weight, bias, conv=None, row_rsqrt=None):
 
 # A layer with at least this many output columns per SM takes the tensor-core kernel's "linear_dot"
 # blocks, a narrower one "linear_dot_narrow" (up to 32 rows) or "linear_dot_narrow_64" (33-64 rows,
-# BLOCK_M 64: a deeper pipeline there made the batch-64 step 0.2% shorter and batch 8 0.5% slower).
+# BLOCK_M 64). On the H200 the latter's deeper pipeline made the batch-64 step 0.2% shorter; at 8 rows
+# it was 0.5% slower, so the smaller batches keep theirs (BENCHMARKS.md).
 LINEAR_DOT_WIDE_COLUMNS_PER_SM = 32
 
 
