@@ -406,8 +406,9 @@ def test_a_damaged_record_is_refused_and_left_out_of_listings(engine, tmp_path):
     record = tmp_path / "bad" / "conversation.json"
     record.write_text(record.read_text()[:20])
     restarted = manager_for(engine, tmp_path)
-    with pytest.raises(ConversationRecordError, match="unreadable"):
+    with pytest.raises(ConversationRecordError, match="unreadable") as refused:
         restarted.get("bad")
+    assert str(tmp_path) not in str(refused.value)  # the message reaches API clients: no server paths
     assert [s["conversation_id"] for s in restarted.snapshots()] == ["ok"]
     assert restarted.preload(5) == 1
     restarted.delete_conversation("bad")  # deleting it still works

@@ -22,6 +22,7 @@ from engram.state.snapshot import (
     SnapshotError,
     SnapshotIncompatibleError,
     SnapshotNotFoundError,
+    reason_without_paths,
 )
 
 _ERROR_TYPES = {
@@ -70,8 +71,8 @@ def error_for(exc: Exception) -> APIError:
         if isinstance(exc, kind):
             return APIError(status, str(exc), code=code)
     if isinstance(exc, OSError):  # the snapshot and record files: a full disk, a folder it may not write
-        reason = exc.strerror or type(exc).__name__  # not str(exc): it names the server's own paths
-        return APIError(503, f"the server could not read or write its conversation storage: {reason}", code="storage_unavailable")
+        message = f"the server could not read or write its conversation storage: {reason_without_paths(exc)}"
+        return APIError(503, message, code="storage_unavailable")
     return APIError(500, f"internal error: {exc!r}")
 
 

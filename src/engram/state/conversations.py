@@ -38,7 +38,9 @@ from engram.state.snapshot import (
     read_manifest,
     read_tokens,
     save_snapshot,
+    snapshot_label,
     snapshot_path,
+    reason_without_paths,
     validate_id,
 )
 
@@ -249,9 +251,9 @@ class ConversationManager:
         try:
             conv = Conversation.from_json(json.loads(path.read_text()))
         except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
-            raise ConversationRecordError(f"the record of conversation {conversation_id!r} ({path}) is unreadable: {e!r}") from e
+            raise ConversationRecordError(f"the record of conversation {conversation_id!r} is unreadable: {reason_without_paths(e)}") from e
         if conv.conversation_id != conversation_id:
-            raise ConversationRecordError(f"{path} is the record of conversation {conv.conversation_id!r}, not {conversation_id!r}")
+            raise ConversationRecordError(f"the record of conversation {conversation_id!r} is that of {conv.conversation_id!r}")
         return conv
 
     def _remove_orphans(self, conv: Conversation) -> None:
@@ -537,7 +539,7 @@ class ConversationManager:
         recorded = (conv.conversation_id, turn.branch, turn.turn, turn.state_len)
         if named != recorded:
             raise SnapshotCorruptError(
-                f"{path}: the manifest names (conversation, branch, turn, state_len) {named!r}, the record {recorded!r}"
+                f"{snapshot_label(path)}: the manifest names (conversation, branch, turn, state_len) {named!r}, the record {recorded!r}"
             )
 
     def _load_turn(self, conversation_id: str, turn: Turn) -> SequenceState:
@@ -548,7 +550,7 @@ class ConversationManager:
         state, manifest = load_snapshot(path, self.spec, self.dtypes, self.model, self.tokenizer_sha256)
         self._check_belongs(manifest, path, conv, turn)
         if list(state.tokens[: state.state_len]) != conv.tokens(turn)[: state.state_len]:
-            raise SnapshotCorruptError(f"{path}: its tokens are not the recorded history of turn {turn.ref}")
+            raise SnapshotCorruptError(f"{snapshot_label(path)}: its tokens are not the recorded history of turn {turn.ref}")
         return state
 
     def snapshots(self, conversation_id: str | None = None) -> list[dict]:

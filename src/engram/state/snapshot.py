@@ -104,6 +104,20 @@ class SnapshotMeta:
             raise InvalidIdError(f"invalid parent {self.parent!r:.80}: expected '<branch>/<turn:06d>'")
 
 
+def snapshot_label(path: str | Path) -> str:
+    """A snapshot file as error messages name it: conversation/branch/turn file, the path below the
+    snapshot folder. The messages reach API clients, which the server's own paths are not for."""
+    return "/".join(Path(path).parts[-3:])
+
+
+def reason_without_paths(e: Exception) -> str:
+    """Why a read or write failed, for a message that reaches API clients: an OSError's text names
+    the server's path, its strerror does not."""
+    if isinstance(e, OSError):
+        return e.strerror or type(e).__name__
+    return str(e)
+
+
 def snapshot_path(root: str | Path, conversation_id: str, branch: str, turn: int) -> Path:
     return (
         Path(root)
@@ -244,17 +258,19 @@ def _read_header(path: Path) -> dict:
             size = os.fstat(f.fileno()).st_size
             raw = safetensors_header(f)
     except FileNotFoundError:
-        raise SnapshotNotFoundError(f"no snapshot at {path}") from None
+        raise SnapshotNotFoundError(f"no snapshot at {snapshot_label(path)}") from None
     except (OSError, ValueError) as e:
-        raise SnapshotCorruptError(f"{path}: unreadable header: {e}") from e
+        raise SnapshotCorruptError(f"{snapshot_label(path)}: unreadable header: {reason_without_paths(e)}") from e
     try:
         header = json.loads(raw)
         data_len = max((e["data_offsets"][1] for k, e in header.items() if k != "__metadata__"), default=0)
         complete_size = 8 + len(raw) + data_len
     except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
-        raise SnapshotCorruptError(f"{path}: malformed header: {e!r}") from e
+        raise SnapshotCorruptError(f"{snapshot_label(path)}: malformed header: {e!r}") from e
     if size != complete_size:
-        raise SnapshotCorruptError(f"{path}: truncated or incomplete: header describes {complete_size} bytes, file has {size}")
+        raise SnapshotCorruptError(
+            f"{snapshot_label(path)}: truncated or incomplete: header describes {complete_size} bytes, file has {size}"
+        )
     return header
 
 
@@ -262,9 +278,9 @@ def _parse_manifest(metadata: Any, path: Path) -> dict:
     try:
         manifest = json.loads(metadata["engram"])
     except (KeyError, TypeError, ValueError) as e:
-        raise SnapshotCorruptError(f"{path}: no readable 'engram' manifest in the header ({e!r})") from e
+        raise SnapshotCorruptError(f"{snapshot_label(path)}: no readable 'engram' manifest in the header ({e!r})") from e
     if not isinstance(manifest, dict):
-        raise SnapshotCorruptError(f"{path}: the 'engram' manifest is not a JSON object")
+        raise SnapshotCorruptError(f"{snapshot_label(path)}: the 'engram' manifest is not a JSON object")
     return manifest
 
 
@@ -283,25 +299,30 @@ def _check_compatible(
     manifest: dict, path: Path, spec: ModelSpec, dtypes: StateDtypes, model: ModelIdentity, tokenizer_sha256: str
 ) -> None:
     if manifest.get("format") != FORMAT:
-        raise SnapshotIncompatibleError(f"{path}: format {manifest.get('format')!r} is not supported (this build reads {FORMAT!r})")
+        raise SnapshotIncompatibleError(
+            f"{snapshot_label(path)}: format {manifest.get('format')!r} is not supported (this build reads {FORMAT!r})"
+        )
     saved_model = _section(manifest, "model")
     for key, ours in asdict(model).items():
         if saved_model.get(key) != ours:
             raise SnapshotIncompatibleError(
-                f"{path}: made by a different model: {key} is {saved_model.get(key)!r} in the snapshot, {ours!r} here"
+                f"{snapshot_label(path)}: made by a different model: {key} is {saved_model.get(key)!r} in the snapshot, {ours!r} here"
             )
     saved_tokenizer = _section(manifest, "tokenizer").get("sha256")
     if saved_tokenizer != tokenizer_sha256:
         raise SnapshotIncompatibleError(
-            f"{path}: made with a different tokenizer: sha256 {saved_tokenizer!r} in the snapshot, {tokenizer_sha256!r} here"
+            f"{snapshot_label(path)}: made with a different tokenizer: sha256 {saved_tokenizer!r} in the snapshot, "
+            f"{tokenizer_sha256!r} here"
         )
     if manifest.get("layout") != spec.layout():
-        raise SnapshotIncompatibleError(f"{path}: layer layout differs: {manifest.get('layout')} in the snapshot, {spec.layout()} here")
+        raise SnapshotIncompatibleError(
+            f"{snapshot_label(path)}: layer layout differs: {manifest.get('layout')} in the snapshot, {spec.layout()} here"
+        )
     saved_dtypes = _section(manifest, "dtypes")
     for key, ours in _dtype_names(dtypes).items():
         if saved_dtypes.get(key) != ours:
             raise SnapshotIncompatibleError(
-                f"{path}: state dtype differs: {key} is {saved_dtypes.get(key)!r} in the snapshot, {ours!r} here"
+                f"{snapshot_label(path)}: state dtype differs: {key} is {saved_dtypes.get(key)!r} in the snapshot, {ours!r} here"
             )
 
 
@@ -324,23 +345,23 @@ def load_snapshot(
     try:
         f = safe_open(str(path), framework="pt", device="cpu")
     except Exception as e:
-        raise SnapshotCorruptError(f"{path}: unreadable: {e}") from e
+        raise SnapshotCorruptError(f"{snapshot_label(path)}: unreadable: {reason_without_paths(e)}") from e
     with f:
         manifest = _parse_manifest(f.metadata(), path)
         _check_compatible(manifest, path, spec, dtypes, model, tokenizer_sha256)
         try:
             tensors = {name: f.get_tensor(name) for name in f.keys()}
         except Exception as e:
-            raise SnapshotCorruptError(f"{path}: unreadable tensor data: {e}") from e
+            raise SnapshotCorruptError(f"{snapshot_label(path)}: unreadable tensor data: {reason_without_paths(e)}") from e
     if tensor_checksum(tensors) != manifest.get("checksum"):
-        raise SnapshotCorruptError(f"{path}: checksum mismatch: the tensor data is not what was saved")
+        raise SnapshotCorruptError(f"{snapshot_label(path)}: checksum mismatch: the tensor data is not what was saved")
     tokens = tensors.pop("tokens", None)
     try:
         _check_tokens(tokens, manifest.get("token_count"), manifest.get("state_len"), spec.vocab_size)
         state = SequenceState(tokens.tolist(), manifest["state_len"], tensors)
         check_state(spec, dtypes, state)
     except ValueError as e:
-        raise SnapshotCorruptError(f"{path}: {e}") from e
+        raise SnapshotCorruptError(f"{snapshot_label(path)}: {e}") from e
     state.tensors = {name: t.to(device) for name, t in tensors.items()}
     return state, manifest
 
@@ -351,7 +372,7 @@ def read_tokens(path: str | Path) -> list[int]:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             return f.get_tensor("tokens").tolist()
     except Exception as e:
-        raise SnapshotCorruptError(f"{path}: unreadable tokens: {e}") from e
+        raise SnapshotCorruptError(f"{snapshot_label(path)}: unreadable tokens: {reason_without_paths(e)}") from e
 
 
 def list_snapshots(root: str | Path, conversation_id: str | None = None) -> list[dict]:
@@ -375,5 +396,5 @@ def delete_snapshot(path: str | Path) -> None:
     try:
         path.unlink()
     except FileNotFoundError:
-        raise SnapshotNotFoundError(f"no snapshot at {path}") from None
+        raise SnapshotNotFoundError(f"no snapshot at {snapshot_label(path)}") from None
     _fsync_dir(path.parent)
