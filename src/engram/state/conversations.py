@@ -37,10 +37,10 @@ from engram.state.snapshot import (
     load_snapshot,
     read_manifest,
     read_tokens,
+    reason_without_paths,
     save_snapshot,
     snapshot_label,
     snapshot_path,
-    reason_without_paths,
     validate_id,
 )
 
