@@ -259,14 +259,9 @@ class LLMEngine:
         return samples_on_device(p) and p.logprobs is None
 
     def _sample_on_device(self, logits: torch.Tensor, seqs: list[Sequence]) -> InFlightTokens:
-        params, out = [seq.params for seq in seqs], self.runner.sampled[: len(seqs)]
-        sampled = sample_on_device(logits, params, self._default_generator, out=out, argmax_done=self.runner.argmax_in_sampled)
-        tokens = sampled.to("cpu", non_blocking=True, copy=True)
-        ready = None
-        if self.device.type == "cuda":
-            ready = torch.cuda.Event()
-            ready.record()
-        return InFlightTokens(seqs, tokens, ready)
+        out = self.runner.writable_sampled(len(seqs))
+        sample_on_device(logits, [seq.params for seq in seqs], self._default_generator, out=out, argmax_done=self.runner.argmax_in_sampled)
+        return InFlightTokens(seqs, *self.runner.copy_sampled_to_host(len(seqs)))
 
     def _mark_inflight(self, launched: InFlightTokens) -> None:
         """Sequences that go on after their in-flight token are scheduled on it; one that this token

@@ -11,7 +11,8 @@ With overlapped scheduling a step can be launched before the previous step's tok
 host: a sequence whose input token is still in flight (`num_inflight`) reads it from `sampled`,
 where the engine's device-side sampling left it, by its row (`inflight_row`). A decode graph takes
 each row's token with one gather (from `sampled` or from the ids sent with the step) and leaves
-each row's argmax in `sampled` at its end, so that between two replays there are only the copies.
+each row's argmax in `sampled` at its end. The tokens go to the host on a side stream, beside the
+next step's input copy, so that between two replays there is only that copy.
 """
 
 from __future__ import annotations
@@ -66,6 +67,8 @@ class ModelRunner:
         self._device_words = torch.zeros(2 * slots + graph_words, dtype=torch.int32, device=device)
         self.sampled = self._device_words[: 2 * slots].view(torch.int64)
         self.argmax_in_sampled = False  # the last run was a decode graph: `sampled` holds its rows' argmax
+        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._sampled_copied: torch.cuda.Event | None = None  # the last copy of `sampled` to the host
 
     # ---- eager batches (prefill, mixed steps, CPU) --------------------------------------------
 
@@ -243,6 +246,7 @@ class ModelRunner:
     def _capture(self, b: int) -> None:
         if self._static is None:
             self._alloc_static()
+        self.wait_sampled_copied()
         self._fill_padding()  # padding rows only: the warm-up and capture touch no state
         batch = self._graph_batch(b)
         in_flight = self.sampled.clone()  # the warm-up's argmax overwrites tokens this step still reads
@@ -260,6 +264,7 @@ class ModelRunner:
         if self._inputs_sent is None:
             self._inputs_sent = torch.cuda.Event()
         self._inputs_sent.record()
+        self.wait_sampled_copied()
         graph.replay()
         self.num_graph_replays += 1
 
@@ -385,6 +390,32 @@ class ModelRunner:
         graph, logits = self._prefill_graphs[tb]
         self._replay(graph)
         return logits
+
+    # ---- the sampled tokens' way to the host ------------------------------------------------------
+
+    def copy_sampled_to_host(self, n: int) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """The first n rows of `sampled` on the host, and (on CUDA) the event that marks them there.
+        The copy runs on a side stream, beside the next step's input copy: whatever writes `sampled`
+        next waits for it first (`wait_sampled_copied`)."""
+        if self._copy_stream is None:
+            return self.sampled[:n].clone(), None
+        self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._copy_stream):
+            tokens = self.sampled[:n].to("cpu", non_blocking=True)
+            self._sampled_copied = torch.cuda.Event()
+            self._sampled_copied.record()
+        return tokens, self._sampled_copied
+
+    def writable_sampled(self, n: int) -> torch.Tensor:
+        """The first n rows of `sampled`, for the current stream to write once their last copy is done."""
+        self.wait_sampled_copied()
+        return self.sampled[:n]
+
+    def wait_sampled_copied(self) -> None:
+        """Before `sampled` is written again: the current stream waits for its last copy to the host."""
+        if self._sampled_copied is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._sampled_copied)
+            self._sampled_copied = None
 
     # ---- entry point ---------------------------------------------------------------------------
 
