@@ -6,6 +6,8 @@ test_gpu_ops.py on a GPU."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -66,3 +68,16 @@ def test_decode_graph_steps_give_the_eager_steps_tokens(cpu_graphs, checkpoint_d
     got, replays = _workload(make_engine(path, device="cpu", enable_cuda_graph=True, enable_overlap_schedule=True))
     assert eager_replays == 0 and replays >= 10
     assert got == expected and len(got) == 4
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_cyclic_collector_is_paused_while_a_graph_is_captured(enabled):
+    """A collection inside a capture can free another engine's graphs or events: that call invalidates
+    the capture (seen on an H200 with several engines in one process)."""
+    (gc.enable if enabled else gc.disable)()
+    try:
+        with runner_mod._garbage_collection_paused():
+            assert not gc.isenabled()
+        assert gc.isenabled() == enabled
+    finally:
+        gc.enable()

@@ -17,7 +17,9 @@ next step's input copy, so that between two replays there is only that copy.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -33,6 +35,19 @@ _GRAPH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 
 # token-count bucket; the kernels read the true length from device tensors.
 _PREFILL_BUCKETS = (16, 32, 64, 128)
 _PACKED_ROWS = 6  # int64 rows of a decode graph's packed inputs (`_alloc_static`)
+
+
+@contextmanager
+def _garbage_collection_paused():
+    """Python's cyclic collector paused: run inside a capture it could free CUDA objects (another
+    engine's graphs, events), a call that invalidates the capture."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class ModelRunner:
@@ -238,7 +253,7 @@ class ModelRunner:
                 forward()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool, stream=stream):
+        with _garbage_collection_paused(), torch.cuda.graph(graph, pool=self._graph_pool, stream=stream):
             logits = forward()
         torch.cuda.synchronize(self.device)  # the pinned input buffers are refilled right after
         return graph, logits
