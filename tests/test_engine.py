@@ -64,9 +64,15 @@ def test_split_prefill_resumed_from_captured_state_equals_unsplit(kind, split, c
     logits.clear()
     engine.add_request("resumed", prompt, greedy(10), initial_state=state)
     resumed = run_to_end(engine)["resumed"]
-    torch.testing.assert_close(logits[0][0], full_first_logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits[0][0], full_first_logits, **_split_logits_tolerance(engine))
     assert resumed.token_ids == full.token_ids
     assert resumed.num_cached_tokens == split
+
+
+def _split_logits_tolerance(engine) -> dict:
+    """float32 logits agree to ~1e-5; bfloat16 ones (the default on CUDA) within kernel noise: the split
+    changes which kernels compute which rows (DESIGN.md). On an H200 the largest gap was 0.07."""
+    return dict(atol=1e-4, rtol=1e-4) if engine.dtype == torch.float32 else dict(atol=0.125, rtol=0.0)
 
 
 def test_resume_without_attention_kv_is_refused(checkpoint_dir):
