@@ -261,7 +261,7 @@ class ModelRunner:
     def _capture(self, b: int) -> None:
         if self._static is None:
             self._alloc_static()
-        self.wait_sampled_copied()
+        self._wait_sampled_copied()
         self._fill_padding()  # padding rows only: the warm-up and capture touch no state
         batch = self._graph_batch(b)
         in_flight = self.sampled.clone()  # the warm-up's argmax overwrites tokens this step still reads
@@ -279,7 +279,6 @@ class ModelRunner:
         if self._inputs_sent is None:
             self._inputs_sent = torch.cuda.Event()
         self._inputs_sent.record()
-        self.wait_sampled_copied()
         graph.replay()
         self.num_graph_replays += 1
 
@@ -314,6 +313,7 @@ class ModelRunner:
         sent = self._packed_words + (width * tables.shape[1] if paged else 0)
         self._static["inputs"][:sent].copy_(self._host_inputs[:sent], non_blocking=True)
         graph, logits = self._graphs[b]
+        self._wait_sampled_copied()  # the graph's argmax writes `sampled`
         self._replay(graph)
         return logits[:n]
 
@@ -411,7 +411,7 @@ class ModelRunner:
     def copy_sampled_to_host(self, n: int) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """The first n rows of `sampled` on the host, and (on CUDA) the event that marks them there.
         The copy runs on a side stream, beside the next step's input copy: whatever writes `sampled`
-        next waits for it first (`wait_sampled_copied`)."""
+        next waits for it first (`_wait_sampled_copied`)."""
         if self._copy_stream is None:
             return self.sampled[:n].clone(), None
         self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -423,10 +423,10 @@ class ModelRunner:
 
     def writable_sampled(self, n: int) -> torch.Tensor:
         """The first n rows of `sampled`, for the current stream to write once their last copy is done."""
-        self.wait_sampled_copied()
+        self._wait_sampled_copied()
         return self.sampled[:n]
 
-    def wait_sampled_copied(self) -> None:
+    def _wait_sampled_copied(self) -> None:
         """Before `sampled` is written again: the current stream waits for its last copy to the host."""
         if self._sampled_copied is not None:
             torch.cuda.current_stream(self.device).wait_event(self._sampled_copied)

@@ -253,41 +253,42 @@ def save_snapshot(
 
 def _read_header(path: Path) -> dict:
     """The parsed safetensors header, after checking the file holds all the tensor data it describes."""
+    where = snapshot_label(path)
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             raw = safetensors_header(f)
     except FileNotFoundError:
-        raise SnapshotNotFoundError(f"no snapshot at {snapshot_label(path)}") from None
+        raise SnapshotNotFoundError(f"no snapshot at {where}") from None
     except (OSError, ValueError) as e:
-        raise SnapshotCorruptError(f"{snapshot_label(path)}: unreadable header: {reason_without_paths(e)}") from e
+        raise SnapshotCorruptError(f"{where}: unreadable header: {reason_without_paths(e)}") from e
     try:
         header = json.loads(raw)
         data_len = max((e["data_offsets"][1] for k, e in header.items() if k != "__metadata__"), default=0)
         complete_size = 8 + len(raw) + data_len
     except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
-        raise SnapshotCorruptError(f"{snapshot_label(path)}: malformed header: {e!r}") from e
+        raise SnapshotCorruptError(f"{where}: malformed header: {e!r}") from e
     if size != complete_size:
         raise SnapshotCorruptError(
-            f"{snapshot_label(path)}: truncated or incomplete: header describes {complete_size} bytes, file has {size}"
+            f"{where}: truncated or incomplete: header describes {complete_size} bytes, file has {size}"
         )
     return header
 
 
-def _parse_manifest(metadata: Any, path: Path) -> dict:
+def _parse_manifest(metadata: Any, where: str) -> dict:
     try:
         manifest = json.loads(metadata["engram"])
     except (KeyError, TypeError, ValueError) as e:
-        raise SnapshotCorruptError(f"{snapshot_label(path)}: no readable 'engram' manifest in the header ({e!r})") from e
+        raise SnapshotCorruptError(f"{where}: no readable 'engram' manifest in the header ({e!r})") from e
     if not isinstance(manifest, dict):
-        raise SnapshotCorruptError(f"{snapshot_label(path)}: the 'engram' manifest is not a JSON object")
+        raise SnapshotCorruptError(f"{where}: the 'engram' manifest is not a JSON object")
     return manifest
 
 
 def read_manifest(path: str | Path) -> dict:
     """The manifest, read from the header alone (no tensor data), for fast listing."""
     path = Path(path)
-    return _parse_manifest(_read_header(path).get("__metadata__"), path)
+    return _parse_manifest(_read_header(path).get("__metadata__"), snapshot_label(path))
 
 
 def _section(manifest: dict, key: str) -> dict:
@@ -296,33 +297,33 @@ def _section(manifest: dict, key: str) -> dict:
 
 
 def _check_compatible(
-    manifest: dict, path: Path, spec: ModelSpec, dtypes: StateDtypes, model: ModelIdentity, tokenizer_sha256: str
+    manifest: dict, where: str, spec: ModelSpec, dtypes: StateDtypes, model: ModelIdentity, tokenizer_sha256: str
 ) -> None:
     if manifest.get("format") != FORMAT:
         raise SnapshotIncompatibleError(
-            f"{snapshot_label(path)}: format {manifest.get('format')!r} is not supported (this build reads {FORMAT!r})"
+            f"{where}: format {manifest.get('format')!r} is not supported (this build reads {FORMAT!r})"
         )
     saved_model = _section(manifest, "model")
     for key, ours in asdict(model).items():
         if saved_model.get(key) != ours:
             raise SnapshotIncompatibleError(
-                f"{snapshot_label(path)}: made by a different model: {key} is {saved_model.get(key)!r} in the snapshot, {ours!r} here"
+                f"{where}: made by a different model: {key} is {saved_model.get(key)!r} in the snapshot, {ours!r} here"
             )
     saved_tokenizer = _section(manifest, "tokenizer").get("sha256")
     if saved_tokenizer != tokenizer_sha256:
         raise SnapshotIncompatibleError(
-            f"{snapshot_label(path)}: made with a different tokenizer: sha256 {saved_tokenizer!r} in the snapshot, "
+            f"{where}: made with a different tokenizer: sha256 {saved_tokenizer!r} in the snapshot, "
             f"{tokenizer_sha256!r} here"
         )
     if manifest.get("layout") != spec.layout():
         raise SnapshotIncompatibleError(
-            f"{snapshot_label(path)}: layer layout differs: {manifest.get('layout')} in the snapshot, {spec.layout()} here"
+            f"{where}: layer layout differs: {manifest.get('layout')} in the snapshot, {spec.layout()} here"
         )
     saved_dtypes = _section(manifest, "dtypes")
     for key, ours in _dtype_names(dtypes).items():
         if saved_dtypes.get(key) != ours:
             raise SnapshotIncompatibleError(
-                f"{snapshot_label(path)}: state dtype differs: {key} is {saved_dtypes.get(key)!r} in the snapshot, {ours!r} here"
+                f"{where}: state dtype differs: {key} is {saved_dtypes.get(key)!r} in the snapshot, {ours!r} here"
             )
 
 
@@ -341,27 +342,28 @@ def load_snapshot(
     not as, say, a non-finite value.
     """
     path = Path(path)
+    where = snapshot_label(path)
     _read_header(path)  # clear 'not found' / 'truncated' messages before safetensors sees the file
     try:
         f = safe_open(str(path), framework="pt", device="cpu")
     except Exception as e:
-        raise SnapshotCorruptError(f"{snapshot_label(path)}: unreadable: {reason_without_paths(e)}") from e
+        raise SnapshotCorruptError(f"{where}: unreadable: {reason_without_paths(e)}") from e
     with f:
-        manifest = _parse_manifest(f.metadata(), path)
-        _check_compatible(manifest, path, spec, dtypes, model, tokenizer_sha256)
+        manifest = _parse_manifest(f.metadata(), where)
+        _check_compatible(manifest, where, spec, dtypes, model, tokenizer_sha256)
         try:
             tensors = {name: f.get_tensor(name) for name in f.keys()}
         except Exception as e:
-            raise SnapshotCorruptError(f"{snapshot_label(path)}: unreadable tensor data: {reason_without_paths(e)}") from e
+            raise SnapshotCorruptError(f"{where}: unreadable tensor data: {reason_without_paths(e)}") from e
     if tensor_checksum(tensors) != manifest.get("checksum"):
-        raise SnapshotCorruptError(f"{snapshot_label(path)}: checksum mismatch: the tensor data is not what was saved")
+        raise SnapshotCorruptError(f"{where}: checksum mismatch: the tensor data is not what was saved")
     tokens = tensors.pop("tokens", None)
     try:
         _check_tokens(tokens, manifest.get("token_count"), manifest.get("state_len"), spec.vocab_size)
         state = SequenceState(tokens.tolist(), manifest["state_len"], tensors)
         check_state(spec, dtypes, state)
     except ValueError as e:
-        raise SnapshotCorruptError(f"{snapshot_label(path)}: {e}") from e
+        raise SnapshotCorruptError(f"{where}: {e}") from e
     state.tensors = {name: t.to(device) for name, t in tensors.items()}
     return state, manifest
 
