@@ -1,7 +1,7 @@
 """Block sizes of the decode kernels, timed inside the whole model (`triton_ops.blocks.GEMV_CONFIG`).
 
     python benchmarks/tune_in_model.py [--config granite-4.0-h-tiny] [--batch 64] [--keys moe_grouped_up,moe_grouped_down]
-    python benchmarks/tune_in_model.py --batch 64 --variants variants.py
+    python benchmarks/tune_in_model.py --batch 64 [--prompt-len 1024] --variants variants.py
 
 With --variants, the file defines VARIANTS = {name: {setting: value}}, a setting being "module.NAME"
 or "module.DICT[key]" of a module of engram.ops.triton_ops (a threshold, a GEMV_CONFIG entry): each
@@ -25,6 +25,7 @@ import sys
 import tempfile
 from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -51,10 +52,10 @@ GRIDS = {
 }
 
 
-def step_ms(eng, batch: int, vocab: int) -> float:
+def step_ms(eng, batch: int, vocab: int, prompt_len: int = 128) -> float:
     """GPU time of one decode step at this batch, from a freshly captured graph."""
     eng.runner._graphs.clear()
-    return engine_decode(eng, batch, 128, 16, vocab)["gpu_step_ms"]
+    return engine_decode(eng, batch, prompt_len, 16, vocab)["gpu_step_ms"]
 
 
 def routing_report(eng, batch: int) -> None:
@@ -101,7 +102,7 @@ def _apply(settings: dict) -> None:
         holder[k] = value
 
 
-def compare_variants(eng, batch: int, vocab: int, path: str) -> dict:
+def compare_variants(time_step: Callable[[], float], batch: int, path: str) -> dict:
     variants = runpy.run_path(path)["VARIANTS"]
     start = {}
     for settings in variants.values():
@@ -112,12 +113,36 @@ def compare_variants(eng, batch: int, vocab: int, path: str) -> dict:
     for _ in range(2):
         for name, settings in variants.items():
             _apply({**start, **settings})
-            times[name].append(step_ms(eng, batch, vocab))
+            times[name].append(time_step())
     _apply(start)
     for name, ts in sorted(times.items(), key=lambda kv: sum(kv[1])):
         mean = sum(ts) / len(ts)
         print(f"batch {batch} {name:24s} {' '.join(f'{t:.4f}' for t in ts)} ms, mean {mean:.4f} ({batch / mean * 1e3:,.0f} tok/s)", flush=True)
     return times
+
+
+def sweep_keys(time_step: Callable[[], float], keys: list[str]) -> dict:
+    """Each GEMV_CONFIG entry in turn over its grid; each keeps its best for the entries after it."""
+    results = {}
+    for key in keys:
+        saved, rows = triton_ops.blocks.GEMV_CONFIG[key], []
+        for cfg in GRIDS[key]:
+            triton_ops.blocks.GEMV_CONFIG[key] = cfg
+            try:
+                rows.append((time_step(), cfg))
+            except Exception as e:  # noqa: BLE001 - a config may not compile (registers, shared memory)
+                print(f"  {key} {cfg}: {type(e).__name__}", flush=True)
+        if not rows:
+            triton_ops.blocks.GEMV_CONFIG[key] = saved
+            print(f"{key}: no configuration ran", flush=True)
+            continue
+        rows.sort()
+        triton_ops.blocks.GEMV_CONFIG[key] = rows[0][1]
+        print(f"{key}: best {rows[0][1]} {rows[0][0]:.3f} ms; current {saved} "
+              f"{dict((c, t) for t, c in rows).get(saved, float('nan')):.3f} ms; "
+              f"next {[(c, round(t, 3)) for t, c in rows[1:5]]}", flush=True)
+        results[key] = {"best": rows[0][1], "table": [(c, t) for t, c in rows]}
+    return results
 
 
 def main() -> None:
@@ -126,40 +151,27 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--keys", default="moe_grouped_up,moe_grouped_down", help=f"GEMV_CONFIG entries, of {sorted(GRIDS)}")
     ap.add_argument("--variants", default=None, help="a file of named settings to time against each other (above)")
+    ap.add_argument("--prompt-len", type=int, default=128, help="tokens of each sequence before the timed steps")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     setup = argparse.Namespace(
-        decode_batches=[args.batch], max_batched_tokens=16384, max_total_tokens=args.batch * 256 + 4096, resume_histories=[],
-        prefill_lens=[256], prompt_len=128, decode_steps=16, new_tokens=0, reference_ops=False, no_cuda_graph=False,
+        decode_batches=[args.batch], max_batched_tokens=16384, max_total_tokens=args.batch * (args.prompt_len + 128) + 4096, resume_histories=[],
+        prefill_lens=[256], prompt_len=args.prompt_len, decode_steps=16, new_tokens=0, reference_ops=False, no_cuda_graph=False,
         no_overlap_schedule=False, mamba_ssm_dtype="float32", no_hf=True,
     )
     results = {"gpu": torch.cuda.get_device_name(), "batch": args.batch, "config": args.config}
     with tempfile.TemporaryDirectory() as tmp:
         _, eng = build_models(find_config(args.config), Path(tmp), setup)
         vocab = eng.spec.vocab_size
-        base = step_ms(eng, args.batch, vocab)
-        print(f"current {dict(triton_ops.blocks.GEMV_CONFIG)}: {base:.3f} ms per step", flush=True)
+        def time_step() -> float:
+            return step_ms(eng, args.batch, vocab, args.prompt_len)
+
+        print(f"current {dict(triton_ops.blocks.GEMV_CONFIG)}: {time_step():.3f} ms per step", flush=True)
         routing_report(eng, args.batch)
         if args.variants:
-            results["variants"] = compare_variants(eng, args.batch, vocab, args.variants)
-        for key in [] if args.variants else args.keys.split(","):
-            saved, rows = triton_ops.blocks.GEMV_CONFIG[key], []
-            for cfg in GRIDS[key]:
-                triton_ops.blocks.GEMV_CONFIG[key] = cfg
-                try:
-                    rows.append((step_ms(eng, args.batch, vocab), cfg))
-                except Exception as e:  # noqa: BLE001 - a config may not compile (registers, shared memory)
-                    print(f"  {key} {cfg}: {type(e).__name__}", flush=True)
-            if not rows:
-                triton_ops.blocks.GEMV_CONFIG[key] = saved
-                print(f"{key}: no configuration ran", flush=True)
-                continue
-            rows.sort()
-            triton_ops.blocks.GEMV_CONFIG[key] = rows[0][1]
-            print(f"{key}: best {rows[0][1]} {rows[0][0]:.3f} ms; current {saved} "
-                  f"{dict((c, t) for t, c in rows).get(saved, float('nan')):.3f} ms; "
-                  f"next {[(c, round(t, 3)) for t, c in rows[1:5]]}", flush=True)
-            results[key] = {"best": rows[0][1], "table": [(c, t) for t, c in rows]}
+            results["variants"] = compare_variants(time_step, args.batch, args.variants)
+        else:
+            results.update(sweep_keys(time_step, args.keys.split(",")))
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
 

@@ -449,8 +449,12 @@ def test_moe_align_blocks_cover_every_pair_once(align, tokens, skewed):
     if skewed:  # one expert takes over 2,100 of the 2,800 pairs: its run spans more than one chunk of 128 blocks
         ids[:, :3] = 3
     ids = ids.to(DEV)
-    fn = triton_ops.moe.moe_align if align == "torch" else triton_ops.moe.moe_align_triton
-    sorted_ids, block_expert = fn(ids, 16, 16)
+    if align == "torch":
+        sorted_ids, block_expert = triton_ops.moe.moe_align(ids, 16, 16)
+    else:  # the kernel also zeroes the grouped GEMM's tile counts
+        done = torch.full((41,), 7, dtype=torch.int32, device=DEV)
+        sorted_ids, block_expert = triton_ops.moe.moe_align_triton(ids, 16, 16, done)
+        assert not done.any()
     ref_sorted, ref_blocks = triton_ops.moe.moe_align(ids, 16, 16)
     assert torch.equal(sorted_ids, ref_sorted) and torch.equal(block_expert, ref_blocks)
     flat = ids.reshape(-1)
@@ -478,7 +482,9 @@ def test_route_softmax_topk_align(tokens, experts, k, fused, monkeypatch):
         logits[1] = float("nan")
         logits[2] = float("-inf")
     if tokens <= 128:  # the kernel holds 128 x 64 logits a program, beyond the op's threshold
-        weights, ids, sorted_ids, block_expert = triton_ops.moe.route_softmax_topk_align(logits, k, bm)
+        done = torch.full((300,), 7, dtype=torch.int32, device=DEV)  # the grouped GEMM's tile counts, zeroed on the way
+        weights, ids, sorted_ids, block_expert = triton_ops.moe.route_softmax_topk_align(logits, k, bm, done)
+        assert not done.any()
         w_ref, ids_ref = triton_ops.moe.route_softmax_topk(logits, k)
         assert torch.equal(ids, ids_ref)
         torch.testing.assert_close(weights, w_ref, equal_nan=True)  # rows of NaN or -inf: NaN weights in both

@@ -41,7 +41,10 @@ def _pdl_supported() -> bool:
 # down GEMV's routing (from the top-k kernel, two launches back), and the grouped MoE down
 # projection's block of sorted pairs with their routing weights and its first weight tile (from the
 # sort, two launches back). The grouped MoE up projection's shared-expert programs compute their
-# whole tile (their input is from before the routing) and wait only to store it.
+# whole tile (their input is from before the routing) and wait only to store it. The grouped MoE down
+# projection waits for none of the up projection but the tiles it reads (`wait_for_tiles`), and
+# each up program counts its tile as its last act, so the up projection has written all it will
+# by the time the down projection is complete.
 PDL = tl.constexpr(_pdl_supported())
 PDL_LAUNCH = {"launch_pdl": True} if PDL else {}
 
@@ -50,7 +53,40 @@ PDL_LAUNCH = {"launch_pdl": True} if PDL else {}
 def wait_for_previous_kernel():
     if PDL:
         gdc_wait()
+    let_next_kernel_launch()
+
+
+@triton.jit
+def let_next_kernel_launch():
+    if PDL:
         gdc_launch_dependents()  # the next kernel may be scheduled once every program got here
+
+
+@triton.jit
+def tile_done(Done):
+    """Count one finished tile at Done, after every thread's stores (a release: they are visible to
+    the programs that see the count in `wait_for_tiles`)."""
+    tl.debug_barrier()
+    tl.atomic_add(Done, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def wait_for_tiles(Done, count):
+    """In place of `wait_for_previous_kernel`, for a program that reads only some tiles of the kernel
+    before: under PDL, wait until `count` of them are counted at Done (`tile_done`); then let the
+    kernel after this one launch. Without PDL the kernel before is complete already. It cannot wait
+    for a tile whose program has no SM to run on: the kernel before lets this one launch only once
+    every one of its programs has started."""
+    if PDL:
+        while _load_acquire(Done) < count:
+            pass
+    let_next_kernel_launch()
+
+
+@triton.jit
+def _load_acquire(ptr):
+    """*ptr, read with acquire semantics (the reads after it see what was written before the release)."""
+    return tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32, is_pure=False, pack=1)
 
 
 def as_rows(x: torch.Tensor) -> torch.Tensor:

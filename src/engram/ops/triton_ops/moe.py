@@ -12,7 +12,7 @@ import triton.language as tl
 
 from engram.ops import moe as moe_ref
 from engram.ops.triton_ops.blocks import GEMV_CONFIG
-from engram.ops.triton_ops.common import PDL_LAUNCH, as_rows, np2, precision, wait_for_previous_kernel
+from engram.ops.triton_ops.common import PDL_LAUNCH, as_rows, np2, precision, tile_done, wait_for_previous_kernel, wait_for_tiles
 from engram.ops.triton_ops.linear import dot_rows, dot_tile, first_dot, grouped_dot, weight_block
 from engram.ops.triton_ops.norm import silu_and_mul
 
@@ -178,7 +178,7 @@ def _grouped_up_tile(X, W, H, x_rows, h_rows, rv, nb, stride_x, stride_wn, strid
 
 @triton.jit
 def _moe_up_grouped_kernel(
-    X, Win, SortedIds, BlockExpert, H1, Sin, Hs, stride_x, stride_we, stride_wn, stride_h, stride_sn, stride_hs,
+    X, Win, SortedIds, BlockExpert, H1, Sin, Hs, Done, stride_x, stride_we, stride_wn, stride_h, stride_sn, stride_hs,
     Tk, T, Hdim, I, IS, E, NB, SHARED_PROGRAMS,
     TOPK: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, PREC: tl.constexpr,
@@ -187,13 +187,17 @@ def _moe_up_grouped_kernel(
     shared expert, whose hidden size may differ; then (block b, column block nb) for every block
     of the routed pairs sorted by expert (b fastest). The shared programs need nothing that the
     previous kernel (the routing's sort, which `moe_experts` launches itself after X is written)
-    writes: they compute their tile while it runs and wait only to store it."""
+    writes: they compute their tile while it runs and wait only to store it. Each program then counts
+    its tile at Done (its block; a shared one at NB + its token block) for the down projection. The
+    count's index is taken from the program id again after the tile: kept through the K loop, it
+    took the kernel from 54 to 64 registers a thread, 8 programs a SM instead of 9 (ptxas, sm_90a)."""
     pid = tl.program_id(0).to(tl.int64)
     if pid < SHARED_PROGRAMS:
         sb = tl.cdiv(T, BLOCK_M)
         t = (pid % sb) * BLOCK_M + tl.arange(0, BLOCK_M)
         _grouped_up_tile(X, Sin, Hs, t, t, t < T, pid // sb, stride_x, stride_sn, stride_hs, Hdim, IS,
                          GATED, ACT, True, BLOCK_M, BLOCK_N, BLOCK_K, PREC)
+        tile_done(Done + NB + tl.program_id(0) % sb)
     else:
         wait_for_previous_kernel()
         q = pid - SHARED_PROGRAMS
@@ -204,18 +208,22 @@ def _moe_up_grouped_kernel(
         rows = tl.load(SortedIds + b * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         _grouped_up_tile(X, Win + e * stride_we, H1, rows // TOPK, rows, rows < Tk, q // NB, stride_x, stride_wn, stride_h, Hdim, I,
                          GATED, ACT, False, BLOCK_M, BLOCK_N, BLOCK_K, PREC)
+        tile_done(Done + (tl.program_id(0) - SHARED_PROGRAMS) % NB)
 
 
 @triton.jit
 def _moe_down_grouped_kernel(
-    H1, Wout, SortedIds, BlockExpert, Wts, O2, Hs, Sout, S, stride_h, stride_we, stride_wn, stride_o,
-    stride_hs, stride_sn, stride_s, Tk, T, Hdim, I, IS, E, NB,
+    H1, Wout, SortedIds, BlockExpert, Wts, O2, Hs, Sout, S, Done, stride_h, stride_we, stride_wn, stride_o,
+    stride_hs, stride_sn, stride_s, Tk, T, Hdim, I, IS, E, NB, UP_TILES, SHARED_UP_TILES,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
 ):
     """Routed blocks: O2[pair] = weight * (W_down h), each rounded as the reference (so O2 holds them
     exactly in the model's dtype); then (with a shared expert) S[token] = W_shared_down h_shared.
-    A routed block reads its expert, pairs, routing weights and first weight tile before the wait:
-    the routing and its sort are from launches before the previous one."""
+    A routed block reads its expert, pairs, routing weights and first weight tile before it waits:
+    the routing and its sort are from launches before the previous one. Each program waits only for
+    the up projection's tiles of its block (`wait_for_tiles`), not for the whole kernel: the up
+    projection's programs end over its last microseconds as their SMs drain, and the down
+    projection's first programs run in that time (BENCHMARKS.md, twelfth session)."""
     b = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < Hdim
@@ -224,19 +232,18 @@ def _moe_down_grouped_kernel(
     if b < NB:
         e = tl.load(BlockExpert + b).to(tl.int64)
         if e >= E:
-            wait_for_previous_kernel()
             return
         rows = tl.load(SortedIds + b * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         rv = rows < Tk
         wt = tl.load(Wts + rows, mask=rv, other=0.0).to(dt).to(tl.float32)
         w0 = dot_tile(Wout + e * stride_we, n, nm, stride_wn, 0, I, BLOCK_K)
-        wait_for_previous_kernel()
+        wait_for_tiles(Done + b, UP_TILES)
         acc = first_dot(H1, w0, rows, rv, stride_h, I, zero, BLOCK_K, PREC)
         acc = grouped_dot(H1, Wout + e * stride_we, rows, rv, n, nm, stride_h, stride_wn, I, acc, BLOCK_K, PREC, BLOCK_K)
         o = (acc.to(dt).to(tl.float32) * wt[:, None]).to(dt).to(tl.float32)
         tl.store(O2 + rows[:, None] * stride_o + n[None, :], o, mask=rv[:, None] & nm[None, :])
     else:
-        wait_for_previous_kernel()
+        wait_for_tiles(Done + b, SHARED_UP_TILES)
         t = (b - NB) * BLOCK_M + tl.arange(0, BLOCK_M)
         tv = t < T
         acc = grouped_dot(Hs, Sout, t, tv, n, nm, stride_hs, stride_sn, IS, zero, BLOCK_K, PREC)
@@ -280,13 +287,14 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.
 
 
 @triton.jit
-def _align_pairs(ids, a, invalid, SortedIds, BlockExpert, Tk, NB, MAXP, E,
+def _align_pairs(ids, a, invalid, SortedIds, BlockExpert, Done, NDONE, Tk, NB, MAXP, E,
                  BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
     """This program's part of `moe_align` (program e < E: expert e's run; program E: the tail) from
     the experts `ids` of the pairs `a` in increasing order (a 1-D block; `invalid` of its entries
     are no pairs and hold expert 0): every program counts all pairs per expert (a histogram),
     takes its padded offset, and scatters its pairs there in order (ranks by a cumulative sum),
-    then pads its run and marks its blocks. The last program pads the space past the last run."""
+    then pads its run and marks its blocks. The last program pads the space past the last run and
+    zeroes the NDONE tile counts at Done (`tile_done`)."""
     e = tl.program_id(0)
     eo = tl.arange(0, BLOCK_E)
     counts = tl.histogram(ids, BLOCK_E) - tl.where(eo == 0, invalid, 0)
@@ -311,20 +319,23 @@ def _align_pairs(ids, a, invalid, SortedIds, BlockExpert, Tk, NB, MAXP, E,
         for b0 in range(total // BLOCK_M, NB, CHUNK):
             b = b0 + tl.arange(0, CHUNK)
             tl.store(BlockExpert + b, tl.zeros([CHUNK], dtype=tl.int64) + E, mask=b < NB)
+        for d0 in range(0, NDONE, CHUNK):
+            d = d0 + tl.arange(0, CHUNK)
+            tl.store(Done + d, tl.zeros([CHUNK], dtype=tl.int32), mask=d < NDONE)
 
 
 @triton.jit
-def _moe_align_kernel(Ids, SortedIds, BlockExpert, Tk, NB, MAXP, E,
+def _moe_align_kernel(Ids, SortedIds, BlockExpert, Done, NDONE, Tk, NB, MAXP, E,
                       BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, CHUNK: tl.constexpr):
     """`moe_align`, one program per expert and one more for the tail (`_align_pairs`)."""
     wait_for_previous_kernel()
     a = tl.arange(0, BLOCK_T)
     ids = tl.load(Ids + a, mask=a < Tk, other=0).to(tl.int32)
-    _align_pairs(ids, a, BLOCK_T - Tk, SortedIds, BlockExpert, Tk, NB, MAXP, E, BLOCK_M, BLOCK_E, CHUNK)
+    _align_pairs(ids, a, BLOCK_T - Tk, SortedIds, BlockExpert, Done, NDONE, Tk, NB, MAXP, E, BLOCK_M, BLOCK_E, CHUNK)
 
 
 @triton.jit
-def _topk_align_kernel(L, Wt, Ids, SortedIds, BlockExpert, stride_l, T, NB, MAXP, E,
+def _topk_align_kernel(L, Wt, Ids, SortedIds, BlockExpert, Done, NDONE, stride_l, T, NB, MAXP, E,
                        TOPK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
                        BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
     """`route_softmax_topk` of all T rows and `moe_align` of their pairs in one launch: each of the
@@ -345,27 +356,37 @@ def _topk_align_kernel(L, Wt, Ids, SortedIds, BlockExpert, stride_l, T, NB, MAXP
         tl.store(Ids + pair, idxs.to(tl.int64), mask=valid)
     ids = tl.reshape(tl.where(valid, idxs, 0), [BLOCK_T * BLOCK_K])
     a = tl.reshape(tl.where(valid, pair, T * TOPK), [BLOCK_T * BLOCK_K])  # invalid entries: past every pair
-    _align_pairs(ids, a, BLOCK_T * BLOCK_K - T * TOPK, SortedIds, BlockExpert, T * TOPK, NB, MAXP, E, BLOCK_M, BLOCK_E, CHUNK)
+    _align_pairs(ids, a, BLOCK_T * BLOCK_K - T * TOPK, SortedIds, BlockExpert, Done, NDONE, T * TOPK, NB, MAXP, E, BLOCK_M, BLOCK_E, CHUNK)
 
 
 MOE_ALIGN_KERNEL_MAX_PAIRS = 4096
 
 
+def _block_count(tk: int, num_experts: int, block_m: int) -> int:
+    """Blocks of `moe_align`'s output: every expert's run padded to a multiple of block_m."""
+    return triton.cdiv(tk + min(num_experts, tk) * (block_m - 1), block_m)
+
+
 def _sorted_pairs(tk: int, num_experts: int, block_m: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """`moe_align`'s outputs, uninitialized: sorted pair ids [max_padded], block experts [blocks]."""
-    max_padded = tk + min(num_experts, tk) * (block_m - 1)
-    max_padded = (max_padded + block_m - 1) // block_m * block_m
-    sorted_ids = torch.empty(max_padded, dtype=torch.int64, device=device)
-    return sorted_ids, torch.empty(max_padded // block_m, dtype=torch.int64, device=device)
+    blocks = _block_count(tk, num_experts, block_m)
+    sorted_ids = torch.empty(blocks * block_m, dtype=torch.int64, device=device)
+    return sorted_ids, torch.empty(blocks, dtype=torch.int64, device=device)
 
 
-def moe_align_triton(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`moe_align` as one launch (small batches: decode steps, short prefill chunks)."""
+def _no_counts(device: torch.device) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.int32, device=device)
+
+
+def moe_align_triton(ids: torch.Tensor, num_experts: int, block_m: int, done: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`moe_align` as one launch (small batches: decode steps, short prefill chunks); zeroes the
+    tile counts `done`, if given, on the way."""
     flat = ids.reshape(-1).contiguous()
     tk = flat.numel()
     sorted_ids, block_expert = _sorted_pairs(tk, num_experts, block_m, ids.device)
-    _moe_align_kernel[(num_experts + 1,)](flat, sorted_ids, block_expert, tk, block_expert.numel(), sorted_ids.numel(), num_experts,
-                                          BLOCK_M=block_m, BLOCK_E=np2(num_experts), BLOCK_T=np2(tk), CHUNK=128,
+    done = _no_counts(ids.device) if done is None else done
+    _moe_align_kernel[(num_experts + 1,)](flat, sorted_ids, block_expert, done, done.numel(), tk, block_expert.numel(), sorted_ids.numel(),
+                                          num_experts, BLOCK_M=block_m, BLOCK_E=np2(num_experts), BLOCK_T=np2(tk), CHUNK=128,
                                           num_warps=4, **PDL_LAUNCH)
     return sorted_ids, block_expert
 
@@ -377,16 +398,19 @@ def moe_align_triton(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple
 TOPK_ALIGN_MAX_LOGITS = 512
 
 
-def route_softmax_topk_align(router_logits: torch.Tensor, top_k: int, block_m: int) -> tuple[torch.Tensor, ...]:
-    """`route_softmax_topk` and `moe_align` of its pairs in one launch: (weights, ids, sorted ids, block experts)."""
+def route_softmax_topk_align(router_logits: torch.Tensor, top_k: int, block_m: int,
+                             done: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """`route_softmax_topk` and `moe_align` of its pairs in one launch: (weights, ids, sorted ids, block
+    experts); zeroes the tile counts `done`, if given."""
     T, E = router_logits.shape
     assert 0 < top_k <= E, f"top-{top_k} of {E} experts"
     logits = as_rows(router_logits)
     weights = torch.empty((T, top_k), dtype=torch.float32, device=logits.device)
     ids = torch.empty((T, top_k), dtype=torch.int64, device=logits.device)
     sorted_ids, block_expert = _sorted_pairs(T * top_k, E, block_m, logits.device)
+    done = _no_counts(logits.device) if done is None else done
     _topk_align_kernel[(E + 1,)](
-        logits, weights, ids, sorted_ids, block_expert, logits.stride(0), T, block_expert.numel(), sorted_ids.numel(), E,
+        logits, weights, ids, sorted_ids, block_expert, done, done.numel(), logits.stride(0), T, block_expert.numel(), sorted_ids.numel(), E,
         TOPK=top_k, BLOCK_T=np2(T), BLOCK_E=np2(E), BLOCK_K=np2(top_k), BLOCK_M=block_m, CHUNK=128, num_warps=4, **PDL_LAUNCH,
     )
     return weights, ids, sorted_ids, block_expert
@@ -448,36 +472,40 @@ def _moe(x, w_in, w_out, act, gated, shared, top_k, route: Callable, router_logi
     small = tk <= MOE_GROUPED_SMALL_PAIRS
     bm, bn, bk, warps, stages = GEMV_CONFIG["moe_grouped_up"] if small else (64, 128, 64, 8, 3)
     dbn, dbk, dwarps, dstages = GEMV_CONFIG["moe_grouped_down"] if small else (128, 64, 8, 3)
+    # Small batches run the shared expert as extra programs of the two grouped launches; large
+    # ones (prefill) through cuBLAS, which is faster there than this GEMM.
+    fuse_shared = shared is not None and small
+    shared_blocks = triton.cdiv(T, bm) if fuse_shared else 0
+    # Finished up-projection tiles per block of pairs (then per block of tokens of the shared expert):
+    # a down-projection program starts once its block's are all done (`wait_for_tiles`).
+    done = torch.empty(_block_count(tk, E, bm) + shared_blocks, dtype=torch.int32, device=x.device)
     if router_logits is not None and np2(T) * np2(E) <= TOPK_ALIGN_MAX_LOGITS and E <= 512:
-        weights, ids, sorted_ids, block_expert = route_softmax_topk_align(router_logits, top_k, bm)
+        weights, ids, sorted_ids, block_expert = route_softmax_topk_align(router_logits, top_k, bm, done)
     else:
         weights, ids = route()
         weights, ids = weights.contiguous(), ids.contiguous()
         if tk <= MOE_ALIGN_KERNEL_MAX_PAIRS and E <= 512:
-            sorted_ids, block_expert = moe_align_triton(ids, E, bm)
+            sorted_ids, block_expert = moe_align_triton(ids, E, bm, done)
         else:
             sorted_ids, block_expert = moe_align(ids, E, bm)
+            done.zero_()
     nblocks = block_expert.numel()
     prec = precision(x)
-    # Small batches run the shared expert as extra programs of the two grouped launches; large
-    # ones (prefill) through cuBLAS, which is faster there than this GEMM.
-    fuse_shared = shared is not None and small
     s_in, s_out = shared if fuse_shared else (w_in[0], w_out[0])  # unused stand-ins when not fused
     i_s = s_out.shape[1] if fuse_shared else 0
     hs = torch.empty((T, max(i_s, 1)), dtype=x.dtype, device=x.device)
     s = torch.empty((T, Hdim), dtype=x.dtype, device=x.device) if fuse_shared else None
-    shared_blocks = triton.cdiv(T, bm) if fuse_shared else 0
     shared_programs = shared_blocks * triton.cdiv(i_s, bn)
     _moe_up_grouped_kernel[(shared_programs + nblocks * triton.cdiv(I, bn),)](
-        x, w_in, sorted_ids, block_expert, h1, s_in, hs, x.stride(0), w_in.stride(0), w_in.stride(1), h1.stride(0),
+        x, w_in, sorted_ids, block_expert, h1, s_in, hs, done, x.stride(0), w_in.stride(0), w_in.stride(1), h1.stride(0),
         s_in.stride(0), hs.stride(0), tk, T, Hdim, I, i_s, E, nblocks, shared_programs,
         TOPK=top_k, GATED=gated, ACT=code, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PREC=prec, num_warps=warps, num_stages=stages, **PDL_LAUNCH
     )
     o2 = torch.empty((tk, Hdim), dtype=x.dtype, device=x.device)
     _moe_down_grouped_kernel[(nblocks + shared_blocks, triton.cdiv(Hdim, dbn))](
-        h1, w_out, sorted_ids, block_expert, weights.reshape(-1), o2, hs, s_out, s if fuse_shared else o2,
+        h1, w_out, sorted_ids, block_expert, weights.reshape(-1), o2, hs, s_out, s if fuse_shared else o2, done,
         h1.stride(0), w_out.stride(0), w_out.stride(1), o2.stride(0), hs.stride(0), s_out.stride(0), Hdim,  # S is contiguous [T, Hdim]
-        tk, T, Hdim, I, max(i_s, 1), E, nblocks,
+        tk, T, Hdim, I, max(i_s, 1), E, nblocks, triton.cdiv(I, bn), triton.cdiv(i_s, bn),
         BLOCK_M=bm, BLOCK_N=dbn, BLOCK_K=dbk, PREC=prec, num_warps=dwarps, num_stages=dstages, **PDL_LAUNCH
     )
     if shared is not None and not fuse_shared:
