@@ -374,17 +374,12 @@ def _sorted_pairs(tk: int, num_experts: int, block_m: int, device: torch.device)
     return sorted_ids, torch.empty(blocks, dtype=torch.int64, device=device)
 
 
-def _no_counts(device: torch.device) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.int32, device=device)
-
-
-def moe_align_triton(ids: torch.Tensor, num_experts: int, block_m: int, done: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_align_triton(ids: torch.Tensor, num_experts: int, block_m: int, done: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`moe_align` as one launch (small batches: decode steps, short prefill chunks); zeroes the
-    tile counts `done`, if given, on the way."""
+    grouped GEMM's tile counts `done` on the way."""
     flat = ids.reshape(-1).contiguous()
     tk = flat.numel()
     sorted_ids, block_expert = _sorted_pairs(tk, num_experts, block_m, ids.device)
-    done = _no_counts(ids.device) if done is None else done
     _moe_align_kernel[(num_experts + 1,)](flat, sorted_ids, block_expert, done, done.numel(), tk, block_expert.numel(), sorted_ids.numel(),
                                           num_experts, BLOCK_M=block_m, BLOCK_E=np2(num_experts), BLOCK_T=np2(tk), CHUNK=128,
                                           num_warps=4, **PDL_LAUNCH)
@@ -398,17 +393,15 @@ def moe_align_triton(ids: torch.Tensor, num_experts: int, block_m: int, done: to
 TOPK_ALIGN_MAX_LOGITS = 512
 
 
-def route_softmax_topk_align(router_logits: torch.Tensor, top_k: int, block_m: int,
-                             done: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+def route_softmax_topk_align(router_logits: torch.Tensor, top_k: int, block_m: int, done: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """`route_softmax_topk` and `moe_align` of its pairs in one launch: (weights, ids, sorted ids, block
-    experts); zeroes the tile counts `done`, if given."""
+    experts); zeroes the grouped GEMM's tile counts `done` on the way."""
     T, E = router_logits.shape
     assert 0 < top_k <= E, f"top-{top_k} of {E} experts"
     logits = as_rows(router_logits)
     weights = torch.empty((T, top_k), dtype=torch.float32, device=logits.device)
     ids = torch.empty((T, top_k), dtype=torch.int64, device=logits.device)
     sorted_ids, block_expert = _sorted_pairs(T * top_k, E, block_m, logits.device)
-    done = _no_counts(logits.device) if done is None else done
     _topk_align_kernel[(E + 1,)](
         logits, weights, ids, sorted_ids, block_expert, done, done.numel(), logits.stride(0), T, block_expert.numel(), sorted_ids.numel(), E,
         TOPK=top_k, BLOCK_T=np2(T), BLOCK_E=np2(E), BLOCK_K=np2(top_k), BLOCK_M=block_m, CHUNK=128, num_warps=4, **PDL_LAUNCH,
