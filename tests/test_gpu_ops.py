@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engram.ops import activation, attention, conv, moe, norm, sample, ssd
+from engram.ops import activation, attention, conv, moe, norm, sample, ssd, staging
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_CUDA = torch.cuda.is_available()
@@ -378,6 +378,59 @@ def test_argmax(dtype):
     assert torch.equal(triton_ops.sample.argmax(strided), sample.argmax(strided))
     out = torch.empty(6, dtype=torch.int64, device=DEV)
     assert triton_ops.sample.argmax(logits, out=out) is out and torch.equal(out, sample.argmax(logits))
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """A host tensor the GPU can read and write (pinned), as a decode graph's staged inputs."""
+    return t.pin_memory() if HAS_CUDA else t
+
+
+def test_argmax_into_the_host_row_of_the_turn():
+    """A decode graph's argmax also leaves the ids in host memory, in the row of turn[1] only."""
+    logits = _randn(5, 2 * triton_ops.sample.ARGMAX_CHUNK + 7, g=_gen(15))
+    for parity in (0, 1):
+        host = _host(torch.full((2, 8), -1, dtype=torch.int64))
+        turn = torch.tensor([3, parity, 0], device=DEV)
+        out = triton_ops.sample.argmax(logits, host_out=host, turn=turn)
+        ref = _host(torch.full((2, 8), -1, dtype=torch.int64))
+        sample.argmax(logits.cpu(), host_out=ref, turn=turn.cpu())
+        if HAS_CUDA:
+            torch.cuda.synchronize()
+        assert torch.equal(out.cpu(), sample.argmax(logits).cpu())
+        assert torch.equal(host, ref) and host[parity, :5].tolist() == out.tolist()
+        assert host[1 - parity].eq(-1).all() and host[parity, 5:].eq(-1).all()
+
+
+def test_take_decode_inputs():
+    """Replays take the two staged buffers in turn, each its own length of words (longer than one
+    pass of the whole grid, and shorter than one program's block), gather each row's token from
+    `sampled` or as sent, and count themselves; the words past a buffer's length are not written."""
+    block = triton_ops.staging.TAKE_BLOCK
+    words = 2 * triton_ops.staging.TAKE_PROGRAMS * block + 78  # even: each header an aligned int64
+    columns, b = 8, 5
+    g = torch.Generator().manual_seed(16)
+    staged = torch.randint(-(2**31), 2**31 - 1, (2, staging.HEADER_WORDS + words), dtype=torch.int32, generator=g)
+    rows = staged[:, staging.HEADER_WORDS : staging.HEADER_WORDS + 2 * (staging.TOKEN_ROW + 1) * columns].view(torch.int64).view(2, -1, columns)
+    rows[:, staging.TOKEN_ROW] = torch.tensor([[3, -1, 0, -1, 6, 2, 2, 2], [-1, -1, 1, 7, -1, 2, 2, 2]])  # past b: not read
+    staged = _host(staged)
+    lengths = (words, rows[0].numel() * 2 + 1)
+    for parity, n in enumerate(lengths):
+        staging.staged_length(staged, parity)[0] = n
+    sampled = torch.arange(100, 110, device=DEV)
+    fast_turn = torch.tensor([7, 0, 0], device=DEV)
+    ref_turn = fast_turn.clone()
+    for replay in range(3):
+        parity = (7 + replay) % 2
+        n = lengths[parity]
+        fast, ref = (torch.zeros(words, dtype=torch.int32, device=DEV) for _ in range(2))
+        fast_ids, ref_ids = (torch.full((b,), -5, dtype=torch.int64, device=DEV) for _ in range(2))
+        triton_ops.staging.take_decode_inputs(staged, fast, fast_turn, sampled, fast_ids, columns)
+        staging.take_decode_inputs(staged, ref, ref_turn, sampled, ref_ids, columns)
+        assert torch.equal(fast[:n], ref[:n]) and torch.equal(fast[:n].cpu(), staged[parity, staging.HEADER_WORDS : staging.HEADER_WORDS + n])
+        assert fast[n:].eq(0).all()
+        where, sent = rows[parity, staging.TOKEN_ROW, :b].tolist(), rows[parity, 0, :b].tolist()
+        assert fast_ids.tolist() == ref_ids.tolist() == [100 + w if w >= 0 else s for w, s in zip(where, sent)]
+        assert fast_turn.tolist() == ref_turn.tolist() == [8 + replay, parity, 0]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -1,7 +1,7 @@
 """The runner's decode-graph path on the CPU. A stand-in for the CUDA graph re-runs the captured step
-on the same static buffers, so the path's bookkeeping is checked without a GPU: the packed inputs,
-the input tokens gathered from `sampled` (in flight) or from the sent ids, the argmax left in
-`sampled`, padding rows and bucket sizes. The real graphs run in test_gpu_capture.py and
+on the same static buffers, so the path's bookkeeping is checked without a GPU: the two staged input
+buffers and the host's two rows of tokens taken in turn, the input tokens gathered from `sampled`
+(in flight) or from the sent ids, the argmax left in `sampled`, padding rows and bucket sizes. The real graphs run in test_gpu_capture.py and
 test_gpu_ops.py on a GPU."""
 
 from __future__ import annotations
@@ -34,13 +34,21 @@ class _NoEvent:
         pass
 
 
+def _record(runner, forward) -> tuple[_Replayed, torch.Tensor]:
+    """As the real capture: two warm-up runs, then the run whose output the replays refill."""
+    forward()
+    forward()
+    out = forward()
+    return _Replayed(forward, out), out
+
+
 @pytest.fixture
 def cpu_graphs(monkeypatch):
     """The decode-graph path with its CUDA parts stood in for: graphs, events, pinned memory."""
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
     monkeypatch.setattr(torch.cuda, "Event", _NoEvent)
-    monkeypatch.setattr(runner_mod.ModelRunner, "_record", lambda self, forward: (lambda out: (_Replayed(forward, out), out))(forward()))
+    monkeypatch.setattr(runner_mod.ModelRunner, "_record", _record)
     monkeypatch.setattr(runner_mod.ModelRunner, "_prefill_graph_usable", lambda self, chunks: False)
     monkeypatch.setattr(runner_mod.ModelRunner, "_graphs_enabled", lambda self: self.enable_cuda_graph)  # not only on CUDA
 
@@ -81,3 +89,19 @@ def test_the_cyclic_collector_is_paused_while_a_graph_is_captured(enabled):
         assert gc.isenabled() == enabled
     finally:
         gc.enable()
+
+
+def test_a_capture_keeps_the_tokens_of_the_graph_step_before(cpu_graphs, checkpoint_dir):
+    """Two greedy requests, then one (a new bucket): the capture's warm-ups run right after a graph
+    step whose tokens are still on their way, in the host's rows that the warm-ups write too."""
+    path = checkpoint_dir("mamba2")
+
+    def run(engine) -> dict:
+        engine.add_request("long", random_prompt(10, seed=31), greedy(12))
+        engine.add_request("short", random_prompt(6, seed=32), greedy(4))
+        return {r: o.token_ids for r, o in run_to_end(engine).items()}
+
+    expected = run(make_engine(path, device="cpu", enable_cuda_graph=False, enable_overlap_schedule=True))
+    engine = make_engine(path, device="cpu", enable_cuda_graph=True, enable_overlap_schedule=True)
+    assert run(engine) == expected
+    assert sorted(engine.runner._graphs) == [1, 2]

@@ -259,8 +259,11 @@ class LLMEngine:
         return samples_on_device(p) and p.logprobs is None
 
     def _sample_on_device(self, logits: torch.Tensor, seqs: list[Sequence]) -> InFlightTokens:
+        params = [seq.params for seq in seqs]
+        if self.runner.argmax_in_sampled and all(p.greedy for p in params):
+            return InFlightTokens(seqs, *self.runner.argmax_on_host(len(seqs)))  # the decode graph sent them
         out = self.runner.writable_sampled(len(seqs))
-        sample_on_device(logits, [seq.params for seq in seqs], self._default_generator, out=out, argmax_done=self.runner.argmax_in_sampled)
+        sample_on_device(logits, params, self._default_generator, out=out, argmax_done=self.runner.argmax_in_sampled)
         return InFlightTokens(seqs, *self.runner.copy_sampled_to_host(len(seqs)))
 
     def _mark_inflight(self, launched: InFlightTokens) -> None:

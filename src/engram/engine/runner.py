@@ -1,18 +1,18 @@
 """Turns scheduled chunks into one flat `ForwardBatch`, runs the model, returns logits rows.
 
 On CUDA with graph-safe fast kernels, decode steps (every sequence feeds one token) replay a CUDA
-graph captured once per batch-size bucket: the step's inputs are packed on the host into one
-pinned buffer and copied in with a single asynchronous copy (plus the block tables, also from
-pinned memory), padding rows carry slot -1 / context -1 so that they read and write no state, and
-nothing inside the step waits for the host. Logits stay on the device; the sampler reads back
-only the chosen token ids.
+graph captured once per batch-size bucket. The host stages a step's inputs in pinned memory, in one
+of two buffers taken in turn (ops/staging.py), while the GPU still runs the step before; the
+graph's first kernel reads them from there and its argmax leaves each row's token in device memory
+(`sampled`) and in the same turn's row of pinned host memory. So nothing is copied, and nothing
+waited for, between two replays. Padding rows carry slot -1 / context -1, so that they read and
+write no state, and nothing inside the step waits for the host. Logits stay on the device.
 
 With overlapped scheduling a step can be launched before the previous step's tokens reach the
 host: a sequence whose input token is still in flight (`num_inflight`) reads it from `sampled`,
 where the engine's device-side sampling left it, by its row (`inflight_row`). A decode graph takes
-each row's token with one gather (from `sampled` or from the ids sent with the step) and leaves
-each row's argmax in `sampled` at its end. The tokens go to the host on a side stream, beside the
-next step's input copy, so that between two replays there is only that copy.
+each row's token with one gather (from `sampled` or from the ids sent with the step). Tokens that
+eager steps sample on the device go to the host on a side stream.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -29,12 +30,13 @@ from engram.engine.pools import KVPool, StatePool
 from engram.engine.scheduler import ScheduledChunk
 from engram.models.base import CausalLM
 from engram.ops.dispatch import kernels
+from engram.ops.staging import HEADER_WORDS, TOKEN_ROW, staged_length
 
 _GRAPH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 # Short prefills of one sequence (a new turn on top of a kept state) also replay graphs, per
 # token-count bucket; the kernels read the true length from device tensors.
 _PREFILL_BUCKETS = (16, 32, 64, 128)
-_PACKED_ROWS = 6  # int64 rows of a decode graph's packed inputs (`_alloc_static`)
+_PACKED_ROWS = TOKEN_ROW + 1  # int64 rows of a decode graph's packed inputs (`_alloc_static`)
 
 
 @contextmanager
@@ -48,6 +50,31 @@ def _garbage_collection_paused():
     finally:
         if enabled:
             gc.enable()
+
+
+@dataclass
+class _Turns:
+    """The host's side of a decode graph's `turn` (ops/staging.py): the parity of the next replay,
+    and per parity the event that marks its last replay done."""
+
+    done: list[torch.cuda.Event]
+    parity: int = 0
+
+    def wait(self, parity: int) -> None:
+        self.done[parity].synchronize()
+
+
+@dataclass
+class _DecodeGraph:
+    """A captured decode step whose every replay, a benchmark's too, moves the turns on."""
+
+    graph: torch.cuda.CUDAGraph
+    turns: _Turns
+
+    def replay(self) -> None:
+        self.graph.replay()
+        self.turns.done[self.turns.parity].record()
+        self.turns.parity ^= 1
 
 
 class ModelRunner:
@@ -67,20 +94,15 @@ class ModelRunner:
         self.device = device
         self.enable_cuda_graph = enable_cuda_graph
         self.max_context_length = max_context_length
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[int, tuple[_DecodeGraph, torch.Tensor]] = {}
         self._prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pf: dict[str, torch.Tensor] | None = None
         self._static: dict[str, torch.Tensor] | None = None
         self._graph_pool = None
-        self._inputs_sent: torch.cuda.Event | None = None  # marks the last replay's copies out of the pinned inputs
+        self._inputs_sent: torch.cuda.Event | None = None  # marks the last prefill replay's copies out of its pinned inputs
         self.num_graph_replays = 0
-        # The last device-sampled step's tokens, one row per completing sequence (at most one per slot),
-        # then (with CUDA graphs) the decode graphs' inputs, in one buffer: a decode graph gathers each
-        # row's token from either (`_alloc_static`).
-        slots = state_pool.num_slots
-        graph_words = (2 * _PACKED_ROWS + self._table_width()) * self._max_graph_batch() if self._graphs_enabled() else 0
-        self._device_words = torch.zeros(2 * slots + graph_words, dtype=torch.int32, device=device)
-        self.sampled = self._device_words[: 2 * slots].view(torch.int64)
+        # The last device-sampled step's tokens, one row per completing sequence (at most one per slot).
+        self.sampled = torch.zeros(state_pool.num_slots, dtype=torch.int64, device=device)
         self.argmax_in_sampled = False  # the last run was a decode graph: `sampled` holds its rows' argmax
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._sampled_copied: torch.cuda.Event | None = None  # the last copy of `sampled` to the host
@@ -158,7 +180,8 @@ class ModelRunner:
             return False
         if not all(c.length == 1 and c.start > 0 and c.completes for c in chunks):
             return False
-        return all(len(c.seq.blocks) <= self._max_pages() for c in chunks)
+        max_pages = self._max_pages()
+        return all(len(c.seq.blocks) <= max_pages for c in chunks)
 
     def _max_graph_batch(self) -> int:
         return min(self.state_pool.num_slots, _GRAPH_BUCKETS[-1])
@@ -183,23 +206,29 @@ class ModelRunner:
         bmax = self._max_graph_batch()
         width = self._table_width()
         dev = self.device
-        # A step's inputs, sent in one copy: six int64 rows (input_ids, positions, slots, slot_mapping,
-        # context, where each row's input token is), then the block tables (int32, column-major). On
-        # the device they follow `sampled`, so that one gather takes each row's token from `sampled`
-        # (in flight) or from the sent input_ids.
-        slots = self.state_pool.num_slots
+        # A step's inputs: six int64 rows (input_ids, positions, slots, slot_mapping, context, each
+        # row's token in `sampled` or -1), then the block tables (int32, column-major). The host
+        # stages them in two pinned buffers, in turn (ops/staging.py).
         self._packed_words = 2 * _PACKED_ROWS * bmax  # int32 words of the int64 rows
-        inputs = self._device_words[2 * slots :]  # sized in __init__
-        self._host_inputs = torch.zeros_like(inputs, device="cpu").pin_memory()
-        self._host = self._host_inputs[: self._packed_words].view(torch.int64).view(_PACKED_ROWS, bmax)
-        self._host_np = self._host.numpy()
-        self._host_tables_np = self._host_inputs[self._packed_words :].view(width, bmax).numpy()
-        self._sent_token_index = np.arange(slots, slots + bmax)  # row i's sent id, in `tokens` below
+        words = self._packed_words + width * bmax
+        words += words % 2  # even: the second buffer's int64s aligned
+        self._staged = torch.zeros((2, HEADER_WORDS + words), dtype=torch.int32).pin_memory()
+        self._staged_views = [
+            (
+                staged_length(self._staged, p).numpy(),
+                self._staged[p, HEADER_WORDS : HEADER_WORDS + self._packed_words].view(torch.int64).view(_PACKED_ROWS, bmax).numpy(),
+                self._staged[p, HEADER_WORDS + self._packed_words : HEADER_WORDS + self._packed_words + width * bmax].view(width, bmax).numpy(),
+            )
+            for p in range(2)
+        ]
+        self._host_tokens = torch.zeros((2, bmax), dtype=torch.int64).pin_memory()
+        self._turn = torch.zeros(3, dtype=torch.int64, device=dev)
+        self._turns = _Turns([torch.cuda.Event(), torch.cuda.Event()])
+        inputs = torch.zeros(words, dtype=torch.int32, device=dev)
         self._static = {
             "inputs": inputs,
             "packed": inputs[: self._packed_words].view(torch.int64).view(_PACKED_ROWS, bmax),
-            "tables_t": inputs[self._packed_words :].view(width, bmax),
-            "tokens": self._device_words[: 2 * slots + 2 * bmax].view(torch.int64),  # sampled, then input_ids
+            "tables_t": inputs[self._packed_words : self._packed_words + width * bmax].view(width, bmax),
             "input_ids": torch.zeros(bmax, dtype=torch.int64, device=dev),
             "cu": torch.arange(bmax + 1, dtype=torch.int64, device=dev),
             "logits_indices": torch.arange(bmax, dtype=torch.int64, device=dev),
@@ -224,24 +253,27 @@ class ModelRunner:
             context_lens_t=packed[4, :b],
         )
 
-    def _clear_host_rows(self, b: int) -> None:
-        """Columns :b of the pinned inputs as padding: token and position 0, no slot, the token sent."""
-        h = self._host_np
-        h[0:2, :b] = 0
-        h[2:5, :b] = -1
-        h[5, :b] = self._sent_token_index[:b]
+    @staticmethod
+    def _clear_rows(rows: np.ndarray, b: int) -> None:
+        """Columns :b of staged rows as padding: token and position 0, no slot, the token sent."""
+        rows[0:2, :b] = 0
+        rows[2:, :b] = -1
 
-    def _fill_padding(self) -> None:
-        self._clear_host_rows(self._host_np.shape[1])
-        self._static["packed"].copy_(self._host, non_blocking=True)
+    def _stage_padding(self) -> None:
+        """Both staged buffers: padding rows only, no tables."""
+        for length, rows, _ in self._staged_views:
+            self._clear_rows(rows, rows.shape[1])
+            length[0] = self._packed_words
 
     def _decode_forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """A graph-captured decode step: each row's input token is gathered from `sampled` (in flight)
-        or the sent ids, and each row's argmax is left in `sampled` at the end."""
+        """A graph-captured decode step: the staged inputs taken, each row's input token gathered
+        from `sampled` (in flight) or the sent ids, and each row's argmax left in `sampled` and in
+        the host's row of this turn."""
         b = batch.input_ids.shape[0]
-        torch.index_select(self._static["tokens"], 0, self._static["packed"][5, :b], out=batch.input_ids)
+        ops = kernels()
+        ops.take_decode_inputs(self._staged, self._static["inputs"], self._turn, self.sampled, batch.input_ids, self._max_graph_batch())
         logits = self.model(batch)
-        kernels().argmax(logits, out=self.sampled[:b])
+        ops.argmax(logits, out=self.sampled[:b], host_out=self._host_tokens, turn=self._turn)
         return logits
 
     def _record(self, forward: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
@@ -261,60 +293,51 @@ class ModelRunner:
     def _capture(self, b: int) -> None:
         if self._static is None:
             self._alloc_static()
+        turns = self._turns
+        turns.wait(0)  # the replays so far are done with the staged buffers and the host's tokens
+        turns.wait(1)
         self._wait_sampled_copied()
-        self._fill_padding()  # padding rows only: the warm-up and capture touch no state
+        self._stage_padding()  # padding rows only: the warm-up and capture touch no state
         batch = self._graph_batch(b)
-        in_flight = self.sampled.clone()  # the warm-up's argmax overwrites tokens this step still reads
-        self._graphs[b] = self._record(lambda: self._decode_forward(batch))
+        # the warm-up's argmax overwrites tokens still to be read: this step's input, the host's last
+        in_flight, host_tokens = self.sampled.clone(), self._host_tokens.clone()
+        graph, logits = self._record(lambda: self._decode_forward(batch))
+        self._graphs[b] = (_DecodeGraph(graph, turns), logits)
+        self._turn[0] = turns.parity  # the warm-ups took turns too
         self.sampled.copy_(in_flight)
-
-    def _wait_pinned_inputs_read(self) -> None:
-        """Before refilling the pinned input buffers: with overlapped steps the host can come back
-        here before the GPU has run the last replay's copy out of them."""
-        if self._inputs_sent is not None:
-            self._inputs_sent.synchronize()
-
-    def _replay(self, graph: torch.cuda.CUDAGraph) -> None:
-        """Replay after the input copies were queued, marking when those copies are done."""
-        if self._inputs_sent is None:
-            self._inputs_sent = torch.cuda.Event()
-        self._inputs_sent.record()
-        graph.replay()
-        self.num_graph_replays += 1
+        self._host_tokens.copy_(host_tokens)
 
     def _run_graph(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        self._wait_pinned_inputs_read()
         n = len(chunks)
         b = self._bucket(n)
         if b not in self._graphs:
             self._capture(b)
-        self._clear_host_rows(b)
-        h = self._host_np
-        bs = self.kv_pool.block_size
-        width = 1
-        paged = self.kv_pool.needs_pages
-        tables = self._host_tables_np
-        for i, c in enumerate(chunks):
-            seq = c.seq
-            pos = c.start
+        parity = self._turns.parity
+        self._turns.wait(parity)  # the replay before last has read this buffer
+        length, h, tables = self._staged_views[parity]
+        self._clear_rows(h, b)
+        seqs = [c.seq for c in chunks]
+        positions = [c.start for c in chunks]
+        h[1, :n] = h[4, :n] = positions
+        h[2, :n] = [seq.slot for seq in seqs]
+        for i, (seq, pos) in enumerate(zip(seqs, positions)):
             if pos < len(seq.token_ids):
                 h[0, i] = seq.token_ids[pos]
             else:
-                h[5, i] = seq.inflight_row
-            h[1, i] = pos
-            h[2, i] = seq.slot
-            h[4, i] = pos
-            if paged:
-                blocks = seq.blocks
-                h[3, i] = blocks[pos // bs] * bs + pos % bs
-                nb = len(blocks)
-                tables[:nb, i] = blocks
-                width = max(width, nb)
-        sent = self._packed_words + (width * tables.shape[1] if paged else 0)
-        self._static["inputs"][:sent].copy_(self._host_inputs[:sent], non_blocking=True)
+                h[TOKEN_ROW, i] = seq.inflight_row
+        paged = self.kv_pool.needs_pages
+        width = 1
+        if paged:
+            bs = self.kv_pool.block_size
+            h[3, :n] = [seq.blocks[pos // bs] * bs + pos % bs for seq, pos in zip(seqs, positions)]
+            for i, seq in enumerate(seqs):
+                tables[: len(seq.blocks), i] = seq.blocks
+            width = max(len(seq.blocks) for seq in seqs)
+        length[0] = self._packed_words + (width * tables.shape[1] if paged else 0)
         graph, logits = self._graphs[b]
         self._wait_sampled_copied()  # the graph's argmax writes `sampled`
-        self._replay(graph)
+        graph.replay()
+        self.num_graph_replays += 1
         return logits[:n]
 
     # ---- CUDA graphs for short single-sequence prefills -------------------------------------------
@@ -376,6 +399,20 @@ class ModelRunner:
         batch = self._prefill_batch(tb)
         self._prefill_graphs[tb] = self._record(lambda: self.model(batch))
 
+    def _wait_pinned_inputs_read(self) -> None:
+        """Before refilling a prefill graph's pinned inputs: with overlapped steps the host can come
+        back here before the GPU has run the last replay's copy out of them."""
+        if self._inputs_sent is not None:
+            self._inputs_sent.synchronize()
+
+    def _replay(self, graph: torch.cuda.CUDAGraph) -> None:
+        """Replay a prefill graph after its input copies were queued, marking when those are done."""
+        if self._inputs_sent is None:
+            self._inputs_sent = torch.cuda.Event()
+        self._inputs_sent.record()
+        graph.replay()
+        self.num_graph_replays += 1
+
     def _run_prefill_graph(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         self._wait_pinned_inputs_read()
         c = chunks[0]
@@ -420,6 +457,12 @@ class ModelRunner:
             self._sampled_copied = torch.cuda.Event()
             self._sampled_copied.record()
         return tokens, self._sampled_copied
+
+    def argmax_on_host(self, n: int) -> tuple[torch.Tensor, torch.cuda.Event]:
+        """The last decode replay's argmax, rows :n, in pinned host memory, and the event that marks
+        them there. Valid until the replay after next (which writes the same row)."""
+        parity = self._turns.parity ^ 1
+        return self._host_tokens[parity, :n], self._turns.done[parity]
 
     def writable_sampled(self, n: int) -> torch.Tensor:
         """The first n rows of `sampled`, for the current stream to write once their last copy is done."""

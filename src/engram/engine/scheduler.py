@@ -127,10 +127,11 @@ class Scheduler:
         """Chunks for this step, and the sequences admitted now (whose state must be restored)."""
         budget = self.max_batched_tokens
         chunks: list[ScheduledChunk] = []
+        preempted: set[Sequence] = set()
         for seq in list(self.running):
             if budget == 0:
                 break
-            if seq not in self.running:  # preempted below by an earlier sequence
+            if seq in preempted:  # by an earlier sequence, below
                 continue
             n = min(seq.num_uncomputed, budget)
             if n == 0:  # waits only for a token in flight that ends it (by length): nothing to compute
@@ -138,9 +139,10 @@ class Scheduler:
             while not self._grow(seq, seq.num_computed + n):
                 victim = self.running[-1]
                 self._preempt(victim)
+                preempted.add(victim)
                 if victim is seq:
                     break
-            if seq in self.running:
+            if seq not in preempted:
                 chunks.append(ScheduledChunk(seq, seq.num_computed, n))
                 budget -= n
 

@@ -8,7 +8,8 @@
   update also applies Mamba2's gate and norm weight, and the output projection's GEMV the norm's
   row statistic), the varlen causal conv1d, KV store, paged attention (prefill with context and
   decode), router top-k and the fused MoE (per-pair GEMV at small batch, grouped GEMM over the
-  expert-sorted routed tokens above), and the greedy token's argmax over the vocabulary.
+  expert-sorted routed tokens above), the greedy token's argmax over the vocabulary, and a decode
+  graph's inputs taken from pinned host memory.
 - fla-core (optional, the `cuda` extra): Mamba2 chunked prefill through `chunk_simple_gla`, which
   computes SSD exactly with q=C, k=B, v=x*dt, g=A*dt, scale=1 and the groups repeated to heads,
   over `cu_seqlens` with initial states read from the state pool. Short sequences (up to
@@ -26,7 +27,7 @@ import warnings
 import torch
 
 from engram.ops import ssd as ssd_ref
-from engram.ops.triton_ops import attention, common, conv, linear, moe, norm, sample, ssd
+from engram.ops.triton_ops import attention, common, conv, linear, moe, norm, sample, ssd, staging
 
 try:  # optional dependency
     from fla.ops.simple_gla import chunk_simple_gla as _chunk_simple_gla
@@ -95,6 +96,7 @@ def available() -> dict:
         moe_experts=moe.moe_experts,
         softmax_topk_experts=moe.softmax_topk_experts,
         argmax=sample.argmax,
+        take_decode_inputs=staging.take_decode_inputs,
         graph_safe_decode=True,
     )
     return ops

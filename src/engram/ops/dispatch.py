@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch.nn.functional as F
 
-from engram.ops import activation, attention, conv, moe, norm, sample, ssd
+from engram.ops import activation, attention, conv, moe, norm, sample, ssd, staging
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,7 @@ class KernelSet:
     moe_experts: Callable = moe.moe_experts
     softmax_topk_experts: Callable = moe.softmax_topk_experts
     argmax: Callable = sample.argmax
+    take_decode_inputs: Callable = staging.take_decode_inputs
     # Every op a decode step runs is free of host syncs and of data-dependent shapes, and
     # tolerates padding rows (slot -1, context -1): the step can be captured in a CUDA graph.
     graph_safe_decode: bool = False

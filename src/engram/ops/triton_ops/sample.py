@@ -36,26 +36,35 @@ def _argmax_chunk_kernel(L, Val, Idx, stride_l, V, NC, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _argmax_rows_kernel(Val, Idx, Out, NC, BLOCK_C: tl.constexpr):
-    """Row r's argmax from its chunks' (value, first index): the first chunk with the largest value."""
+def _argmax_rows_kernel(Val, Idx, Out, HostOut, Turn, stride_host, NC, BLOCK_C: tl.constexpr, TO_HOST: tl.constexpr):
+    """Row r's argmax from its chunks' (value, first index): the first chunk with the largest value;
+    with TO_HOST also into row Turn[1] of HostOut, written through to host memory."""
     wait_for_previous_kernel()
     r = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK_C)
     v = tl.load(Val + r * NC + c, mask=c < NC, other=float("-inf"))
     i = tl.load(Idx + r * NC + c, mask=c < NC, other=2**31 - 1)
     chunk = _first_max(v, c)[1]
-    tl.store(Out + r, tl.sum(tl.where(c == chunk, i, 0), axis=0).to(tl.int64))
+    token = tl.sum(tl.where(c == chunk, i, 0), axis=0).to(tl.int64)
+    tl.store(Out + r, token)
+    if TO_HOST:
+        tl.store(HostOut + tl.load(Turn + 1) * stride_host + r, token, cache_modifier=".wt")
 
 
 ARGMAX_CHUNK = 4096
 
 
-def argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Rows [R, V] of float32 or half logits into a contiguous int64 `out` of R (or a new one);
-    anything else goes to the reference."""
+def argmax(logits: torch.Tensor, out: torch.Tensor | None = None, host_out: torch.Tensor | None = None, turn: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows [R, V] of float32 or half logits into a contiguous int64 `out` of R (or a new one), and
+    into row turn[1] of a pinned `host_out` (see the reference); anything else goes to the reference."""
     shaped = logits.dim() == 2 and logits.shape[1] > 0 and logits.dtype in TL_DTYPES
-    if not shaped or (out is not None and (out.dtype != torch.int64 or out.shape != logits.shape[:1] or not out.is_contiguous())):
-        return sample_ref.argmax(logits, out=out)
+    to_host = host_out is not None
+    if (
+        not shaped
+        or (out is not None and (out.dtype != torch.int64 or out.shape != logits.shape[:1] or not out.is_contiguous()))
+        or (to_host and not (host_out.dtype == torch.int64 and host_out.stride(1) == 1 and (host_out.is_pinned() or not logits.is_cuda)))
+    ):
+        return sample_ref.argmax(logits, out=out, host_out=host_out, turn=turn)
     R, V = logits.shape
     out = torch.empty(R, dtype=torch.int64, device=logits.device) if out is None else out
     if R == 0:
@@ -65,5 +74,6 @@ def argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tenso
     val = torch.empty((R, nc), dtype=torch.float32, device=x.device)
     idx = torch.empty((R, nc), dtype=torch.int32, device=x.device)
     _argmax_chunk_kernel[(R, nc)](x, val, idx, x.stride(0), V, nc, BLOCK=ARGMAX_CHUNK, num_warps=8, **PDL_LAUNCH)
-    _argmax_rows_kernel[(R,)](val, idx, out, nc, BLOCK_C=np2(nc), num_warps=1, **PDL_LAUNCH)
+    host = (host_out, turn, host_out.stride(0)) if to_host else (out, out, 0)
+    _argmax_rows_kernel[(R,)](val, idx, out, *host, nc, BLOCK_C=np2(nc), num_warps=1, TO_HOST=to_host, **PDL_LAUNCH)
     return out
