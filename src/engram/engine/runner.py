@@ -209,17 +209,17 @@ class ModelRunner:
         # A step's inputs: six int64 rows (input_ids, positions, slots, slot_mapping, context, each
         # row's token in `sampled` or -1), then the block tables (int32, column-major). The host
         # stages them in two pinned buffers, in turn (ops/staging.py).
-        self._packed_words = 2 * _PACKED_ROWS * bmax  # int32 words of the int64 rows
-        words = self._packed_words + width * bmax
-        words += words % 2  # even: the second buffer's int64s aligned
+        self._packed_words = rows_end = 2 * _PACKED_ROWS * bmax  # int32 words of the int64 rows
+        tables_end = rows_end + width * bmax
+        words = tables_end + tables_end % 2  # even: the second buffer's int64s aligned
         self._staged = torch.zeros((2, HEADER_WORDS + words), dtype=torch.int32).pin_memory()
         self._staged_views = [
             (
                 staged_length(self._staged, p).numpy(),
-                self._staged[p, HEADER_WORDS : HEADER_WORDS + self._packed_words].view(torch.int64).view(_PACKED_ROWS, bmax).numpy(),
-                self._staged[p, HEADER_WORDS + self._packed_words : HEADER_WORDS + self._packed_words + width * bmax].view(width, bmax).numpy(),
+                staged[:rows_end].view(torch.int64).view(_PACKED_ROWS, bmax).numpy(),
+                staged[rows_end:tables_end].view(width, bmax).numpy(),
             )
-            for p in range(2)
+            for p, staged in enumerate(self._staged[:, HEADER_WORDS:])
         ]
         self._host_tokens = torch.zeros((2, bmax), dtype=torch.int64).pin_memory()
         self._turn = torch.zeros(3, dtype=torch.int64, device=dev)
@@ -227,8 +227,8 @@ class ModelRunner:
         inputs = torch.zeros(words, dtype=torch.int32, device=dev)
         self._static = {
             "inputs": inputs,
-            "packed": inputs[: self._packed_words].view(torch.int64).view(_PACKED_ROWS, bmax),
-            "tables_t": inputs[self._packed_words : self._packed_words + width * bmax].view(width, bmax),
+            "packed": inputs[:rows_end].view(torch.int64).view(_PACKED_ROWS, bmax),
+            "tables_t": inputs[rows_end:tables_end].view(width, bmax),
             "input_ids": torch.zeros(bmax, dtype=torch.int64, device=dev),
             "cu": torch.arange(bmax + 1, dtype=torch.int64, device=dev),
             "logits_indices": torch.arange(bmax, dtype=torch.int64, device=dev),

@@ -251,9 +251,9 @@ def save_snapshot(
     return path
 
 
-def _read_header(path: Path) -> dict:
-    """The parsed safetensors header, after checking the file holds all the tensor data it describes."""
-    where = snapshot_label(path)
+def _read_header(path: Path, where: str) -> dict:
+    """The parsed safetensors header, after checking the file holds all the tensor data it describes
+    (`where`: the file as error messages name it)."""
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
@@ -288,7 +288,8 @@ def _parse_manifest(metadata: Any, where: str) -> dict:
 def read_manifest(path: str | Path) -> dict:
     """The manifest, read from the header alone (no tensor data), for fast listing."""
     path = Path(path)
-    return _parse_manifest(_read_header(path).get("__metadata__"), snapshot_label(path))
+    where = snapshot_label(path)
+    return _parse_manifest(_read_header(path, where).get("__metadata__"), where)
 
 
 def _section(manifest: dict, key: str) -> dict:
@@ -343,7 +344,7 @@ def load_snapshot(
     """
     path = Path(path)
     where = snapshot_label(path)
-    _read_header(path)  # clear 'not found' / 'truncated' messages before safetensors sees the file
+    _read_header(path, where)  # clear 'not found' / 'truncated' messages before safetensors sees the file
     try:
         f = safe_open(str(path), framework="pt", device="cpu")
     except Exception as e:
