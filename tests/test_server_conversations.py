@@ -140,6 +140,19 @@ def test_branches_and_regeneration_over_http(checkpoint_dir, tmp_path):
         assert sorted(conv["branches"]) == ["alt", "main"]
 
 
+def test_a_forked_client_conversation_starts_from_the_turn_it_forks(checkpoint_dir, tmp_path):
+    with serving(checkpoint_dir("nemotron"), tmp_path) as (srv, _):
+        conv = EngramClient(srv.url).conversation("f", temperature=0, max_tokens=4)
+        first = conv.chat("first")
+        conv.chat("second")
+        fork = conv.fork("alt", from_turn=1)
+        fork.chat("second")  # its first chat forks from turn 1; the next ones continue the branch
+        fork.chat("third")
+        assert (fork.last_response["branch"], fork.turn) == ("alt", 3)
+        alt = EngramClient(srv.url).get_conversation("f")["branches"]["alt"]
+        assert [m["content"] for m in alt["messages"]][:2] == ["first", first]
+
+
 def test_honest_status_codes(checkpoint_dir, tmp_path):
     with serving(checkpoint_dir("nemotron"), tmp_path) as (srv, http):
         def post(path, body):

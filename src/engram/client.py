@@ -158,15 +158,17 @@ class Conversation:
         self.defaults = defaults
         self.turn = 0
         self.last_response: dict | None = None
+        self._fork_from: int | None = None  # the turn a forked branch's first chat starts from
 
     def chat(self, text: str, role: str = "user", from_turn: int | None = None, **fields: Any) -> str:
         response = self.client.chat(
             [{"role": role, "content": text}],
             conversation_id=self.conversation_id,
             branch=self.branch,
-            from_turn=from_turn,
+            from_turn=from_turn if from_turn is not None else self._fork_from,
             **{**self.defaults, **fields},
         )
+        self._fork_from = None
         self.turn = response.get("turn", self.turn + 1)
         self.last_response = response
         return response["choices"][0]["message"]["content"]
