@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Any
+from typing import Any, cast
 
 from engram.args import EngineArgs
 from engram.engine.engine import LLMEngine
@@ -38,12 +38,11 @@ class LLM:
         self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the order of the prompts."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        batch = _as_batch(prompts)
         params = sampling_params or SamplingParams()
-        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        params_list = params if isinstance(params, list) else [params] * len(batch)
         order = []
-        for prompt, p in zip(prompts, params_list):
+        for prompt, p in zip(batch, params_list):
             request_id = f"offline-{next(self._ids)}"
             self.engine.add_request(request_id, self._prompt_ids(prompt), dataclasses.replace(p))
             order.append(request_id)
@@ -53,3 +52,12 @@ class LLM:
                 if out.finished:
                     finished[out.request_id] = out
         return [finished[r] for r in order]
+
+
+def _as_batch(prompts: Prompt | list[Prompt]) -> list[Prompt]:
+    """One prompt (text, {"prompt_token_ids": [...]} or a list of ids) or a list of prompts."""
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if prompts and isinstance(prompts[0], int):
+        return [cast(list[int], prompts)]
+    return cast(list[Prompt], prompts)

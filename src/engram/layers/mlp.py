@@ -61,6 +61,25 @@ class PlainMLP(nn.Module):
         return self.up_proj.weight, self.down_proj.weight
 
 
+class _Router(nn.Module):
+    """Holds the router's projection under the checkpoint's name (`router.layer`)."""
+
+    def __init__(self, hidden_size: int, num_experts: int):
+        super().__init__()
+        self.layer = Linear(hidden_size, num_experts, bias=False)
+
+
+class _Gate(nn.Module):
+    """The sigmoid router's weight and correction bias under the checkpoint's names (`gate.*`)."""
+
+    e_score_correction_bias: torch.Tensor
+
+    def __init__(self, hidden_size: int, num_experts: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
+
+
 class SoftmaxTopKMoE(nn.Module):
     """Granite MoE: softmax over the top-k router logits, gated SiLU experts, plus the block's
     shared MLP computed with them (one set of kernels for both). It takes the block's residual
@@ -69,8 +88,7 @@ class SoftmaxTopKMoE(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int):
         super().__init__()
         self.top_k = top_k
-        self.router = nn.Module()
-        self.router.layer = Linear(hidden_size, num_experts, bias=False)
+        self.router = _Router(hidden_size, num_experts)
         self.input_linear = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.output_linear = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
@@ -98,9 +116,7 @@ class SigmoidGroupedMoE(nn.Module):
         self.norm_topk_prob = cfg.get("norm_topk_prob", True)
         self.routed_scaling = float(cfg.get("routed_scaling_factor", 1.0))
         self.act = act
-        self.gate = nn.Module()
-        self.gate.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
-        self.gate.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
+        self.gate = _Gate(hidden_size, num_experts)
         self.up_proj = nn.Parameter(torch.empty(num_experts, inter, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, inter))
         self.shared_experts = PlainMLP(hidden_size, cfg["moe_shared_expert_intermediate_size"], act, cfg.get("mlp_bias", False))

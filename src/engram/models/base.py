@@ -28,7 +28,9 @@ WeightPlace = tuple[str, int | slice | None]
 def sequence_mixer(spec: ModelSpec, index: int) -> nn.Module:
     """The token mixer of a recurrent or attention layer: Mamba2 or attention."""
     if spec.layer_kinds[index] == LayerKind.MAMBA:
+        assert spec.mamba is not None, "a Mamba layer's spec has its dimensions"
         return Mamba2Mixer(spec.mamba, spec.hidden_size, index)
+    assert spec.attention is not None, "an attention layer's spec has its dimensions"
     return Attention(spec.attention, spec.hidden_size, index)
 
 
@@ -62,9 +64,10 @@ class CausalLM(nn.Module):
         hidden = self.embed_tokens(batch.input_ids)
         if self.embedding_multiplier != 1.0:
             hidden = hidden * self.embedding_multiplier
-        residual = None
+        residual: torch.Tensor | None = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, batch)
+        assert residual is not None, "a model has at least one layer"
         rows = batch.logits_indices
         if rows.numel() < hidden.shape[0]:  # the indices increase: as many as rows means every row (decode)
             hidden, residual = hidden[rows], residual[rows]

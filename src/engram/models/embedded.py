@@ -55,7 +55,7 @@ def _write_embedded_model(path: Path) -> None:
     from transformers import GenerationConfig, GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
 
     tokenizer = build_byte_tokenizer()
-    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in (("pad", PAD), ("bos", BOS), ("eos", EOS))}
+    ids: dict[str, int] = {name: tokenizer.get_vocab()[token] for name, token in (("pad", PAD), ("bos", BOS), ("eos", EOS))}
     config = GraniteMoeHybridConfig(
         vocab_size=-(-len(tokenizer) // 8) * 8,
         hidden_size=64,

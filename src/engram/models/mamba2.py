@@ -16,6 +16,7 @@ class Mamba2Block(nn.Module):
     def __init__(self, spec: ModelSpec, index: int, eps: float, residual_in_fp32: bool):
         super().__init__()
         self.input_norm = RMSNorm(spec.hidden_size, eps)
+        assert spec.mamba is not None, "a Mamba2 model's spec has Mamba dimensions"
         self.mixer = Mamba2Mixer(spec.mamba, spec.hidden_size, index)
         self.residual_in_fp32 = residual_in_fp32
 

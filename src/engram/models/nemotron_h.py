@@ -3,6 +3,8 @@ positional rotation), relu^2 MLP or sigmoid-routed MoE, pre-norm with a residual
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -13,7 +15,7 @@ from engram.models.base import CausalLM, sequence_mixer
 from engram.models.spec import LayerKind, ModelSpec
 from engram.ops.moe import relu2
 
-_ACTIVATIONS = {"relu2": relu2, "silu": nn.functional.silu, "gelu": nn.functional.gelu}
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"relu2": relu2, "silu": nn.functional.silu, "gelu": nn.functional.gelu}
 
 
 class NemotronHBlock(nn.Module):

@@ -11,5 +11,6 @@ def argmax(logits: torch.Tensor, out: torch.Tensor | None = None, host_out: torc
     ids also go to host_out[turn[1]]."""
     out = torch.argmax(logits, dim=-1, out=out)
     if host_out is not None:
+        assert turn is not None, "host_out needs the decode graph's turn"
         host_out[:, : out.shape[0]].index_copy_(0, turn[1:2].to(host_out.device), out[None].to(host_out.device))
     return out

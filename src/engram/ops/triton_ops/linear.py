@@ -172,7 +172,7 @@ def _row_rsqrt_args(row_rsqrt: tuple | None, dummy: torch.Tensor) -> tuple[tuple
     return args, dict(ROW_RSQRT=row_rsqrt is not None, BLOCK_PART=np2(part.shape[-1]) if row_rsqrt is not None else 1)
 
 
-def _gemv_config(rows: int, k: int) -> tuple[int, int, int]:
+def _gemv_config(rows: int, k: int) -> tuple[int, ...]:
     if rows == 1:
         return GEMV_CONFIG["linear_row_long_k" if k > LINEAR_GEMV_LONG_K else "linear_row"]
     return GEMV_CONFIG["linear"]

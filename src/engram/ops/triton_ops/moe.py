@@ -449,7 +449,8 @@ def _moe(x, w_in, w_out, act, gated, shared, top_k, route: Callable, router_logi
     routing) the grouped path may route and sort in one launch instead."""
     code = _act_code(act)
     if code is None:
-        return moe_ref.moe_experts(x, w_in, w_out, *route(), act, gated, shared)
+        weights, ids = route()
+        return moe_ref.moe_experts(x, w_in, w_out, weights, ids, act, gated, shared)
     T, Hdim = x.shape
     E, I = w_out.shape[0], w_out.shape[2]
     tk = T * top_k

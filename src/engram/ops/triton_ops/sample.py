@@ -62,7 +62,7 @@ def argmax(logits: torch.Tensor, out: torch.Tensor | None = None, host_out: torc
     if (
         not shaped
         or (out is not None and (out.dtype != torch.int64 or out.shape != logits.shape[:1] or not out.is_contiguous()))
-        or (to_host and not (host_out.dtype == torch.int64 and host_out.stride(1) == 1 and (host_out.is_pinned() or not logits.is_cuda)))
+        or (host_out is not None and not (host_out.dtype == torch.int64 and host_out.stride(1) == 1 and (host_out.is_pinned() or not logits.is_cuda)))
     ):
         return sample_ref.argmax(logits, out=out, host_out=host_out, turn=turn)
     R, V = logits.shape
@@ -74,6 +74,6 @@ def argmax(logits: torch.Tensor, out: torch.Tensor | None = None, host_out: torc
     val = torch.empty((R, nc), dtype=torch.float32, device=x.device)
     idx = torch.empty((R, nc), dtype=torch.int32, device=x.device)
     _argmax_chunk_kernel[(R, nc)](x, val, idx, x.stride(0), V, nc, BLOCK=ARGMAX_CHUNK, num_warps=8, **PDL_LAUNCH)
-    host = (host_out, turn, host_out.stride(0)) if to_host else (out, out, 0)
+    host = (host_out, turn, host_out.stride(0)) if host_out is not None else (out, out, 0)
     _argmax_rows_kernel[(R,)](val, idx, out, *host, nc, BLOCK_C=np2(nc), num_warps=1, TO_HOST=to_host, **PDL_LAUNCH)
     return out
