@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import itertools
 import json
 import os
 import platform
@@ -39,7 +40,6 @@ from pathlib import Path
 
 import httpx
 import torch
-
 from bench_speed import find_config, rand_tokens
 from restore_latency import CPU_SCALE
 
@@ -153,7 +153,7 @@ class Timing:
 
     def add(self, start: float, token_times: list[float]) -> None:
         self.ttft.append(token_times[0] - start)
-        self.itl += [b - a for a, b in zip(token_times, token_times[1:])]
+        self.itl += [b - a for a, b in itertools.pairwise(token_times)]
         self.e2e.append(token_times[-1] - start)
         self.tokens += len(token_times)
 
@@ -404,7 +404,7 @@ def commit() -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    ints = lambda s: [int(x) for x in s.split(",") if x]
     ap.add_argument("--config", default="granite-4.0-h-tiny")
     ap.add_argument("--tiny", action="store_true", help="shrink the model to a few narrow layers (a CPU run)")
     ap.add_argument("--device", default="auto")
