@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator
 
 from engram.args import EngineArgs, ServerArgs
@@ -15,3 +16,9 @@ def running_server(model_path: str, model_name: str, **server_fields) -> Iterato
     engine_args = EngineArgs(model_path=str(model_path), max_running_requests=4, max_total_tokens=8192, context_length=1024)
     with BackgroundServer(build_app(engine_args, ServerArgs(served_model_name=model_name, **server_fields))) as srv:
         yield srv
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """The value of one series of a /metrics page, by its name and labels."""
+    series = name + "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}"
+    return float(re.search(rf"^{re.escape(series)} (\S+)$", text, re.MULTILINE).group(1))

@@ -343,3 +343,50 @@ def test_a_storage_failure_is_a_503_that_names_no_path_and_the_turn_is_undone(ch
         assert r.status_code == 503 and error["code"] == "storage_unavailable", r.text
         assert "No space left on device" in error["message"] and str(tmp_path) not in error["message"]
         assert chat(http, "disk", "more")["turn"] == 2
+
+
+TEMPLATE_DEFAULT_SYSTEM = ("{% if messages[0]['role'] != 'system' %}<|system|>You are helpful.<|end|>{% endif %}"
+                           "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+                           "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+TEMPLATE_ALTERNATING = ("{% for m in messages if m['role'] != 'system' %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+                        "{{ raise_exception('roles must alternate user/assistant') }}{% endif %}{% endfor %}"
+                        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>\n{% endfor %}"
+                        "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+TEMPLATE_NUMBERED = ("{% for m in messages %}<|{{ m['role'] }}|>{{ loop.index }}. {{ m['content'] }}<|end|>{% endfor %}"
+                     "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@pytest.mark.parametrize("template", [None, TEMPLATE_AFTER_END, TEMPLATE_BEFORE_END, TEMPLATE_DEFAULT_SYSTEM, TEMPLATE_ALTERNATING, TEMPLATE_NUMBERED],
+                         ids=["byte", "after-end", "before-end", "default-system", "alternating", "numbered"])
+@pytest.mark.parametrize("system", [True, False], ids=["system", "no-system"])
+@pytest.mark.parametrize("cut", [False, True], ids=["closed", "cut"])
+def test_a_turn_renders_only_the_tail_and_equals_the_whole_rendering(template, system, cut):
+    """The prompt of each turn of a long conversation equals the one from rendering the whole
+    conversation (the way every turn was rendered before), whether the last reply was closed or cut
+    short; the template sees only the conversation's tail where that gives the same text."""
+    from types import SimpleNamespace
+
+    from engram.models.byte_tokenizer import build_byte_tokenizer
+    from engram.server.conversations import TAIL_WINDOWS, ConversationTurns
+
+    tokenizer = build_byte_tokenizer()
+    if template is not None:
+        tokenizer.chat_template = template
+    rendered_lengths = []
+    render = tokenizer.apply_chat_template
+    tokenizer.apply_chat_template = lambda messages, **kw: (rendered_lengths.append(len(messages)), render(messages, **kw))[1]
+    turns = ConversationTurns(manager=None, tokenizer=tokenizer)
+    history = [{"role": "system", "content": "Be brief."}] if system else []
+    for i in range(8):
+        history += [{"role": "user", "content": f"question {i}?"}, {"role": "assistant", "content": f"answer {i}"}]
+        closed = render(history, tokenize=False)
+        text = render(history[:-1], add_generation_prompt=True, tokenize=False) + history[-1]["content"] if cut else closed
+        plan = SimpleNamespace(history_messages=list(history), history_tokens=tokenizer.encode(text, add_special_tokens=False))
+        new = [{"role": "user", "content": f"next {i}"}]
+        rendered_lengths.clear()
+        prompt = turns.prompt(plan, new)
+        tail_rendered = max(rendered_lengths)
+        whole = plan.history_tokens + tokenizer.encode(turns._delta(history, new, plan.history_tokens), add_special_tokens=False)
+        assert prompt == whole
+        if len(history) > system + max(TAIL_WINDOWS):  # long enough for the tail
+            assert (tail_rendered == len(history) + 1) == (template == TEMPLATE_NUMBERED), rendered_lengths

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import gc
 import json
-import re
 import threading
 import time
 
 import httpx
 import pytest
-from server_utils import running_server
+from server_utils import metric_value, running_server
 
 from engram.models.embedded import ensure_embedded_model
 from engram.state.sequence_state import SequenceState
@@ -152,10 +151,10 @@ def test_metrics(http):
     for family in ("num_running_reqs", "num_queue_reqs", "prompt_tokens_total", "generation_tokens_total",
                    "cached_tokens_total", "prefill_throughput", "gen_throughput", "state_slots_used",
                    "state_pool_usage", "kv_blocks_used", "kv_pool_usage"):
-        assert f"\nengram:{family} " in text, family
+        assert f'\nengram:{family}{{model_name="{MODEL}"}} ' in text, family
     for histogram in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"):
-        assert f"\nengram:{histogram}_count " in text, histogram
-    count = float(text.split("\nengram:time_to_first_token_seconds_count ")[1].split()[0])
+        assert f'\nengram:{histogram}_count{{model_name="{MODEL}"}} ' in text, histogram
+    count = float(text.split(f'\nengram:time_to_first_token_seconds_count{{model_name="{MODEL}"}} ')[1].split()[0])
     assert count >= 1
 
 
@@ -206,7 +205,7 @@ def test_choices_refused_by_the_engine_compute_no_shared_prefill(server):
 
 
 def _metric(http, name: str) -> float:
-    return float(re.search(rf"^{re.escape(name)} (\S+)$", http.get("/metrics").text, re.M).group(1))
+    return metric_value(http.get("/metrics").text, name, model_name=MODEL)
 
 
 def test_a_shared_prefill_is_no_clients_request(http, server):

@@ -35,8 +35,11 @@ def build_app(engine_args: EngineArgs, server_args: ServerArgs) -> FastAPI:
 def serve(engine_args: EngineArgs, server_args: ServerArgs) -> None:
     import uvicorn
 
+    from engram.server.startup import banner
+
     logging.basicConfig(level=server_args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = build_app(engine_args, server_args)
+    logging.getLogger("engram.server").info(banner(app.state.serving, server_args, f"http://{server_args.host}:{server_args.port}"))
     uvicorn.run(app, host=server_args.host, port=server_args.port, log_level=server_args.log_level)
 
 

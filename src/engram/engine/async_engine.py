@@ -19,6 +19,7 @@ from engram.engine.request import RequestOutput, SamplingParams
 
 if TYPE_CHECKING:
     from engram.engine.engine import EngineStats, LLMEngine
+    from engram.engine.warmup import WarmupReport
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -105,6 +106,17 @@ class AsyncEngine:
     async def release_retained(self, key: str) -> bool:
         """Free a finished conversation's retained engine slot (ACTIVE -> WARM)."""
         return await self._call(lambda: self.engine.release_retained(key))
+
+    async def warm_up(self, on_stage: Callable[[str, int, int], None] | None = None, enabled: bool = True) -> WarmupReport | None:
+        """Warm the engine up on the loop thread (requests that arrive meanwhile wait behind it),
+        then mark it ready; `enabled` False marks it ready at once."""
+
+        def run() -> WarmupReport | None:
+            report = self.engine.warm_up(on_stage) if enabled else None
+            self.engine.mark_ready()
+            return report
+
+        return await self._call(run)
 
     def stats(self) -> EngineStats:
         """The engine's stats as of the end of the last loop iteration."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +19,7 @@ from engram.engine.runner import ModelRunner
 from engram.engine.sampler import sample_batch, sample_on_device, samples_on_device, token_counts, token_logprob, token_mask
 from engram.engine.scheduler import Scheduler
 from engram.engine.sequence import Sequence, SequenceStatus
+from engram.engine.warmup import WarmupReport, install_compile_counter, kernel_compilations, warm_up
 from engram.models.loader import load_model, load_model_from_state_dict
 from engram.models.spec import load_model_spec
 from engram.ops.dispatch import select_kernels, use_kernels
@@ -40,6 +41,9 @@ class EngineStats:
     cached_tokens_total: int
     num_preemptions: int
     retained_slots: int
+    graph_captures: int
+    kernel_compilations: int  # Triton compilations in this process (0 without Triton)
+    compilations_after_ready: int  # graph captures and compilations since `mark_ready` (should stay 0)
 
 
 @dataclass
@@ -92,7 +96,8 @@ class LLMEngine:
         self.device = resolve_device(args.device)
         self.dtype = resolve_dtype(args.dtype, self.device)
         self.state_dtypes = memory_planner.state_dtypes(self.spec, self.dtype, args.mamba_ssm_dtype, args.kv_cache_dtype)
-        use_kernels(select_kernels(self.device.type, args.enable_fast_ops))
+        self._kernels = select_kernels(self.device.type, args.enable_fast_ops)
+        use_kernels(self._kernels)
         self.tokenizer = load_tokenizer(self.model_path)
         if weights is None:
             self.model = load_model(self.spec, self.model_path, self.dtype, self.device)
@@ -118,6 +123,8 @@ class LLMEngine:
         self._default_generator = torch.Generator(self.device).manual_seed(args.seed)
         self._counters = {"prompt": 0, "generation": 0, "prefill_computed": 0, "cached": 0}
         self._inflight: InFlightTokens | None = None
+        install_compile_counter()
+        self._work_at_ready: int | None = None  # graph captures + compilations when ready was marked
 
     def _plan_memory(self) -> memory_planner.MemoryPlan:
         plan = memory_planner.plan_for_args(
@@ -383,10 +390,47 @@ class LLMEngine:
             self._requests.pop(seq.request_id, None)
         return out
 
+    # ---- start-up ------------------------------------------------------------------------------
+
+    def warm_up(self, on_stage: Callable[[str, int, int], None] | None = None) -> WarmupReport:
+        """Capture every CUDA graph and compile every kernel path now (engine/warmup.py). Its
+        requests are not traffic: the token counters, preemption count and default generator are
+        left as they were."""
+        counters, preemptions = dict(self._counters), self.scheduler.num_preemptions
+        generator = self._default_generator.get_state()
+        try:
+            return warm_up(self, on_stage)
+        finally:
+            self._counters.update(counters)
+            self.scheduler.num_preemptions = preemptions
+            self._default_generator.set_state(generator)
+
+    def mark_ready(self) -> None:
+        """From now on graph captures and compilations are counted as happening on a request's path."""
+        self._work_at_ready = self._compile_work()
+
+    def describe(self) -> dict[str, str]:
+        """What this engine runs with, for the server's start-up banner."""
+        fmt, p = memory_planner.format_bytes, self.plan
+        return {
+            "model": f"{self.model_path} ({self.spec.architecture}, {self.spec.model_type})",
+            "dtype": f"{memory_planner.dtype_name(self.dtype)} (conv state {p.conv_state_dtype}, SSM state {p.ssm_state_dtype}, KV {p.kv_cache_dtype})",
+            "device": f"{self.device}; kernels {self._kernels.name} (fast ops {'on' if self.args.enable_fast_ops else 'off'}), "
+                      f"CUDA graphs {'on' if self.runner.graphs_on else 'off'}, overlap schedule {'on' if self.args.enable_overlap_schedule else 'off'}",
+            "memory": f"weights {fmt(p.weights_bytes)}, state {fmt(p.state_bytes_per_seq)} x {p.max_running_requests} running = "
+                      f"{fmt(p.state_cache_bytes)}, KV {p.max_total_tokens:,} tokens = {fmt(p.kv_cache_bytes)} (budget {fmt(p.budget_bytes)})",
+            "limits": f"context length {self.max_context_length:,}, max running requests {self.args.max_running_requests}, "
+                      f"{self.args.max_num_batched_tokens} tokens per step",
+        }
+
+    def _compile_work(self) -> int:
+        return self.runner.num_graph_captures + kernel_compilations()
+
     # ---- introspection ------------------------------------------------------------------------
 
     def stats(self) -> EngineStats:
         c = self._counters
+        after_ready = self._compile_work() - self._work_at_ready if self._work_at_ready is not None else 0
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -400,6 +444,9 @@ class LLMEngine:
             cached_tokens_total=c["cached"],
             num_preemptions=self.scheduler.num_preemptions,
             retained_slots=len(self.scheduler.retained),
+            graph_captures=self.runner.num_graph_captures,
+            kernel_compilations=kernel_compilations(),
+            compilations_after_ready=after_ready,
         )
 
     def flush_cache(self) -> bool:

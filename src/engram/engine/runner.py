@@ -101,6 +101,7 @@ class ModelRunner:
         self._graph_pool = None
         self._inputs_sent: torch.cuda.Event | None = None  # marks the last prefill replay's copies out of its pinned inputs
         self.num_graph_replays = 0
+        self.num_graph_captures = 0
         # The last device-sampled step's tokens, one row per completing sequence (at most one per slot).
         self.sampled = torch.zeros(state_pool.num_slots, dtype=torch.int64, device=device)
         self.argmax_in_sampled = False  # the last run was a decode graph: `sampled` holds its rows' argmax
@@ -169,6 +170,10 @@ class ModelRunner:
         )
 
     # ---- CUDA graphs for decode steps -----------------------------------------------------------
+
+    @property
+    def graphs_on(self) -> bool:
+        return self._graphs_enabled()
 
     def _graphs_enabled(self) -> bool:
         return self.enable_cuda_graph and self.device.type == "cuda" and kernels().graph_safe_decode
@@ -303,6 +308,7 @@ class ModelRunner:
         in_flight, host_tokens = self.sampled.clone(), self._host_tokens.clone()
         graph, logits = self._record(lambda: self._decode_forward(batch))
         self._graphs[b] = (_DecodeGraph(graph, turns), logits)
+        self.num_graph_captures += 1
         self._turn[0] = turns.parity  # the warm-ups took turns too
         self.sampled.copy_(in_flight)
         self._host_tokens.copy_(host_tokens)
@@ -398,6 +404,23 @@ class ModelRunner:
         self._pf["packed"].copy_(self._pf_host, non_blocking=True)
         batch = self._prefill_batch(tb)
         self._prefill_graphs[tb] = self._record(lambda: self.model(batch))
+        self.num_graph_captures += 1
+
+    def graph_buckets(self) -> list[tuple[str, int]]:
+        """Every graph a run could capture, ("decode", batch) and ("prefill", tokens); none when
+        graphs are off (the CPU's case)."""
+        if not self._graphs_enabled():
+            return []
+        decode = [("decode", b) for b in _GRAPH_BUCKETS if b <= self._max_graph_batch()]
+        return decode + [("prefill", tb) for tb in _PREFILL_BUCKETS]
+
+    @torch.inference_mode()
+    def capture(self, kind: str, size: int) -> None:
+        """Capture one graph of `graph_buckets` now (at start-up, so that no request waits for it)."""
+        if kind == "decode" and size not in self._graphs:
+            self._capture(size)
+        elif kind == "prefill" and size not in self._prefill_graphs:
+            self._capture_prefill(size)
 
     def _wait_pinned_inputs_read(self) -> None:
         """Before refilling a prefill graph's pinned inputs: with overlapped steps the host can come

@@ -8,6 +8,7 @@ prompt when it stopped at EOS. A conversation can therefore be continued token f
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -33,11 +34,18 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_byte_tokenizer() -> PreTrainedTokenizerFast:
+def build_byte_tokenizer(vocab_size: int | None = None) -> PreTrainedTokenizerFast:
+    """`vocab_size`: pad the vocabulary to that many ids (special tokens included) with tokens of
+    three printable characters, which encoding never produces and each decode to their text: a
+    random model's every token then has text (benchmarks stream one chunk per token)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {ch: byte for byte, ch in enumerate(_byte_symbols())}
+    printable = [chr(c) for c in range(ord("!"), ord("~") + 1)]
+    padding = ("".join(p) for p in itertools.product(printable, repeat=3))
+    for token_id in range(len(vocab), (vocab_size or 0) - len(SPECIAL_TOKENS)):
+        vocab[next(padding)] = token_id
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

@@ -7,6 +7,7 @@ from typing import Callable, Iterable, Mapping
 
 import torch
 from safetensors import safe_open
+from tqdm import tqdm
 
 from engram.models.base import CausalLM
 from engram.models.registry import model_class
@@ -83,14 +84,19 @@ def _spans(rows: list[int]) -> str:
 
 def load_model(spec: ModelSpec, model_path: str | Path, dtype: torch.dtype, device: torch.device) -> CausalLM:
     model = _empty_model(spec, dtype, device)
+    files = safetensors_files(Path(model_path))
+    total = 0
+    for file in files:  # headers only: the progress bar's length
+        with safe_open(file, framework="pt") as f:
+            total += len(f.keys())
 
     def tensors():
-        for file in safetensors_files(Path(model_path)):
+        for file in files:
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():
                     yield file.name, name, lambda f=f, name=name: f.get_tensor(name)
 
-    return _fill(model, spec, tensors())
+    return _fill(model, spec, tqdm(tensors(), total=total, desc="loading weights", unit="tensor", disable=None))
 
 
 def load_model_from_state_dict(

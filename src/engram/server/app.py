@@ -13,7 +13,7 @@ from fastapi import FastAPI
 
 from engram.args import ServerArgs
 from engram.engine.async_engine import AsyncEngine
-from engram.server import native_routes, openai_routes, snapshot_routes
+from engram.server import native_routes, openai_routes, snapshot_routes, startup
 from engram.server.auth import AuthConfig, AuthMiddleware
 from engram.server.conversations import ConversationTurns, build_manager, run_maintenance
 from engram.server.errors import install_error_handlers
@@ -28,9 +28,11 @@ def create_app(engine: AsyncEngine, args: ServerArgs) -> FastAPI:
         engine.start()
         await asyncio.to_thread(manager.preload, args.snapshot_preload)
         maintenance = asyncio.create_task(run_maintenance(manager, engine))
+        warming = asyncio.create_task(startup.warm_up(app.state.serving, args.enable_warmup))
         try:
             yield
         finally:
+            warming.cancel()
             maintenance.cancel()
             await asyncio.to_thread(manager.close)  # flush snapshots written behind
             await asyncio.to_thread(engine.shutdown)

@@ -15,8 +15,10 @@ from fastapi import FastAPI
 
 
 class BackgroundServer:
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning") -> None:
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning", wait_ready: bool = True) -> None:
+        """`wait_ready`: enter once the server has warmed up (`/health` would answer 200), not only listens."""
         self.app = app
+        self.wait_ready = wait_ready
         self._socket = socket.create_server((host, port))  # port 0: a free one, held from now on
         self.url = f"http://{host}:{self._socket.getsockname()[1]}"
         self._server = uvicorn.Server(uvicorn.Config(app, log_level=log_level))
@@ -25,7 +27,7 @@ class BackgroundServer:
     def __enter__(self) -> BackgroundServer:
         self._thread.start()
         deadline = time.monotonic() + 60
-        while not self._server.started:
+        while not (self._server.started and (not self.wait_ready or self.app.state.serving.startup.status != "warming")):
             if not self._thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError("the server did not start")
             time.sleep(0.01)

@@ -42,6 +42,9 @@ log = logging.getLogger(__name__)
 TOOL_CALL_MARKERS = ("<tool_call>", "<|tool_call|>", "[TOOL_CALLS]")
 RECENT_REQUESTS = 4096  # request ids remembered for /save_snapshot by rid
 MAINTENANCE_PERIOD_S = 1.0
+# Messages of the history's tail a new turn's template delta is rendered from: two windows that
+# must agree (each starting at a user message in a user/assistant conversation).
+TAIL_WINDOWS = (2, 4)
 
 
 def build_manager(engine: LLMEngine, args: ServerArgs) -> ConversationManager:
@@ -123,18 +126,42 @@ class ConversationTurns:
         return kwargs
 
     def prompt(self, plan: TurnPlan, new_messages: list[dict]) -> list[int]:
-        """The history's exact tokens followed by the template rendering of only the new messages."""
+        """The history's exact tokens followed by the template rendering of only the new messages.
+        The template is rendered over the last messages only (O(new tokens), not O(history)) when
+        two windows of them give the same text (`_tail_delta`); else over the whole conversation."""
         if self.tokenizer is None:
             raise APIError(400, "the model has no tokenizer: conversations need a chat template")
-        render = self._render
         if not plan.history_messages:
-            return encode(self.tokenizer, render(new_messages, True), add_special_tokens=False)
-        before = render(plan.history_messages, False)
-        after = render(plan.history_messages + new_messages, True)
+            return encode(self.tokenizer, self._render(new_messages, True), add_special_tokens=False)
+        delta = self._tail_delta(plan, new_messages)
+        if delta is None:
+            delta = self._delta(plan.history_messages, new_messages, plan.history_tokens)
+        return plan.history_tokens + encode(self.tokenizer, delta, add_special_tokens=False)
+
+    def _delta(self, history: list[dict], new_messages: list[dict], history_tokens: list[int]) -> str:
+        """What the history's rendering lacks of the conversation's: the last reply's closing the
+        model did not generate, then the new messages and the generation prompt."""
+        before = self._render(history, False)
+        after = self._render(history + new_messages, True)
         if not after.startswith(before):
             raise APIError(422, "the chat template does not render this conversation incrementally; send the whole conversation without conversation_id")
-        delta = self._unclosed_reply(plan) + after[len(before) :]
-        return plan.history_tokens + encode(self.tokenizer, delta, add_special_tokens=False)
+        return self._unclosed_reply(history, history_tokens) + after[len(before) :]
+
+    def _tail_delta(self, plan: TurnPlan, new_messages: list[dict]) -> str | None:
+        """`_delta` from two windows of the history: its system message (if first) and its last 2,
+        then its last 4 messages. Their agreement says the template renders the new messages
+        without reading what lies before the window; None when they differ or one fails."""
+        history = plan.history_messages
+        head = history[:1] if history[0].get("role") == "system" else []
+        deltas = []
+        for size in TAIL_WINDOWS:
+            if len(head) + size >= len(history):
+                return None  # the windows are (nearly) the whole history: render it
+            try:
+                deltas.append(self._delta(head + history[-size:], new_messages, plan.history_tokens))
+            except APIError:
+                return None
+        return deltas[0] if all(d == deltas[0] for d in deltas) else None
 
     def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
         try:
@@ -142,19 +169,19 @@ class ConversationTurns:
         except (ValueError, jinja2.TemplateError) as e:
             raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
 
-    def _unclosed_reply(self, plan: TurnPlan) -> str:
+    def _unclosed_reply(self, messages: list[dict], history_tokens: list[int]) -> str:
         """What the template puts after the last reply that the model did not generate itself: it
         has to be fed before the new messages. The template's closing text is found after a marker
         rendered in the reply's place, whatever the reply's text (empty, or a piece of the
         template's own markup). Of it, the part the history already ends with is left out (an
         end-of-turn token the model generated, or a newline the template would trim), and after an
         end token the model generated on its own, what precedes that token in the closing too."""
-        *earlier, reply = plan.history_messages
+        *earlier, reply = messages
         rendering = self._render(earlier + [{**reply, "content": REPLY_MARKER}], False)
         at = rendering.rfind(REPLY_MARKER)
         closing = rendering[at + len(REPLY_MARKER) :] if at >= 0 else ""
         ids = encode(self.tokenizer, closing, add_special_tokens=False)
-        history = plan.history_tokens
+        history = history_tokens
         done = next((k for k in range(min(len(ids), len(history)), 0, -1) if history[-k:] == ids[:k]), 0)
         if not done and history and history[-1] in self.tokenizer.all_special_ids and history[-1] in ids:
             done = ids.index(history[-1]) + 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from http import HTTPStatus
 
 from fastapi import FastAPI, Request
@@ -24,6 +25,8 @@ from engram.state.snapshot import (
     SnapshotNotFoundError,
     reason_without_paths,
 )
+
+log = logging.getLogger(__name__)
 
 _ERROR_TYPES = {
     400: "invalid_request_error",
@@ -83,6 +86,8 @@ def error_body(err: APIError) -> dict:
 
 
 def error_response(err: APIError) -> JSONResponse:
+    if 400 <= err.status < 500:  # the client's mistake: why, for whoever debugs it
+        log.debug("answered %d (%s): %s", err.status, err.code or _ERROR_TYPES.get(err.status, "client error"), err.message)
     return JSONResponse(error_body(err), status_code=err.status)
 
 

@@ -1,8 +1,10 @@
 """Prometheus metrics. Engine gauges and counters are read from `AsyncEngine.stats()` at scrape
-time; latency histograms are observed by the server as outputs stream out."""
+time; latency histograms are observed by the server as outputs stream out. Every series carries
+the served model's name as its `model_name` label, as vLLM's do."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 
@@ -15,13 +17,15 @@ from engram.engine.request import RequestOutput
 from engram.state.conversations import ConversationManager
 from engram.state.store import Histogram as StoreHistogram
 
+log = logging.getLogger("engram.server.requests")
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
                     0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 
 
 class _EngineCollector(Collector):
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
         self.engine = engine
+        self.model_name = model_name
         stats = engine.stats()
         self._last = (time.monotonic(), stats.prefill_tokens_computed_total, stats.generation_tokens_total)
 
@@ -33,10 +37,14 @@ class _EngineCollector(Collector):
         elapsed = max(now - then, 1e-9)
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            return GaugeMetricFamily(f"engram:{name}", doc, value=value)
+            family = GaugeMetricFamily(f"engram:{name}", doc, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            return family
 
         def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            return CounterMetricFamily(f"engram:{name}", doc, value=value)
+            family = CounterMetricFamily(f"engram:{name}", doc, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            return family
 
         yield gauge("num_running_reqs", "requests being prefilled or decoded", s.num_running)
         yield gauge("num_queue_reqs", "requests waiting for a state slot", s.num_waiting)
@@ -44,6 +52,16 @@ class _EngineCollector(Collector):
         yield counter("generation_tokens", "tokens generated", s.generation_tokens_total)
         yield counter("prefill_tokens_computed", "prompt tokens computed (not restored from state)", s.prefill_tokens_computed_total)
         yield counter("cached_tokens", "prompt tokens restored from state instead of computed", s.cached_tokens_total)
+        by_source = CounterMetricFamily("engram:prompt_tokens_by_source", "prompt tokens received, restored from state or computed",
+                                        labels=["model_name", "source"])
+        by_source.add_metric([self.model_name, "restored"], s.cached_tokens_total)
+        by_source.add_metric([self.model_name, "computed"], s.prompt_tokens_total - s.cached_tokens_total)
+        yield by_source
+        yield counter("num_preemptions", "running requests preempted (their state dropped, recomputed later)", s.num_preemptions)
+        yield counter("graph_captures", "CUDA graphs captured", s.graph_captures)
+        yield counter("kernel_compilations", "Triton kernels compiled", s.kernel_compilations)
+        yield counter("compilations_after_ready", "graph captures and kernel compilations after warm-up (on a request's path; should stay 0)",
+                      s.compilations_after_ready)
         yield gauge("prefill_throughput", "prefill tokens/s since the previous scrape", (s.prefill_tokens_computed_total - prefill_then) / elapsed)
         yield gauge("gen_throughput", "generated tokens/s since the previous scrape", (s.generation_tokens_total - gen_then) / elapsed)
         yield gauge("state_slots_used", "recurrent-state slots in use", s.state_slots_used)
@@ -57,38 +75,47 @@ class _EngineCollector(Collector):
 class _StateCollector(Collector):
     """The conversation state tiers: usage, hits, moves, restore and write latencies, health."""
 
-    def __init__(self, manager: ConversationManager) -> None:
+    def __init__(self, manager: ConversationManager, model_name: str) -> None:
         self.manager = manager
+        self.model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
         st = self.manager.state_stats()
         stats = self.manager.stats
-        tiers = GaugeMetricFamily("engram:state_tier_entries", "states held per tier", labels=["tier"])
-        tiers.add_metric(["active"], st["tiers"]["active"]["turns"])
-        tiers.add_metric(["warm"], st["tiers"]["warm"]["states"])
-        tiers.add_metric(["cold"], st["tiers"]["cold"]["snapshots_known"])
+        m = self.model_name
+        tiers = GaugeMetricFamily("engram:state_tier_entries", "states held per tier", labels=["model_name", "tier"])
+        tiers.add_metric([m, "active"], st["tiers"]["active"]["turns"])
+        tiers.add_metric([m, "warm"], st["tiers"]["warm"]["states"])
+        tiers.add_metric([m, "cold"], st["tiers"]["cold"]["snapshots_known"])
         yield tiers
-        yield GaugeMetricFamily("engram:state_warm_bytes", "bytes of states in host memory", value=st["tiers"]["warm"]["bytes"])
-        hits = CounterMetricFamily("engram:state_tier_hits", "continuations served from each tier", labels=["tier"])
+        warm = GaugeMetricFamily("engram:state_warm_bytes", "bytes of states in host memory", labels=["model_name"])
+        warm.add_metric([m], st["tiers"]["warm"]["bytes"])
+        yield warm
+        hits = CounterMetricFamily("engram:state_tier_hits", "continuations served from each tier", labels=["model_name", "tier"])
         for tier, n in st["hits"].items():
-            hits.add_metric([tier], n)
+            hits.add_metric([m, tier], n)
         yield hits
-        yield CounterMetricFamily("engram:state_misses", "continuations that recomputed the whole history", value=st["misses"])
-        moves = CounterMetricFamily("engram:state_tier_moves", "promotions and demotions between tiers", labels=["move"])
+        misses = CounterMetricFamily("engram:state_misses", "continuations that recomputed the whole history", labels=["model_name"])
+        misses.add_metric([m], st["misses"])
+        yield misses
+        moves = CounterMetricFamily("engram:state_tier_moves", "promotions and demotions between tiers", labels=["model_name", "move"])
         for move, n in {**st["promotions"], **st["demotions"]}.items():
-            moves.add_metric([move], n)
+            moves.add_metric([m, move], n)
         yield moves
-        restore = HistogramMetricFamily("engram:state_restore_seconds", "time to bring a state into the engine, per tier", labels=["tier"])
+        restore = HistogramMetricFamily("engram:state_restore_seconds", "time to bring a state into the engine, per tier",
+                                        labels=["model_name", "tier"])
         for tier, h in stats.restore_seconds.items():
-            restore.add_metric([tier], _buckets(h), h.total)
+            restore.add_metric([m, tier], _buckets(h), h.total)
         yield restore
-        write = HistogramMetricFamily("engram:snapshot_write_seconds", "time to write a snapshot file")
-        write.add_metric([], _buckets(stats.snapshot_write_seconds), stats.snapshot_write_seconds.total)
+        write = HistogramMetricFamily("engram:snapshot_write_seconds", "time to write a snapshot file", labels=["model_name"])
+        write.add_metric([m], _buckets(stats.snapshot_write_seconds), stats.snapshot_write_seconds.total)
         yield write
-        yield CounterMetricFamily("engram:snapshot_write_failures", "snapshot writes that failed", value=st["snapshot_write_failures"])
-        health = CounterMetricFamily("engram:state_health_events", "state health checks and failures", labels=["event"])
+        failures = CounterMetricFamily("engram:snapshot_write_failures", "snapshot writes that failed", labels=["model_name"])
+        failures.add_metric([m], st["snapshot_write_failures"])
+        yield failures
+        health = CounterMetricFamily("engram:state_health_events", "state health checks and failures", labels=["model_name", "event"])
         for event, n in st["health"].items():
-            health.add_metric([event], n)
+            health.add_metric([m, event], n)
         yield health
 
 
@@ -103,29 +130,34 @@ def _buckets(h: StoreHistogram) -> list[tuple[str, float]]:
 class Metrics:
     """One registry per app, so several servers can live in one process (tests)."""
 
-    def __init__(self, engine: AsyncEngine, manager: ConversationManager) -> None:
+    def __init__(self, engine: AsyncEngine, manager: ConversationManager, model_name: str) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(engine))
-        self.registry.register(_StateCollector(manager))
-        self.ttft = Histogram("engram:time_to_first_token_seconds", "time from arrival to the first token",
-                              buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.itl = Histogram("engram:inter_token_latency_seconds", "time between consecutive output tokens",
-                             buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.e2e = Histogram("engram:e2e_request_latency_seconds", "time from arrival to the last token",
-                             buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.registry.register(_EngineCollector(engine, model_name))
+        self.registry.register(_StateCollector(manager, model_name))
+
+        def histogram(name: str, doc: str):
+            return Histogram(name, doc, ["model_name"], buckets=_LATENCY_BUCKETS, registry=self.registry).labels(model_name)
+
+        self.ttft = histogram("engram:time_to_first_token_seconds", "time from arrival to the first token")
+        self.itl = histogram("engram:inter_token_latency_seconds", "time between consecutive output tokens")
+        self.e2e = histogram("engram:e2e_request_latency_seconds", "time from arrival to the last token")
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    def timer(self) -> RequestTimer:
-        return RequestTimer(self)
+    def timer(self, conversation_id: str | None = None) -> RequestTimer:
+        return RequestTimer(self, conversation_id)
 
 
 class RequestTimer:
-    def __init__(self, metrics: Metrics) -> None:
+    """A request's latencies, observed as its outputs stream out; a log line when it finishes."""
+
+    def __init__(self, metrics: Metrics, conversation_id: str | None = None) -> None:
         self.metrics = metrics
+        self.conversation_id = conversation_id
         self.arrival = self._last = time.perf_counter()
         self._seen_token = False
+        self._ttft: float | None = None
 
     def observe(self, out: RequestOutput) -> None:
         now = time.perf_counter()
@@ -135,8 +167,16 @@ class RequestTimer:
                 for _ in out.new_token_ids:
                     self.metrics.itl.observe(per_token)
             else:
-                self.metrics.ttft.observe(now - self.arrival)
+                self._ttft = now - self.arrival
+                self.metrics.ttft.observe(self._ttft)
                 self._seen_token = True
             self._last = now
         if out.finished:
             self.metrics.e2e.observe(now - self.arrival)
+            self._log(out, now - self.arrival)
+
+    def _log(self, out: RequestOutput, e2e: float) -> None:
+        ttft = f"{self._ttft * 1e3:.1f}" if self._ttft is not None else "-"
+        log.info("request %s conversation=%s prompt=%d cached=%d generated=%d ttft_ms=%s e2e_ms=%.1f finish=%s",
+                 out.request_id, self.conversation_id or "-", len(out.prompt_token_ids), out.num_cached_tokens,
+                 len(out.token_ids), ttft, e2e * 1e3, out.finish_reason.value if out.finish_reason else "-")

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from engram.engine.request import FinishReason, RequestOutput, SamplingParams, TokenLogprob
@@ -76,8 +77,12 @@ def _finish_reason(out: RequestOutput) -> dict[str, Any] | None:
 
 @router.get("/health")
 async def health(raw_request: Request) -> Response:
-    if not get_serving(raw_request).engine.is_alive:
+    """200 once the engine runs and has warmed up; before that 503 with {"status", "stage"}."""
+    s = get_serving(raw_request)
+    if not s.engine.is_alive:
         raise APIError(503, "the engine is not running")
+    if s.startup.status != "ready":
+        return JSONResponse(dataclasses.asdict(s.startup), status_code=503)
     return Response(status_code=200)
 
 

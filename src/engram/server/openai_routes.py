@@ -105,9 +105,10 @@ async def _conversation_turn(
 ) -> tuple[ConversationFields, AsyncIterator[RequestOutput]]:
     """Start the next turn of a server-side conversation: restore its state, feed only the new tokens."""
     turns = s.conversations
+    timer = s.metrics.timer(request.conversation_id)  # from arrival: the turn's planning and its prompt count
     plan = await turns.begin(request.conversation_id, request.branch, request.from_turn)
     try:
-        outputs = await s.generate(rid, turns.prompt(plan, messages), params, **turns.engine_kwargs(plan))
+        outputs = await s.generate(rid, turns.prompt(plan, messages), params, timer, **turns.engine_kwargs(plan))
     except BaseException:
         turns.manager.release(plan.conversation_id)
         raise

@@ -32,15 +32,24 @@ MAX_STAGED_STATES = 64
 SHARED_PREFILL_MIN_TOKENS = 256
 
 
+@dataclasses.dataclass
+class Startup:
+    """What `/health` reports until the server is ready (server/startup.py moves it on)."""
+
+    status: str = "warming"  # warming | ready | failed
+    stage: str = "starting"
+
+
 class Serving:
     def __init__(self, engine: AsyncEngine, model_name: str, conversations: ConversationTurns) -> None:
         self.engine = engine
         self.model_name = model_name
-        self.metrics = Metrics(engine, conversations.manager)
+        self.metrics = Metrics(engine, conversations.manager, model_name)
         self.tokenizer = engine.engine.tokenizer
         self.conversations = conversations
         self.staged_states: OrderedDict[str, Any] = OrderedDict()  # rid -> state from /restore_snapshot
         self.created = int(time.time())
+        self.startup = Startup()
 
     def stage_state(self, rid: str, state: Any) -> None:
         """Hold a restored state for the `/generate` request that will carry this rid."""

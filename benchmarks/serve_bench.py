@@ -1,0 +1,462 @@
+"""The product against the engine: `engram serve` driven over HTTP by an OpenAI client, then the
+same workloads on the in-process engine (after the server has stopped: they never share the
+device), each HTTP figure beside its in-process ratio. One run.
+
+    python benchmarks/serve_bench.py --config granite-4.0-h-tiny --out serve_h200.json
+    python benchmarks/serve_bench.py --config granite-4.0-h-tiny --tiny --out serve_cpu.json  # a CPU, minutes
+
+Random weights from a config (tests/data/configs or ../shared/configs), saved once per config hash
+with `save_pretrained` (bfloat16 on CUDA, float32 on CPU) beside a byte-level tokenizer padded to
+the model's vocabulary (every token has text, so every token is one streamed chunk).
+Workloads:
+  fixed     N clients in a closed loop, fixed prompt and output lengths (ignore_eos): output tok/s,
+            TTFT, ITL, E2E p50/p99; then a Poisson request-rate sweep with mixed lengths;
+  chats     users x turns on top of a history of H tokens by conversation_id (server-side state),
+            the same resending the whole history without conversation_id, and one more turn each
+            after a server restart (cold restore); TTFT per kind, and the server's snapshot write
+            time per turn beside the (sync durability) turn latency;
+  engine    the fixed and chat workloads on the in-process engine (LLMEngine steps, warmed up).
+The run fails (exit 1) if the server compiled or captured anything after it said ready.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import itertools
+import json
+import os
+import platform
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import torch
+from bench_speed import find_config, rand_tokens
+from restore_latency import CPU_SCALE
+
+from engram.args import EngineArgs
+from engram.engine.engine import LLMEngine
+from engram.engine.request import SamplingParams
+from engram.models.byte_tokenizer import build_byte_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = "bench"
+# --tiny: a Granite-4.0-H-shaped model a CPU serves in a couple of minutes.
+TINY = {**CPU_SCALE, "hidden_size": 128, "num_hidden_layers": 4, "layer_types": ["mamba", "attention", "mamba", "attention"],
+        "num_attention_heads": 4, "intermediate_size": 64, "shared_intermediate_size": 128, "num_local_experts": 8, "num_experts_per_tok": 2,
+        "mamba_n_heads": 8, "mamba_d_head": 32, "mamba_d_state": 16, "vocab_size": 1024}
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ---- the checkpoint ----------------------------------------------------------------------------
+
+
+def build_checkpoint(config: dict, device: str, cache: Path) -> Path:
+    """Random weights for `config`, written once per (config, dtype) and reused."""
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    key = hashlib.sha256(json.dumps([config, dtype], sort_keys=True).encode()).hexdigest()[:16]
+    path = cache / f"serve_bench-{key}"
+    if (path / "config.json").exists():
+        return path
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tokenizer = build_byte_tokenizer(config["vocab_size"])
+    config = {**config, "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id, "bos_token_id": tokenizer.bos_token_id}
+    tmp = Path(tempfile.mkdtemp(dir=cache))
+    (tmp / "config.json").write_text(json.dumps(config))
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp), dtype=getattr(torch, dtype))
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(str(tmp))
+    tmp.rename(path)
+    return path
+
+
+# ---- the server ----------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    args: list[str]
+    log_path: Path
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 1800) -> float:
+        """Start `engram serve`; seconds until /health answers 200 (503 while it warms up)."""
+        started = time.perf_counter()
+        cmd = [sys.executable, "-m", "engram", "serve", "--port", str(self.port), "--served-model-name", MODEL, *self.args]
+        with open(self.log_path, "a") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        while time.perf_counter() - started < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited ({self.proc.returncode}); see {self.log_path}")
+            try:
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    return time.perf_counter() - started
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"the server was not ready within {timeout} s")
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGINT)  # uvicorn's graceful shutdown: snapshots flushed
+        self.proc.wait(timeout=120)
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(self.url + "/metrics").text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+# ---- statistics ----------------------------------------------------------------------------------
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q / 100 * len(xs)))] if xs else None
+
+
+def summary(ttft: list[float], itl: list[float], e2e: list[float], tokens: int, wall: float) -> dict:
+    return {"requests": len(e2e), "output_tokens": tokens, "wall_s": wall, "output_tok_s": tokens / wall,
+            **{f"{name}_p{q}": pct(xs, q) for name, xs in (("ttft", ttft), ("itl", itl), ("e2e", e2e)) for q in (50, 99)}}
+
+
+@dataclass
+class Timing:
+    ttft: list[float] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)
+    e2e: list[float] = field(default_factory=list)
+    tokens: int = 0
+
+    def add(self, start: float, token_times: list[float]) -> None:
+        self.ttft.append(token_times[0] - start)
+        self.itl += [b - a for a, b in itertools.pairwise(token_times)]
+        self.e2e.append(token_times[-1] - start)
+        self.tokens += len(token_times)
+
+
+# ---- HTTP workloads ------------------------------------------------------------------------------
+
+
+async def stream_completion(client, prompt: list[int], max_tokens: int, timing: Timing) -> None:
+    start = time.perf_counter()
+    times = []
+    stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+                                             extra_body={"ignore_eos": True})
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].text:
+            times.append(time.perf_counter())
+    timing.add(start, times)
+
+
+async def http_fixed(client, concurrency: int, requests: int, prompt_len: int, output_len: int, vocab: int) -> dict:
+    timing, queue = Timing(), list(range(requests))
+
+    async def worker() -> None:
+        while queue:
+            i = queue.pop()
+            await stream_completion(client, rand_tokens(prompt_len, vocab, 10_000 + i), output_len, timing)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return summary(timing.ttft, timing.itl, timing.e2e, timing.tokens, time.perf_counter() - started)
+
+
+def mixed_lengths(n: int, prompt_len: int, output_len: int, seed: int) -> list[tuple[int, int]]:
+    rng = random.Random(seed)
+    return [(rng.randint(max(1, prompt_len // 4), 2 * prompt_len), rng.randint(max(1, output_len // 4), 2 * output_len)) for _ in range(n)]
+
+
+async def http_rate(client, rate: float, lengths: list[tuple[int, int]], vocab: int) -> dict:
+    timing, rng = Timing(), random.Random(int(rate * 1000))
+    started = time.perf_counter()
+    tasks = []
+    for i, (p, o) in enumerate(lengths):
+        tasks.append(asyncio.create_task(stream_completion(client, rand_tokens(p, vocab, 20_000 + i), o, timing)))
+        await asyncio.sleep(rng.expovariate(rate))
+    await asyncio.gather(*tasks)
+    return {"rate": rate, **summary(timing.ttft, timing.itl, timing.e2e, timing.tokens, time.perf_counter() - started)}
+
+
+def history_text(tokens: int, seed: int) -> str:
+    """Text of `tokens` byte-tokenizer tokens (printable ASCII, one token a byte)."""
+    rng = random.Random(seed)
+    return "".join(rng.choice("abcdefghij klmnopqrstuvwxyz") for _ in range(tokens))
+
+
+async def chat_turn(client, messages: list[dict], reply_len: int, conversation_id: str | None, timing: Timing) -> str:
+    start = time.perf_counter()
+    times, text = [], []
+    extra = {"ignore_eos": True, **({"conversation_id": conversation_id} if conversation_id else {})}
+    stream = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=reply_len, temperature=0, stream=True, extra_body=extra)
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            times.append(time.perf_counter())
+            text.append(chunk.choices[0].delta.content)
+    timing.add(start, times)
+    return "".join(text)
+
+
+async def http_chats(client, a, prefix: str, resend: bool) -> tuple[Timing, Timing, list[list[dict]]]:
+    """users x turns; the first turn carries the history. (first turns, later turns, each user's messages)."""
+    first, later = Timing(), Timing()
+    conversations: list[list[dict]] = [[] for _ in range(a.users)]
+
+    async def user(u: int) -> None:
+        messages = conversations[u]
+        for t in range(a.turns):
+            content = history_text(a.history, u) if t == 0 else history_text(a.turn_len, 1000 * u + t)
+            new = [{"role": "user", "content": content}]
+            sent = messages + new if resend else new
+            reply = await chat_turn(client, sent, a.reply_len, None if resend else f"{prefix}{u}", first if t == 0 else later)
+            messages += [*new, {"role": "assistant", "content": reply}]
+
+    await asyncio.gather(*(user(u) for u in range(a.users)))
+    return first, later, conversations
+
+
+async def http_after_restart(client, a, prefix: str) -> Timing:
+    timing = Timing()
+    await asyncio.gather(*(chat_turn(client, [{"role": "user", "content": history_text(a.turn_len, 7 + u)}], a.reply_len, f"{prefix}{u}", timing)
+                           for u in range(a.users)))
+    return timing
+
+
+def chat_row(t: Timing) -> dict:
+    return summary(t.ttft, t.itl, t.e2e, t.tokens, max(sum(t.e2e), 1e-9))
+
+
+def snapshot_writes(server: Server) -> dict:
+    return httpx.get(server.url + "/v1/state/stats").json()["snapshot_write_seconds"]
+
+
+async def run_http(a, server: Server, vocab: int) -> dict:
+    from openai import AsyncOpenAI
+
+    out: dict = {"ready_s": server.start()}
+    log(f"server ready in {out['ready_s']:.1f} s")
+    client = AsyncOpenAI(base_url=server.url + "/v1", api_key="none", timeout=3600, max_retries=0)
+    for c in a.concurrency:
+        out[f"fixed_c{c}"] = r = await http_fixed(client, c, max(c * a.rounds, c), a.prompt_len, a.output_len, vocab)
+        log(f"http fixed c={c}: {r['output_tok_s']:,.0f} tok/s, TTFT p50 {r['ttft_p50'] * 1e3:.1f} ms")
+    lengths = mixed_lengths(a.rate_requests, a.prompt_len, a.output_len, 0)
+    for rate in a.rates:
+        out[f"rate_{rate:g}"] = r = await http_rate(client, rate, lengths, vocab)
+        log(f"http rate {rate:g}/s: {r['output_tok_s']:,.0f} tok/s, TTFT p50 {r['ttft_p50'] * 1e3:.1f} ms")
+    writes_before = snapshot_writes(server)
+    first, later, _ = await http_chats(client, a, "u", resend=False)
+    writes = snapshot_writes(server)
+    out["chat_first"], out["chat_resumed"] = chat_row(first), chat_row(later)
+    n = writes["count"] - writes_before["count"]
+    out["snapshot_write_s_per_turn"] = (writes["sum"] - writes_before["sum"]) / n if n else None
+    _, resent, _ = await http_chats(client, a, "r", resend=True)
+    out["chat_resend_history"] = chat_row(resent)
+    log(f"http chats: resumed TTFT p50 {out['chat_resumed']['ttft_p50'] * 1e3:.1f} ms, resend-history {out['chat_resend_history']['ttft_p50'] * 1e3:.1f} ms")
+    out["compilations_after_ready"] = server.metric("engram:compilations_after_ready_total")
+    out["preemptions"] = server.metric("engram:num_preemptions_total")
+    await client.close()
+    server.stop()
+    out["restart_ready_s"] = server.start()
+    client = AsyncOpenAI(base_url=server.url + "/v1", api_key="none", timeout=3600, max_retries=0)
+    out["chat_after_restart"] = chat_row(await http_after_restart(client, a, "u"))
+    out["compilations_after_ready"] += server.metric("engram:compilations_after_ready_total")
+    await client.close()
+    server.stop()
+    return out
+
+
+# ---- the in-process engine -------------------------------------------------------------------------
+
+
+def engine_closed_loop(eng: LLMEngine, jobs: list[tuple[list[int], int]], concurrency: int) -> dict:
+    """The jobs (prompt, output tokens), `concurrency` at a time, through engine steps."""
+    timing, pending, live = Timing(), list(reversed(jobs)), {}
+    started = time.perf_counter()
+    while pending or live:
+        while pending and len(live) < concurrency:
+            prompt, n = pending.pop()
+            rid = f"e{len(pending)}-{time.perf_counter_ns()}"
+            eng.add_request(rid, prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+            live[rid] = (time.perf_counter(), [])
+        for out in eng.step():
+            start, times = live[out.request_id]
+            now = time.perf_counter()
+            times += [now] * len(out.new_token_ids)
+            if out.finished:
+                timing.add(start, times)
+                del live[out.request_id]
+    return summary(timing.ttft, timing.itl, timing.e2e, timing.tokens, time.perf_counter() - started)
+
+
+def engine_first_token(eng: LLMEngine, prompt: list[int], n: int, **kw) -> tuple[float, float, object]:
+    rid = f"t{time.perf_counter_ns()}"
+    start = time.perf_counter()
+    eng.add_request(rid, prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), **kw)
+    first = None
+    while True:
+        for out in eng.step():
+            if out.request_id == rid:
+                first = first or time.perf_counter()
+                if out.finished:
+                    return first - start, time.perf_counter() - start, out
+
+
+def engine_chats(eng: LLMEngine, a) -> tuple[Timing, Timing]:
+    """One user at a time: the history prefilled (state kept in its slot), then turns on top of it."""
+    first, later = Timing(), Timing()
+    tok = eng.tokenizer
+    for u in range(a.users):
+        prompt = tok.encode(history_text(a.history, u), add_special_tokens=False)
+        for t in range(a.turns):
+            key = f"chat{u}-{t}"
+            ttft, e2e, out = engine_first_token(eng, prompt, a.reply_len, capture_state=True, retain_key=key,
+                                                **({"resume_key": f"chat{u}-{t - 1}"} if t else {}))
+            (first if t == 0 else later).ttft.append(ttft)
+            (first if t == 0 else later).e2e.append(e2e)
+            prompt = out.state.tokens + tok.encode(history_text(a.turn_len, 1000 * u + t + 1), add_special_tokens=False)
+        eng.release_retained(f"chat{u}-{a.turns - 1}")
+    return first, later
+
+
+def run_engine(a, engine_args: EngineArgs, vocab: int) -> dict:
+    eng = LLMEngine(engine_args)
+    report = eng.warm_up()
+    log(f"in-process engine warmed up in {report.seconds:.1f} s")
+    out = {}
+    for c in a.concurrency:
+        jobs = [(rand_tokens(a.prompt_len, vocab, 10_000 + i), a.output_len) for i in range(max(c * a.rounds, c))]
+        out[f"fixed_c{c}"] = r = engine_closed_loop(eng, jobs, c)
+        log(f"engine fixed c={c}: {r['output_tok_s']:,.0f} tok/s")
+    first, later = engine_chats(eng, a)
+    out["chat_first"], out["chat_resumed"] = chat_row(first), chat_row(later)
+    return out
+
+
+# ---- report -------------------------------------------------------------------------------------------
+
+
+def ms(x: float | None) -> str:
+    return f"{x * 1e3:,.1f}" if x is not None else "-"
+
+
+def ratio(h: float | None, e: float | None) -> str:
+    return f"{h / e:.2f}x" if h and e else "-"
+
+
+def print_tables(res: dict) -> None:
+    H, E = res["http"], res.get("engine", {})
+    print(f"\nmachine: {res['machine']}; commit {res['commit']}; config {res['config']}")
+    print(f"command: {res['command']}\n")
+    print("| workload | HTTP tok/s | engine tok/s | HTTP / engine | TTFT p50 / p99 ms (HTTP) | TTFT p50 ms (engine) | ITL p50 / p99 ms (HTTP) | E2E p50 / p99 ms (HTTP) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for key in [k for k in H if k.startswith(("fixed_", "rate_"))]:
+        h, e = H[key], E.get(key, {})
+        print(f"| {key} | {h['output_tok_s']:,.0f} | {e.get('output_tok_s', 0):,.0f} | {ratio(h['output_tok_s'], e.get('output_tok_s'))} | "
+              f"{ms(h['ttft_p50'])} / {ms(h['ttft_p99'])} | {ms(e.get('ttft_p50'))} | {ms(h['itl_p50'])} / {ms(h['itl_p99'])} | "
+              f"{ms(h['e2e_p50'])} / {ms(h['e2e_p99'])} |")
+    print("\n| chat turn | TTFT p50 / p99 ms (HTTP) | TTFT p50 ms (engine) | HTTP / engine | E2E p50 / p99 ms (HTTP) |")
+    print("| --- | --- | --- | --- | --- |")
+    for key in ("chat_first", "chat_resumed", "chat_resend_history", "chat_after_restart"):
+        h, e = H[key], E.get(key if key != "chat_resend_history" else "chat_first", {})  # resend = a whole-history prefill
+        print(f"| {key[5:]} | {ms(h['ttft_p50'])} / {ms(h['ttft_p99'])} | {ms(e.get('ttft_p50'))} | {ratio(h['ttft_p50'], e.get('ttft_p50'))} | "
+              f"{ms(h['e2e_p50'])} / {ms(h['e2e_p99'])} |")
+    print(f"\nserver snapshot write per turn: {ms(H['snapshot_write_s_per_turn'])} ms (sync durability: inside the turn's E2E); "
+          f"ready after {H['ready_s']:.1f} s, {H['restart_ready_s']:.1f} s after the restart; "
+          f"compilations after ready: {H['compilations_after_ready']:g}; preemptions: {H['preemptions']:g}")
+
+
+def machine() -> dict:
+    info = {"host": platform.node(), "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(), "torch": torch.__version__}
+    if torch.cuda.is_available():
+        info.update(gpu=torch.cuda.get_device_name(), cuda=torch.version.cuda)
+    return info
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ints = lambda s: [int(x) for x in s.split(",") if x]
+    ap.add_argument("--config", default="granite-4.0-h-tiny")
+    ap.add_argument("--tiny", action="store_true", help="shrink the model to a few narrow layers (a CPU run)")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--concurrency", type=ints, default=[1, 16, 64, 256])
+    ap.add_argument("--rounds", type=int, default=4, help="requests per client in the fixed workloads")
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",") if x], default=[4.0, 16.0, 64.0], help="requests/s of the sweep")
+    ap.add_argument("--rate-requests", type=int, default=256)
+    ap.add_argument("--users", type=int, default=8)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--history", type=int, default=32768, help="tokens of each chat's first message")
+    ap.add_argument("--turn-len", type=int, default=64)
+    ap.add_argument("--reply-len", type=int, default=64)
+    ap.add_argument("--max-running-requests", type=int, default=None, help="default: the largest concurrency")
+    ap.add_argument("--server-args", default="", help="more `engram serve` flags, one string")
+    ap.add_argument("--workdir", default=None, help="checkpoints and snapshots (default: $ENGRAM_CACHE_DIR/serve_bench)")
+    ap.add_argument("--out", default=None, help="JSON file name under benchmarks/results/ (or a path)")
+    a = ap.parse_args()
+    device = "cuda" if a.device == "auto" and torch.cuda.is_available() else ("cpu" if a.device == "auto" else a.device)
+    config_path = find_config(a.config)
+    config = json.loads(config_path.read_text()) | (TINY if a.tiny else {})
+    work = Path(a.workdir or Path(os.environ.get("ENGRAM_CACHE_DIR", Path.home() / ".cache" / "engram")) / "serve_bench")
+    work.mkdir(parents=True, exist_ok=True)
+    model = build_checkpoint(config, device, work)
+    log(f"checkpoint {model}")
+    running = a.max_running_requests or max(a.concurrency + [a.users])
+    context = max(a.history + a.turns * (a.turn_len + a.reply_len + 16) * 2, 2 * a.prompt_len + 2 * a.output_len) + 256
+    engine_args = EngineArgs(model_path=str(model), device=device, max_running_requests=running, context_length=context)
+    snapshots = Path(tempfile.mkdtemp(dir=work, prefix="snapshots-"))
+    server_args = ["--model-path", str(model), "--device", device, "--max-running-requests", str(running), "--context-length", str(context),
+                   "--snapshot-dir", str(snapshots), *a.server_args.split()]
+    res = {"machine": machine(), "commit": commit(), "command": " ".join(sys.argv), "config": config_path.name, "tiny": a.tiny,
+           "args": vars(a), "server_args": server_args}
+    server = Server(server_args, work / "server.log")
+    try:
+        res["http"] = asyncio.run(run_http(a, server, config["vocab_size"]))
+    finally:
+        if server.proc is not None and server.proc.poll() is None:
+            server.proc.kill()
+    res["engine"] = run_engine(a, engine_args, config["vocab_size"])
+    if a.out:
+        out = Path(a.out) if os.sep in a.out else ROOT / "benchmarks" / "results" / a.out
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(res, indent=2))
+        log(f"results in {out}")
+    print_tables(res)
+    if res["http"]["compilations_after_ready"] > 0:
+        print(f"FAIL: the server compiled or captured {res['http']['compilations_after_ready']:g} times after it said ready")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
