@@ -323,6 +323,41 @@ def test_a_record_that_cannot_be_written_undoes_the_turn(engine, tmp_path, monke
     assert take_turn(engine, manager, "r", random_prompt(5, 2), max_tokens=3)[0].turn == 2  # a retry is turn 2 again
 
 
+def test_a_regenerate_whose_record_cannot_be_written_keeps_the_turns_it_would_replace(engine, tmp_path, monkeypatch):
+    """A full disk during a regenerate: the old turns and their snapshots stay, in memory and on
+    disk, and go on exactly (the engine slot the failed turn left behind is not adopted)."""
+    from engram.state import conversations
+
+    manager = manager_for(engine, tmp_path)
+    for i in range(3):
+        take_turn(engine, manager, "rg", random_prompt(5, i), max_tokens=3)
+    history = manager.require("rg").tokens(manager.require("rg").latest("main"))
+    real_write = conversations.atomic_write
+
+    def failing_record_write(path, data):
+        if path.name == conversations.RECORD_NAME:
+            raise OSError(28, "No space left on device")
+        real_write(path, data)
+
+    monkeypatch.setattr(conversations, "atomic_write", failing_record_write)
+    with pytest.raises(OSError):
+        take_turn(engine, manager, "rg", random_prompt(5, 9), from_turn=1, max_tokens=3)
+    monkeypatch.undo()
+    for current in (manager, manager_for(engine, tmp_path)):  # before and after a restart
+        conv = current.require("rg")
+        assert sorted(t.turn for t in conv.turns.values()) == [1, 2, 3] and conv.tokens(conv.latest("main")) == history
+        assert [s["turn"] for s in current.snapshots("rg")] == [1, 2, 3]
+        assert current.snapshot_manifest("rg", conv.latest("main"))["state_len"] == len(history) - 1
+    new = random_prompt(4, 7)
+    turn, out, _, plan = take_turn(engine, manager, "rg", new, max_tokens=3)
+    assert turn.turn == 4 and plan.state.state_len == len(history) - 1
+    assert out.token_ids == full_generation(engine, history + new, max_tokens=3)
+    turn, out, _, plan = take_turn(engine, manager_for(engine, tmp_path), "rg", random_prompt(4, 8), from_turn=2, max_tokens=3)
+    two = manager.require("rg").tokens(manager.require("rg").turns[ref_name("main", 2)])
+    assert turn.turn == 3 and plan.state_tier == "cold" and plan.state.state_len == len(two) - 1
+    assert out.token_ids == full_generation(engine, two + random_prompt(4, 8), max_tokens=3)
+
+
 def test_retention_deletes_a_snapshot_only_after_the_record_stops_listing_it(engine, tmp_path, monkeypatch):
     import json
 

@@ -398,8 +398,6 @@ class ConversationManager:
         try:
             with self._lock:
                 conv = self._conversations[plan.conversation_id]
-                for t in [t for t in conv.turns.values() if t.branch == plan.branch and t.turn >= plan.turn]:
-                    self._forget_turn(conv, t)  # regenerating from an earlier turn
                 turn = Turn(
                     branch=plan.branch,
                     turn=plan.turn,
@@ -409,6 +407,12 @@ class ConversationManager:
                     state_len=state.state_len if state else 0,
                     tool_calls=tool_calls,
                 )
+                replaced = [t for t in conv.turns.values() if t.branch == plan.branch and t.turn >= plan.turn]
+                recorded = bool(replaced) and self.writer is None
+                if recorded:  # sync: the regenerated turns are forgotten only once the record no longer lists them
+                    self._persist_replacing(conv, replaced, turn)
+                for t in replaced:
+                    self._forget_turn(conv, t)
                 conv.turns[turn.ref] = turn
                 key = retain_key(plan.conversation_id, turn.ref)
                 if key in self._pending_release:  # a forgotten turn's key, now naming this turn's slot
@@ -424,7 +428,7 @@ class ConversationManager:
                         wanted = wanted or self._written_on_leaving_memory(plan.conversation_id, turn.ref)
                     self.warm.put(plan.conversation_id, turn.ref, state)
                     self.active[(plan.conversation_id, turn.ref)] = now
-            job = lambda: self._commit(conv, turn, state if wanted else None)  # noqa: E731
+            job = lambda: self._commit(conv, turn, state if wanted else None, recorded)  # noqa: E731
             if self.writer is not None:
                 self.writer.submit(job)
             else:
@@ -442,13 +446,28 @@ class ConversationManager:
             self.quarantine.add(conversation_id, turn.ref, report.describe())
         return decision.save
 
-    def _commit(self, conv: Conversation, turn: Turn, state: SequenceState | None) -> None:
+    def _persist_replacing(self, conv: Conversation, replaced: list[Turn], turn: Turn) -> None:
+        """Write the record with `turn` (without its snapshot yet) in place of the turns it
+        regenerates, before anything of theirs is forgotten: a record that cannot be written
+        leaves them as they were, on disk and in memory. The engine slot kept under the new turn's
+        key holds the failed turn's state then, and is handed back."""
+        gone = {t.ref for t in replaced}
+        turns = {ref: t for ref, t in conv.turns.items() if ref not in gone}
+        try:
+            self._persist(Conversation(conv.conversation_id, {**turns, turn.ref: turn}, conv.created_at))
+        except OSError:
+            self.active.pop((conv.conversation_id, turn.ref), None)
+            self._pending_release.append(retain_key(conv.conversation_id, turn.ref))
+            raise
+
+    def _commit(self, conv: Conversation, turn: Turn, state: SequenceState | None, recorded: bool = False) -> None:
         """Write the turn's snapshot (if any) and then the record that points at it. A snapshot
         that cannot be written is logged and counted: the turn is recorded without it (its state
         is recomputed from its tokens when needed). A record that cannot be written undoes the
-        turn, so that memory never holds a turn the disk lacks."""
+        turn, so that memory never holds a turn the disk lacks; unless the record already holds
+        it (`recorded`: a regenerate's, see `_persist_replacing`), then only its snapshot is left out."""
         with self._lock:
-            if turn.ref not in conv.turns:  # forgotten meanwhile (regenerated or deleted)
+            if conv.turns.get(turn.ref) is not turn:  # forgotten meanwhile (regenerated or deleted)
                 return
             if state is not None:
                 try:
@@ -456,9 +475,15 @@ class ConversationManager:
                 except (SnapshotError, OSError) as e:
                     log.warning("snapshot of conversation %r turn %s not written, the turn is recorded without it: %s",
                                 conv.conversation_id, turn.ref, e)
+            if recorded and not turn.snapshot:
+                return
             try:
                 self._persist_and_prune(conv, turn.branch)
-            except OSError:
+            except OSError as e:
+                if recorded:  # the file it points at is an orphan, removed on the next load
+                    turn.snapshot = False
+                    log.warning("conversation %r turn %s is recorded without its snapshot: %s", conv.conversation_id, turn.ref, e)
+                    return
                 if self.writer is None:  # sync: the request fails; async: it was answered, a later write records it
                     self._forget_turn(conv, turn)
                 raise
