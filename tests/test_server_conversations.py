@@ -4,6 +4,7 @@ and through restore-and-generate, equal to one request over the whole history.""
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 import time
 
@@ -330,3 +331,43 @@ def test_a_storage_failure_is_a_503_that_names_no_path_and_the_turn_is_undone(ch
         assert r.status_code == 503 and error["code"] == "storage_unavailable", r.text
         assert "No space left on device" in error["message"] and str(tmp_path) not in error["message"]
         assert chat(http, "disk", "more")["turn"] == 2
+
+
+def stream_chat(http, conversation_id, text):
+    """Stream a turn, reading up to its finish chunk: (the events read, the conversation's record
+    on disk as it was when the finish chunk arrived, or None)."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "conversation_id": conversation_id, "stream": True, **GREEDY}
+    events, record = [], None
+    with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                events.append(json.loads(line[len("data: "):]))
+                if any(c.get("finish_reason") for c in events[-1].get("choices", [])):
+                    return events, http.get(f"/v1/conversations/{conversation_id}").json()
+    return events, record
+
+
+def test_a_streamed_turn_sends_its_finish_chunk_only_once_recorded(checkpoint_dir, tmp_path, monkeypatch):
+    """Sync durability: the finish chunk comes after the record is on disk; a record that cannot
+    be written is an in-band error in its place, and the turn is not kept."""
+    import engram.state.conversations as conversations
+
+    with serving(checkpoint_dir("nemotron"), tmp_path) as (srv, http):
+        events, _ = stream_chat(http, "sse", "hello")
+        on_disk = json.loads((tmp_path / "sse" / conversations.RECORD_NAME).read_text())
+        assert [t["turn"] for t in on_disk["turns"]] == [1] and events[-1]["turn"] == 1
+        real_write = conversations.atomic_write
+
+        def full_disk(path, data):
+            if path.name == conversations.RECORD_NAME:
+                raise OSError(28, "No space left on device")
+            real_write(path, data)
+
+        with monkeypatch.context() as m:
+            m.setattr(conversations, "atomic_write", full_disk)
+            events, _ = stream_chat(http, "sse", "more")
+        assert not any(c.get("finish_reason") for e in events for c in e.get("choices", []))
+        assert events[-1]["error"]["code"] == "storage_unavailable", events[-1]
+        assert http.get("/v1/conversations/sse").json()["branches"]["main"]["latest_turn"] == 1
+        assert chat(http, "sse", "more")["turn"] == 2
+

@@ -164,23 +164,27 @@ class ConversationTurns:
     async def record(
         self, rid: str, plan: TurnPlan, new_messages: list[dict], outputs: AsyncIterator[RequestOutput]
     ) -> AsyncIterator[RequestOutput]:
-        """Pass the outputs through; when the request finishes, record the turn. An aborted or
-        failed request records nothing and frees the conversation."""
+        """Pass the outputs through, recording the turn before its final output goes on: a client
+        that has read the end of a reply holds a recorded turn (on disk, with sync durability), and
+        a record that fails is the request's error in its place. An aborted or failed request
+        records nothing and frees the conversation."""
         last: RequestOutput | None = None
+        recording = False
         try:
             async with aclosing(outputs):
                 async for out in outputs:
                     if last is None and plan.state_tier is not None:
                         self.manager.stats.restore_seconds[plan.state_tier].observe(plan.load_seconds + out.restore_seconds)
                     last = out
+                    if out.finished and out.state is not None:
+                        recording = True  # from here on `finish` frees the conversation, whatever happens
+                        turn = await self.finish(plan, new_messages, out)
+                        self.by_request[rid] = (plan.conversation_id, turn.branch, turn.turn)
+                        while len(self.by_request) > RECENT_REQUESTS:
+                            self.by_request.popitem(last=False)
                     yield out
         finally:
-            if last is not None and last.finished and last.state is not None:
-                turn = await self.finish(plan, new_messages, last)
-                self.by_request[rid] = (plan.conversation_id, turn.branch, turn.turn)
-                while len(self.by_request) > RECENT_REQUESTS:
-                    self.by_request.popitem(last=False)
-            else:
+            if not recording:
                 self.manager.release(plan.conversation_id)
 
     async def finish(self, plan: TurnPlan, new_messages: list[dict], out: RequestOutput) -> Turn:
