@@ -371,3 +371,59 @@ def test_a_streamed_turn_sends_its_finish_chunk_only_once_recorded(checkpoint_di
         assert http.get("/v1/conversations/sse").json()["branches"]["main"]["latest_turn"] == 1
         assert chat(http, "sse", "more")["turn"] == 2
 
+
+def test_a_client_that_leaves_right_after_the_finish_chunk_keeps_its_turn(checkpoint_dir, tmp_path):
+    with serving(checkpoint_dir("nemotron"), tmp_path) as (srv, http):
+        for turn in (1, 2, 3):
+            events, record = stream_chat(http, "gone", f"message {turn}")  # closes the stream there
+            assert events[-1]["turn"] == turn and record["branches"]["main"]["latest_turn"] == turn
+        assert chat(http, "gone", "next")["turn"] == 4
+    with serving(checkpoint_dir("nemotron"), tmp_path) as (srv, http):
+        assert chat(http, "gone", "after a restart")["turn"] == 5
+
+
+def test_recording_a_finished_turn_outlives_the_cancellation_of_its_request(checkpoint_dir, tmp_path):
+    """The client leaves while the turn is recorded and the server's threads are all busy (the
+    record waits for one): the turn is recorded all the same and the conversation freed."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    from engine_utils import greedy, make_engine, random_prompt, run_to_end
+
+    from engram.server.conversations import ConversationTurns
+    from engram.state.conversations import ConversationManager, SnapshotPolicy
+    from engram.state.identity import ModelIdentity, tokenizer_fingerprint
+    from engram.state.store import WarmCache
+
+    engine = make_engine(checkpoint_dir("mamba2"))
+    manager = ConversationManager(engine.spec, engine.state_dtypes, ModelIdentity.of(engine.spec, engine.model_path),
+                                  tokenizer_fingerprint(engine.model_path), SnapshotPolicy(), tmp_path, WarmCache(4, 1 << 30))
+    plan = manager.begin("left")
+    engine.add_request("r", random_prompt(6, 1), greedy(3), capture_state=True)
+    finished = run_to_end(engine)["r"]
+    turns = ConversationTurns(manager, engine.tokenizer)
+
+    async def outputs():
+        yield finished
+
+    async def consume() -> None:
+        async for _ in turns.record("r", plan, [{"role": "user", "content": "hi"}], outputs()):
+            pass
+
+    async def leave_while_recording() -> None:
+        loop = asyncio.get_running_loop()
+        loop.set_default_executor(ThreadPoolExecutor(1))
+        threads_free = threading.Event()
+        busy = loop.run_in_executor(None, threads_free.wait)
+        request = asyncio.ensure_future(consume())
+        for _ in range(10):  # up to where the record waits for a thread
+            await asyncio.sleep(0)
+        request.cancel()
+        threads_free.set()
+        await asyncio.gather(request, return_exceptions=True)
+        await busy
+        await loop.run_in_executor(None, lambda: None)  # after every job queued before it
+
+    asyncio.run(leave_while_recording())
+    assert manager.require("left").latest("main").turn == 1
+    assert manager.begin("left").turn == 2  # not refused as busy

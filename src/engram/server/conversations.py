@@ -188,7 +188,20 @@ class ConversationTurns:
                 self.manager.release(plan.conversation_id)
 
     async def finish(self, plan: TurnPlan, new_messages: list[dict], out: RequestOutput) -> Turn:
+        """Record the turn in a task of the server's own: a client that leaves meanwhile (which
+        cancels its request) neither stops the record nor leaves the conversation reserved."""
         reply = {"role": "assistant", "content": out.text}
-        return await asyncio.to_thread(
+        work = asyncio.ensure_future(asyncio.to_thread(
             self.manager.finish, plan, out.prompt_token_ids, out.token_ids, new_messages + [reply], out.state, has_tool_call(out.text)
-        )
+        ))
+        try:
+            return await asyncio.shield(work)
+        except asyncio.CancelledError:
+            work.add_done_callback(_log_unheard_failure)
+            raise
+
+
+def _log_unheard_failure(work: asyncio.Future) -> None:
+    """A turn's record failed after its client left: nobody else hears of it."""
+    if not work.cancelled() and work.exception() is not None:
+        log.warning("a turn whose client had left was not recorded: %s", work.exception())
