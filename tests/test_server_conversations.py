@@ -427,3 +427,49 @@ def test_recording_a_finished_turn_outlives_the_cancellation_of_its_request(chec
     asyncio.run(leave_while_recording())
     assert manager.require("left").latest("main").turn == 1
     assert manager.begin("left").turn == 2  # not refused as busy
+
+
+def test_a_turn_preempted_while_its_last_token_is_in_flight_is_recorded(checkpoint_dir, tmp_path):
+    """Overlapped steps: the turn's last token is in flight when another sequence's growth
+    preempts it, so it finishes without a state. It is answered, so it is recorded; the next
+    turn recomputes its history, exactly."""
+    import asyncio
+
+    from engine_utils import greedy, make_engine, random_prompt, run_to_end
+
+    from engram.server.conversations import ConversationTurns
+    from engram.state.conversations import ConversationManager, SnapshotPolicy, retain_key
+    from engram.state.identity import ModelIdentity, tokenizer_fingerprint
+    from engram.state.store import WarmCache
+
+    path = checkpoint_dir("nemotron")
+    engine = make_engine(path, max_total_tokens=64, context_length=64, kv_block_size=16, max_running_requests=4)
+    manager = ConversationManager(engine.spec, engine.state_dtypes, ModelIdentity.of(engine.spec, engine.model_path),
+                                  tokenizer_fingerprint(engine.model_path), SnapshotPolicy(), tmp_path, WarmCache(4, 1 << 30))
+    plan = manager.begin("pre")
+    prompt = random_prompt(40, 2)  # 3 of the 4 KV pages
+    engine.add_request("other", random_prompt(16, 1), greedy(8))  # its 17th token needs the 4th page's successor
+    engine.add_request("turn", prompt, greedy(1), capture_state=True, retain_key=retain_key("pre", plan.ref))
+    finished = run_to_end(engine)["turn"]
+    assert engine.stats().num_preemptions == 1 and finished.state is None and finished.finish_reason.value == "length"
+
+    async def outputs():
+        yield finished
+
+    async def consume() -> None:
+        async for _ in ConversationTurns(manager, engine.tokenizer).record("turn", plan, [{"role": "user", "content": "hi"}], outputs()):
+            pass
+
+    asyncio.run(consume())
+    history = prompt + finished.token_ids
+    for current in (manager, ConversationManager(engine.spec, engine.state_dtypes, manager.model, manager.tokenizer_sha256,
+                                                 SnapshotPolicy(), tmp_path, WarmCache(4, 1 << 30))):  # and after a restart
+        conv = current.require("pre")
+        assert conv.latest("main").turn == 1 and conv.tokens(conv.latest("main")) == history
+    follow = manager.begin("pre")
+    assert follow.turn == 2 and follow.state is None and follow.history_tokens == history
+    new = random_prompt(5, 3)
+    engine.add_request("next", history + new, greedy(4))
+    fresh = make_engine(path)
+    fresh.add_request("full", history + new, greedy(4))
+    assert run_to_end(engine)["next"].token_ids == run_to_end(fresh)["full"].token_ids

@@ -21,7 +21,7 @@ import jinja2
 from engram.args import ServerArgs
 from engram.engine.async_engine import AsyncEngine
 from engram.engine.engine import LLMEngine
-from engram.engine.request import RequestOutput
+from engram.engine.request import FinishReason, RequestOutput
 from engram.models.embedded import default_cache_dir
 from engram.server.errors import APIError
 from engram.server.tokens import encode
@@ -176,7 +176,7 @@ class ConversationTurns:
                     if last is None and plan.state_tier is not None:
                         self.manager.stats.restore_seconds[plan.state_tier].observe(plan.load_seconds + out.restore_seconds)
                     last = out
-                    if out.finished and out.state is not None:
+                    if out.finished and out.finish_reason != FinishReason.ABORT:  # without a state if preempted at its end
                         recording = True  # from here on `finish` frees the conversation, whatever happens
                         turn = await self.finish(plan, new_messages, out)
                         self.by_request[rid] = (plan.conversation_id, turn.branch, turn.turn)
