@@ -467,6 +467,20 @@ def test_a_state_pushed_out_of_memory_by_pressure_is_written_first(engine, tmp_p
     assert [s["turn"] for s in manager.snapshots("p1")] == [1] and manager.stats.demotions["warm_evicted"] == 1
 
 
+@pytest.mark.parametrize("trigger, budget, written", [
+    (SnapshotTrigger.EVERY_N_TURNS, 30.0, [1, 2]),
+    (SnapshotTrigger.EVERY_N_TURNS, 0.0, []),  # no time for it
+    (SnapshotTrigger.MANUAL_ONLY, 30.0, []),  # the user opted out of automatic snapshots
+])
+def test_closing_writes_the_states_only_memory_holds(engine, tmp_path, trigger, budget, written):
+    policy = SnapshotPolicy(trigger, every_n_turns=100)
+    manager = manager_for(engine, tmp_path, policy)
+    for i in range(2):
+        take_turn(engine, manager, "sd", random_prompt(4, i), max_tokens=2)
+    manager.close(budget)
+    assert [s["turn"] for s in manager_for(engine, tmp_path, policy).snapshots("sd")] == written
+
+
 def test_async_durability_keeps_a_turn_whose_record_write_failed(engine, tmp_path, monkeypatch):
     """Answered already: the turn stays, and the next turn's record write records it."""
     import threading

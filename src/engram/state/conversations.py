@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -734,13 +735,19 @@ class ConversationManager:
             self.persistent and self.policy.trigger != SnapshotTrigger.MANUAL_ONLY and (conversation_id, ref) not in self._unsaved_by_health
         )
 
+    def _unwritten(self, conversation_id: str, ref: str) -> bool:
+        """Whether a recorded turn lacks the snapshot its state gets on leaving memory."""
+        conv = self._conversations.get(conversation_id)
+        turn = conv.turns.get(ref) if conv is not None else None
+        return turn is not None and not turn.snapshot and self._written_on_leaving_memory(conversation_id, ref)
+
     def _demote_to_cold(self, conversation_id: str, ref: str, state: SequenceState) -> bool:
         """Write the snapshot a state leaving the warm cache still lacks (`_written_on_leaving_memory`).
         False if the write fails."""
-        conv = self._conversations.get(conversation_id)
-        turn = conv.turns.get(ref) if conv is not None else None
-        if turn is None or turn.snapshot or not self._written_on_leaving_memory(conversation_id, ref):
+        if not self._unwritten(conversation_id, ref):
             return True
+        conv = self._conversations[conversation_id]
+        turn = conv.turns[ref]
         try:
             self._write_snapshot(conv, turn, state)
             self._persist_and_prune(conv, turn.branch)
@@ -801,10 +808,29 @@ class ConversationManager:
                 "quarantined": self.quarantine.list(),
             }
 
-    def close(self) -> None:
-        """Finish every write still queued (graceful shutdown)."""
+    def close(self, snapshot_budget_s: float = 0.0) -> None:
+        """Graceful shutdown: finish every write still queued, then write the states only memory
+        holds, as they would be on leaving it, for up to `snapshot_budget_s` seconds."""
+        if self.writer is not None:
+            self.writer.flush()
+        self._write_unsaved(snapshot_budget_s)
         if self.writer is not None:
             self.writer.close()
+
+    def _write_unsaved(self, budget_s: float) -> None:
+        """Write the snapshot every warm state still lacks (`_unwritten`), most recently used first."""
+        deadline = time.monotonic() + budget_s
+        with self._lock:
+            unwritten = [key for key in reversed(self.warm.idle(math.inf)) if self._unwritten(*key)]
+            written = 0
+            for cid, ref in unwritten:
+                if time.monotonic() >= deadline:
+                    break
+                self._demote_to_cold(cid, ref, self.warm.peek(cid, ref))
+                written += not self._unwritten(cid, ref)
+        if unwritten:
+            log.info("shutdown: %d of %d states held only in memory written as snapshots (the rest: the shutdown budget "
+                     "ran out or the write failed; their turns are recomputed from their tokens)", written, len(unwritten))
 
     def _require_persistence(self) -> None:
         if not self.persistent:
