@@ -467,6 +467,30 @@ def test_a_state_pushed_out_of_memory_by_pressure_is_written_first(engine, tmp_p
     assert [s["turn"] for s in manager.snapshots("p1")] == [1] and manager.stats.demotions["warm_evicted"] == 1
 
 
+def test_closing_writes_a_record_that_async_durability_failed_to_write(engine, tmp_path, monkeypatch):
+    """The turn was answered and no later turn of its conversation rewrote the record: closing does."""
+    from engram.state import conversations
+
+    manager = ConversationManager(
+        engine.spec, engine.state_dtypes, ModelIdentity.of(engine.spec, engine.model_path), tokenizer_fingerprint(engine.model_path),
+        SnapshotPolicy(), tmp_path, WarmCache(8, 1 << 30), TierConfig(durability="async"),
+    )
+    real_write = conversations.atomic_write
+
+    def failing_record_write(path, data):
+        if path.name == conversations.RECORD_NAME:
+            raise OSError(5, "Input/output error")
+        real_write(path, data)
+
+    monkeypatch.setattr(conversations, "atomic_write", failing_record_write)
+    turn, out, *_ = take_turn(engine, manager, "ur", random_prompt(5, 1), max_tokens=2)
+    manager.writer.flush()
+    monkeypatch.undo()
+    manager.close()
+    conv = manager_for(engine, tmp_path).require("ur")
+    assert [t.turn for t in conv.turns.values()] == [1] and conv.latest("main").new_tokens[-2:] == out.token_ids
+
+
 @pytest.mark.parametrize("trigger, budget, written", [
     (SnapshotTrigger.EVERY_N_TURNS, 30.0, [1, 2]),
     (SnapshotTrigger.EVERY_N_TURNS, 0.0, []),  # no time for it

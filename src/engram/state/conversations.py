@@ -221,6 +221,7 @@ class ConversationManager:
         self._conversations: dict[str, Conversation] = {}
         self._busy: set[str] = set()
         self._unsaved_by_health: set[tuple[str, str]] = set()  # turns whose state the health policy kept off disk
+        self._unrecorded: set[str] = set()  # async: conversations whose answered turns a failed record write left out
         self._pending_release: list[str] = []  # engine slots of forgotten turns, handed out by `maintain`
         self._lock = threading.RLock()
 
@@ -280,6 +281,7 @@ class ConversationManager:
     def _persist(self, conv: Conversation) -> None:
         if self.persistent:
             atomic_write(self._record_path(conv.conversation_id), json.dumps(conv.to_json()).encode())
+            self._unrecorded.discard(conv.conversation_id)
 
     def list_ids(self) -> list[str]:
         with self._lock:
@@ -487,6 +489,8 @@ class ConversationManager:
                     return
                 if self.writer is None:  # sync: the request fails; async: it was answered, a later write records it
                     self._forget_turn(conv, turn)
+                else:
+                    self._unrecorded.add(conv.conversation_id)
                 raise
 
     def release(self, conversation_id: str) -> None:
@@ -813,9 +817,19 @@ class ConversationManager:
         holds, as they would be on leaving it, for up to `snapshot_budget_s` seconds."""
         if self.writer is not None:
             self.writer.flush()
+        self._write_unrecorded()
         self._write_unsaved(snapshot_budget_s)
         if self.writer is not None:
             self.writer.close()
+
+    def _write_unrecorded(self) -> None:
+        """Write the records that a failed write left behind memory (async durability)."""
+        with self._lock:
+            for cid in sorted(self._unrecorded & self._conversations.keys()):  # not deleted meanwhile
+                try:
+                    self._persist(self._conversations[cid])
+                except OSError as e:
+                    log.warning("shutdown: the record of conversation %r is still not written: %s", cid, e)
 
     def _write_unsaved(self, budget_s: float) -> None:
         """Write the snapshot every warm state still lacks (`_unwritten`), most recently used first."""
