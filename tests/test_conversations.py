@@ -58,6 +58,20 @@ def full_generation(engine, tokens, max_tokens=8):
     return run_to_end(engine)["full"].token_ids
 
 
+def fail_record_writes(monkeypatch, errno: int = 28) -> None:
+    """Every write of a conversation record raises OSError(errno) until monkeypatch.undo()."""
+    from engram.state import conversations
+
+    real_write = conversations.atomic_write
+
+    def failing_record_write(path, data):
+        if path.name == conversations.RECORD_NAME:
+            raise OSError(errno, "injected record write failure")
+        real_write(path, data)
+
+    monkeypatch.setattr(conversations, "atomic_write", failing_record_write)
+
+
 def test_three_turns_with_restart_equal_full_prefill_and_compute_only_new_tokens(engine, tmp_path):
     manager = manager_for(engine, tmp_path)
     turns = [random_prompt(n, seed=40 + n) for n in (17, 9, 12)]
@@ -326,20 +340,11 @@ def test_a_record_that_cannot_be_written_undoes_the_turn(engine, tmp_path, monke
 def test_a_regenerate_whose_record_cannot_be_written_keeps_the_turns_it_would_replace(engine, tmp_path, monkeypatch):
     """A full disk during a regenerate: the old turns and their snapshots stay, in memory and on
     disk, and go on exactly (the engine slot the failed turn left behind is not adopted)."""
-    from engram.state import conversations
-
     manager = manager_for(engine, tmp_path)
     for i in range(3):
         take_turn(engine, manager, "rg", random_prompt(5, i), max_tokens=3)
     history = manager.require("rg").tokens(manager.require("rg").latest("main"))
-    real_write = conversations.atomic_write
-
-    def failing_record_write(path, data):
-        if path.name == conversations.RECORD_NAME:
-            raise OSError(28, "No space left on device")
-        real_write(path, data)
-
-    monkeypatch.setattr(conversations, "atomic_write", failing_record_write)
+    fail_record_writes(monkeypatch)
     with pytest.raises(OSError):
         take_turn(engine, manager, "rg", random_prompt(5, 9), from_turn=1, max_tokens=3)
     monkeypatch.undo()
@@ -469,21 +474,12 @@ def test_a_state_pushed_out_of_memory_by_pressure_is_written_first(engine, tmp_p
 
 def test_closing_writes_a_record_that_async_durability_failed_to_write(engine, tmp_path, monkeypatch):
     """The turn was answered and no later turn of its conversation rewrote the record: closing does."""
-    from engram.state import conversations
-
     manager = ConversationManager(
         engine.spec, engine.state_dtypes, ModelIdentity.of(engine.spec, engine.model_path), tokenizer_fingerprint(engine.model_path),
         SnapshotPolicy(), tmp_path, WarmCache(8, 1 << 30), TierConfig(durability="async"),
     )
-    real_write = conversations.atomic_write
-
-    def failing_record_write(path, data):
-        if path.name == conversations.RECORD_NAME:
-            raise OSError(5, "Input/output error")
-        real_write(path, data)
-
-    monkeypatch.setattr(conversations, "atomic_write", failing_record_write)
-    turn, out, *_ = take_turn(engine, manager, "ur", random_prompt(5, 1), max_tokens=2)
+    fail_record_writes(monkeypatch, errno=5)
+    _, out, *_ = take_turn(engine, manager, "ur", random_prompt(5, 1), max_tokens=2)
     manager.writer.flush()
     monkeypatch.undo()
     manager.close()

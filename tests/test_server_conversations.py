@@ -350,9 +350,9 @@ def stream_chat(http, conversation_id, text):
 def test_a_streamed_turn_sends_its_finish_chunk_only_once_recorded(checkpoint_dir, tmp_path, monkeypatch):
     """Sync durability: the finish chunk comes after the record is on disk; a record that cannot
     be written is an in-band error in its place, and the turn is not kept."""
-    import engram.state.conversations as conversations
+    from engram.state import conversations
 
-    with serving(checkpoint_dir("nemotron"), tmp_path) as (srv, http):
+    with serving(checkpoint_dir("nemotron"), tmp_path) as (_, http):
         events, _ = stream_chat(http, "sse", "hello")
         on_disk = json.loads((tmp_path / "sse" / conversations.RECORD_NAME).read_text())
         assert [t["turn"] for t in on_disk["turns"]] == [1] and events[-1]["turn"] == 1
@@ -373,13 +373,23 @@ def test_a_streamed_turn_sends_its_finish_chunk_only_once_recorded(checkpoint_di
 
 
 def test_a_client_that_leaves_right_after_the_finish_chunk_keeps_its_turn(checkpoint_dir, tmp_path):
-    with serving(checkpoint_dir("nemotron"), tmp_path) as (srv, http):
+    with serving(checkpoint_dir("nemotron"), tmp_path) as (_, http):
         for turn in (1, 2, 3):
             events, record = stream_chat(http, "gone", f"message {turn}")  # closes the stream there
             assert events[-1]["turn"] == turn and record["branches"]["main"]["latest_turn"] == turn
         assert chat(http, "gone", "next")["turn"] == 4
-    with serving(checkpoint_dir("nemotron"), tmp_path) as (srv, http):
+    with serving(checkpoint_dir("nemotron"), tmp_path) as (_, http):
         assert chat(http, "gone", "after a restart")["turn"] == 5
+
+
+def conversation_manager(engine, root):
+    """A ConversationManager over an in-process engine (every-turn snapshots under `root`)."""
+    from engram.state.conversations import ConversationManager, SnapshotPolicy
+    from engram.state.identity import ModelIdentity, tokenizer_fingerprint
+    from engram.state.store import WarmCache
+
+    return ConversationManager(engine.spec, engine.state_dtypes, ModelIdentity.of(engine.spec, engine.model_path),
+                               tokenizer_fingerprint(engine.model_path), SnapshotPolicy(), root, WarmCache(4, 1 << 30))
 
 
 def test_recording_a_finished_turn_outlives_the_cancellation_of_its_request(checkpoint_dir, tmp_path):
@@ -391,13 +401,9 @@ def test_recording_a_finished_turn_outlives_the_cancellation_of_its_request(chec
     from engine_utils import greedy, make_engine, random_prompt, run_to_end
 
     from engram.server.conversations import ConversationTurns
-    from engram.state.conversations import ConversationManager, SnapshotPolicy
-    from engram.state.identity import ModelIdentity, tokenizer_fingerprint
-    from engram.state.store import WarmCache
 
     engine = make_engine(checkpoint_dir("mamba2"))
-    manager = ConversationManager(engine.spec, engine.state_dtypes, ModelIdentity.of(engine.spec, engine.model_path),
-                                  tokenizer_fingerprint(engine.model_path), SnapshotPolicy(), tmp_path, WarmCache(4, 1 << 30))
+    manager = conversation_manager(engine, tmp_path)
     plan = manager.begin("left")
     engine.add_request("r", random_prompt(6, 1), greedy(3), capture_state=True)
     finished = run_to_end(engine)["r"]
@@ -438,14 +444,11 @@ def test_a_turn_preempted_while_its_last_token_is_in_flight_is_recorded(checkpoi
     from engine_utils import greedy, make_engine, random_prompt, run_to_end
 
     from engram.server.conversations import ConversationTurns
-    from engram.state.conversations import ConversationManager, SnapshotPolicy, retain_key
-    from engram.state.identity import ModelIdentity, tokenizer_fingerprint
-    from engram.state.store import WarmCache
+    from engram.state.conversations import retain_key
 
     path = checkpoint_dir("nemotron")
     engine = make_engine(path, max_total_tokens=64, context_length=64, kv_block_size=16, max_running_requests=4)
-    manager = ConversationManager(engine.spec, engine.state_dtypes, ModelIdentity.of(engine.spec, engine.model_path),
-                                  tokenizer_fingerprint(engine.model_path), SnapshotPolicy(), tmp_path, WarmCache(4, 1 << 30))
+    manager = conversation_manager(engine, tmp_path)
     plan = manager.begin("pre")
     prompt = random_prompt(40, 2)  # 3 of the 4 KV pages
     engine.add_request("other", random_prompt(16, 1), greedy(8))  # its 17th token needs the 4th page's successor
@@ -462,8 +465,7 @@ def test_a_turn_preempted_while_its_last_token_is_in_flight_is_recorded(checkpoi
 
     asyncio.run(consume())
     history = prompt + finished.token_ids
-    for current in (manager, ConversationManager(engine.spec, engine.state_dtypes, manager.model, manager.tokenizer_sha256,
-                                                 SnapshotPolicy(), tmp_path, WarmCache(4, 1 << 30))):  # and after a restart
+    for current in (manager, conversation_manager(engine, tmp_path)):  # and after a restart
         conv = current.require("pre")
         assert conv.latest("main").turn == 1 and conv.tokens(conv.latest("main")) == history
     follow = manager.begin("pre")
