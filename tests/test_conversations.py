@@ -58,6 +58,20 @@ def full_generation(engine, tokens, max_tokens=8):
     return run_to_end(engine)["full"].token_ids
 
 
+def fail_record_writes(monkeypatch, errno: int = 28) -> None:
+    """Every write of a conversation record raises OSError(errno) until monkeypatch.undo()."""
+    from engram.state import conversations
+
+    real_write = conversations.atomic_write
+
+    def failing_record_write(path, data):
+        if path.name == conversations.RECORD_NAME:
+            raise OSError(errno, "injected record write failure")
+        real_write(path, data)
+
+    monkeypatch.setattr(conversations, "atomic_write", failing_record_write)
+
+
 def test_three_turns_with_restart_equal_full_prefill_and_compute_only_new_tokens(engine, tmp_path):
     manager = manager_for(engine, tmp_path)
     turns = [random_prompt(n, seed=40 + n) for n in (17, 9, 12)]
@@ -323,6 +337,32 @@ def test_a_record_that_cannot_be_written_undoes_the_turn(engine, tmp_path, monke
     assert take_turn(engine, manager, "r", random_prompt(5, 2), max_tokens=3)[0].turn == 2  # a retry is turn 2 again
 
 
+def test_a_regenerate_whose_record_cannot_be_written_keeps_the_turns_it_would_replace(engine, tmp_path, monkeypatch):
+    """A full disk during a regenerate: the old turns and their snapshots stay, in memory and on
+    disk, and go on exactly (the engine slot the failed turn left behind is not adopted)."""
+    manager = manager_for(engine, tmp_path)
+    for i in range(3):
+        take_turn(engine, manager, "rg", random_prompt(5, i), max_tokens=3)
+    history = manager.require("rg").tokens(manager.require("rg").latest("main"))
+    fail_record_writes(monkeypatch)
+    with pytest.raises(OSError):
+        take_turn(engine, manager, "rg", random_prompt(5, 9), from_turn=1, max_tokens=3)
+    monkeypatch.undo()
+    for current in (manager, manager_for(engine, tmp_path)):  # before and after a restart
+        conv = current.require("rg")
+        assert sorted(t.turn for t in conv.turns.values()) == [1, 2, 3] and conv.tokens(conv.latest("main")) == history
+        assert [s["turn"] for s in current.snapshots("rg")] == [1, 2, 3]
+        assert current.snapshot_manifest("rg", conv.latest("main"))["state_len"] == len(history) - 1
+    new = random_prompt(4, 7)
+    turn, out, _, plan = take_turn(engine, manager, "rg", new, max_tokens=3)
+    assert turn.turn == 4 and plan.state.state_len == len(history) - 1
+    assert out.token_ids == full_generation(engine, history + new, max_tokens=3)
+    turn, out, _, plan = take_turn(engine, manager_for(engine, tmp_path), "rg", random_prompt(4, 8), from_turn=2, max_tokens=3)
+    two = manager.require("rg").tokens(manager.require("rg").turns[ref_name("main", 2)])
+    assert turn.turn == 3 and plan.state_tier == "cold" and plan.state.state_len == len(two) - 1
+    assert out.token_ids == full_generation(engine, two + random_prompt(4, 8), max_tokens=3)
+
+
 def test_retention_deletes_a_snapshot_only_after_the_record_stops_listing_it(engine, tmp_path, monkeypatch):
     import json
 
@@ -430,6 +470,35 @@ def test_a_state_pushed_out_of_memory_by_pressure_is_written_first(engine, tmp_p
     assert manager.snapshots("p1") == []
     take_turn(engine, manager, "p2", random_prompt(4, 2), max_tokens=2)  # pushes p1's state out of the warm cache
     assert [s["turn"] for s in manager.snapshots("p1")] == [1] and manager.stats.demotions["warm_evicted"] == 1
+
+
+def test_closing_writes_a_record_that_async_durability_failed_to_write(engine, tmp_path, monkeypatch):
+    """The turn was answered and no later turn of its conversation rewrote the record: closing does."""
+    manager = ConversationManager(
+        engine.spec, engine.state_dtypes, ModelIdentity.of(engine.spec, engine.model_path), tokenizer_fingerprint(engine.model_path),
+        SnapshotPolicy(), tmp_path, WarmCache(8, 1 << 30), TierConfig(durability="async"),
+    )
+    fail_record_writes(monkeypatch, errno=5)
+    _, out, *_ = take_turn(engine, manager, "ur", random_prompt(5, 1), max_tokens=2)
+    manager.writer.flush()
+    monkeypatch.undo()
+    manager.close()
+    conv = manager_for(engine, tmp_path).require("ur")
+    assert [t.turn for t in conv.turns.values()] == [1] and conv.latest("main").new_tokens[-2:] == out.token_ids
+
+
+@pytest.mark.parametrize("trigger, budget, written", [
+    (SnapshotTrigger.EVERY_N_TURNS, 30.0, [1, 2]),
+    (SnapshotTrigger.EVERY_N_TURNS, 0.0, []),  # no time for it
+    (SnapshotTrigger.MANUAL_ONLY, 30.0, []),  # the user opted out of automatic snapshots
+])
+def test_closing_writes_the_states_only_memory_holds(engine, tmp_path, trigger, budget, written):
+    policy = SnapshotPolicy(trigger, every_n_turns=100)
+    manager = manager_for(engine, tmp_path, policy)
+    for i in range(2):
+        take_turn(engine, manager, "sd", random_prompt(4, i), max_tokens=2)
+    manager.close(budget)
+    assert [s["turn"] for s in manager_for(engine, tmp_path, policy).snapshots("sd")] == written
 
 
 def test_async_durability_keeps_a_turn_whose_record_write_failed(engine, tmp_path, monkeypatch):

@@ -23,10 +23,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model_path: str, snapshot_dir, port: int) -> subprocess.Popen:
+def start_server(model_path: str, snapshot_dir, port: int, *flags: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "engram", "serve", "--model-path", model_path, "--port", str(port),
            "--served-model-name", MODEL, "--snapshot-dir", str(snapshot_dir), "--snapshot-durability", "sync",
-           "--max-total-tokens", "4096", "--context-length", "1024", "--log-level", "warning"]
+           "--max-total-tokens", "4096", "--context-length", "1024", "--log-level", "warning", *flags]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -91,6 +91,40 @@ def test_kill_9_mid_conversations_then_everything_answered_is_resumable(checkpoi
                 assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == info["state_len"]
                 full = http.post("/generate", json={"input_ids": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 8}}).json()
                 assert full["output_ids"] == new_info["fill_ids"][len(prompt):]
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGTERM"), reason="needs POSIX signals")
+def test_sigterm_writes_the_states_only_memory_holds(checkpoint_dir, tmp_path):
+    """No snapshot by the trigger policy yet: a graceful shutdown writes the states, so the turn
+    after the restart restores them (cached tokens) and equals an uninterrupted conversation's."""
+    path = checkpoint_dir("nemotron")
+    policy = ("--snapshot-trigger-policy", "every_n_turns", "--snapshot-every-n-turns", "100")
+    proc = start_server(path, tmp_path, port := free_port(), *policy)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as http:
+            for text in ("one", "two"):
+                chat(http, "t", text)
+            for text in ("one", "two", "three"):
+                uninterrupted = chat(http, "u", text)
+            assert http.post("/list_snapshots", json={}).json()["snapshots"] == []
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)  # uvicorn shuts down, then raises the signal again: -SIGTERM either way
+    finally:
+        proc.kill()
+        proc.wait()
+
+    proc = start_server(path, tmp_path, port := free_port(), *policy)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as http:
+            info = http.post("/get_snapshot_info", json={"conversation_id": "t", "turn_number": 2}).json()
+            reply = chat(http, "t", "three")
+        assert reply["turn"] == 3 and info["state_len"] > 0
+        assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == info["state_len"]
+        assert reply["choices"][0]["message"]["content"] == uninterrupted["choices"][0]["message"]["content"]
+        assert reply["usage"]["completion_tokens"] == uninterrupted["usage"]["completion_tokens"]
     finally:
         proc.kill()
         proc.wait()

@@ -4,6 +4,7 @@ and through restore-and-generate, equal to one request over the whole history.""
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 import time
 
@@ -390,3 +391,147 @@ def test_a_turn_renders_only_the_tail_and_equals_the_whole_rendering(template, s
         assert prompt == whole
         if len(history) > system + max(TAIL_WINDOWS):  # long enough for the tail
             assert (tail_rendered == len(history) + 1) == (template == TEMPLATE_NUMBERED), rendered_lengths
+
+
+def stream_chat(http, conversation_id, text):
+    """Stream a turn, reading up to its finish chunk: (the events read, the conversation's record
+    on disk as it was when the finish chunk arrived, or None)."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "conversation_id": conversation_id, "stream": True, **GREEDY}
+    events, record = [], None
+    with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                events.append(json.loads(line[len("data: "):]))
+                if any(c.get("finish_reason") for c in events[-1].get("choices", [])):
+                    return events, http.get(f"/v1/conversations/{conversation_id}").json()
+    return events, record
+
+
+def test_a_streamed_turn_sends_its_finish_chunk_only_once_recorded(checkpoint_dir, tmp_path, monkeypatch):
+    """Sync durability: the finish chunk comes after the record is on disk; a record that cannot
+    be written is an in-band error in its place, and the turn is not kept."""
+    from engram.state import conversations
+
+    with serving(checkpoint_dir("nemotron"), tmp_path) as (_, http):
+        events, _ = stream_chat(http, "sse", "hello")
+        on_disk = json.loads((tmp_path / "sse" / conversations.RECORD_NAME).read_text())
+        assert [t["turn"] for t in on_disk["turns"]] == [1] and events[-1]["turn"] == 1
+        real_write = conversations.atomic_write
+
+        def full_disk(path, data):
+            if path.name == conversations.RECORD_NAME:
+                raise OSError(28, "No space left on device")
+            real_write(path, data)
+
+        with monkeypatch.context() as m:
+            m.setattr(conversations, "atomic_write", full_disk)
+            events, _ = stream_chat(http, "sse", "more")
+        assert not any(c.get("finish_reason") for e in events for c in e.get("choices", []))
+        assert events[-1]["error"]["code"] == "storage_unavailable", events[-1]
+        assert http.get("/v1/conversations/sse").json()["branches"]["main"]["latest_turn"] == 1
+        assert chat(http, "sse", "more")["turn"] == 2
+
+
+def test_a_client_that_leaves_right_after_the_finish_chunk_keeps_its_turn(checkpoint_dir, tmp_path):
+    with serving(checkpoint_dir("nemotron"), tmp_path) as (_, http):
+        for turn in (1, 2, 3):
+            events, record = stream_chat(http, "gone", f"message {turn}")  # closes the stream there
+            assert events[-1]["turn"] == turn and record["branches"]["main"]["latest_turn"] == turn
+        assert chat(http, "gone", "next")["turn"] == 4
+    with serving(checkpoint_dir("nemotron"), tmp_path) as (_, http):
+        assert chat(http, "gone", "after a restart")["turn"] == 5
+
+
+def conversation_manager(engine, root):
+    """A ConversationManager over an in-process engine (every-turn snapshots under `root`)."""
+    from engram.state.conversations import ConversationManager, SnapshotPolicy
+    from engram.state.identity import ModelIdentity, tokenizer_fingerprint
+    from engram.state.store import WarmCache
+
+    return ConversationManager(engine.spec, engine.state_dtypes, ModelIdentity.of(engine.spec, engine.model_path),
+                               tokenizer_fingerprint(engine.model_path), SnapshotPolicy(), root, WarmCache(4, 1 << 30))
+
+
+def test_recording_a_finished_turn_outlives_the_cancellation_of_its_request(checkpoint_dir, tmp_path):
+    """The client leaves while the turn is recorded and the server's threads are all busy (the
+    record waits for one): the turn is recorded all the same and the conversation freed."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    from engine_utils import greedy, make_engine, random_prompt, run_to_end
+
+    from engram.server.conversations import ConversationTurns
+
+    engine = make_engine(checkpoint_dir("mamba2"))
+    manager = conversation_manager(engine, tmp_path)
+    plan = manager.begin("left")
+    engine.add_request("r", random_prompt(6, 1), greedy(3), capture_state=True)
+    finished = run_to_end(engine)["r"]
+    turns = ConversationTurns(manager, engine.tokenizer)
+
+    async def outputs():
+        yield finished
+
+    async def consume() -> None:
+        async for _ in turns.record("r", plan, [{"role": "user", "content": "hi"}], outputs()):
+            pass
+
+    async def leave_while_recording() -> None:
+        loop = asyncio.get_running_loop()
+        loop.set_default_executor(ThreadPoolExecutor(1))
+        threads_free = threading.Event()
+        busy = loop.run_in_executor(None, threads_free.wait)
+        request = asyncio.ensure_future(consume())
+        for _ in range(10):  # up to where the record waits for a thread
+            await asyncio.sleep(0)
+        request.cancel()
+        threads_free.set()
+        await asyncio.gather(request, return_exceptions=True)
+        await busy
+        await loop.run_in_executor(None, lambda: None)  # after every job queued before it
+
+    asyncio.run(leave_while_recording())
+    assert manager.require("left").latest("main").turn == 1
+    assert manager.begin("left").turn == 2  # not refused as busy
+
+
+def test_a_turn_preempted_while_its_last_token_is_in_flight_is_recorded(checkpoint_dir, tmp_path):
+    """Overlapped steps: the turn's last token is in flight when another sequence's growth
+    preempts it, so it finishes without a state. It is answered, so it is recorded; the next
+    turn recomputes its history, exactly."""
+    import asyncio
+
+    from engine_utils import greedy, make_engine, random_prompt, run_to_end
+
+    from engram.server.conversations import ConversationTurns
+    from engram.state.conversations import retain_key
+
+    path = checkpoint_dir("nemotron")
+    engine = make_engine(path, max_total_tokens=64, context_length=64, kv_block_size=16, max_running_requests=4)
+    manager = conversation_manager(engine, tmp_path)
+    plan = manager.begin("pre")
+    prompt = random_prompt(40, 2)  # 3 of the 4 KV pages
+    engine.add_request("other", random_prompt(16, 1), greedy(8))  # its 17th token needs the 4th page's successor
+    engine.add_request("turn", prompt, greedy(1), capture_state=True, retain_key=retain_key("pre", plan.ref))
+    finished = run_to_end(engine)["turn"]
+    assert engine.stats().num_preemptions == 1 and finished.state is None and finished.finish_reason.value == "length"
+
+    async def outputs():
+        yield finished
+
+    async def consume() -> None:
+        async for _ in ConversationTurns(manager, engine.tokenizer).record("turn", plan, [{"role": "user", "content": "hi"}], outputs()):
+            pass
+
+    asyncio.run(consume())
+    history = prompt + finished.token_ids
+    for current in (manager, conversation_manager(engine, tmp_path)):  # and after a restart
+        conv = current.require("pre")
+        assert conv.latest("main").turn == 1 and conv.tokens(conv.latest("main")) == history
+    follow = manager.begin("pre")
+    assert follow.turn == 2 and follow.state is None and follow.history_tokens == history
+    new = random_prompt(5, 3)
+    engine.add_request("next", history + new, greedy(4))
+    fresh = make_engine(path)
+    fresh.add_request("full", history + new, greedy(4))
+    assert run_to_end(engine)["next"].token_ids == run_to_end(fresh)["full"].token_ids

@@ -80,6 +80,10 @@ class ServerArgs:
     conversation_warm_timeout: float = field(default=1800.0, metadata={"help": "seconds idle before its host copy is dropped (WARM -> COLD, snapshot kept)"})
     conversation_cold_retention: float = field(default=0.0, metadata={"help": "seconds idle before a conversation and its snapshots are deleted; 0 keeps them"})
     snapshot_durability: str = field(default="sync", metadata={"help": "sync: answer a turn after its snapshot is on disk; async: write behind, flushed on shutdown", "choices": ["sync", "async"]})
+    shutdown_snapshot_timeout: float = field(
+        default=30.0,
+        metadata={"help": "seconds a graceful shutdown spends writing the states only memory holds (as on leaving it: not under manual_only); 0: none"},
+    )
     snapshot_preload: int = field(default=0, metadata={"help": "at startup, warm the latest snapshots of the N most recently used conversations"})
     snapshot_health_check_interval: int = field(default=1, metadata={"help": "check state norms for anomalies every N turns of a conversation; 0: structural checks only"})
     snapshot_health_failure_policy: str = field(default="log_and_continue", metadata={"help": "what an anomalous state does", "choices": ["log_and_continue", "skip_snapshot", "refuse_restore"]})

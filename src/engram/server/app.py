@@ -34,7 +34,7 @@ def create_app(engine: AsyncEngine, args: ServerArgs) -> FastAPI:
         finally:
             warming.cancel()
             maintenance.cancel()
-            await asyncio.to_thread(manager.close)  # flush snapshots written behind
+            await asyncio.to_thread(manager.close, args.shutdown_snapshot_timeout)  # flush, write what only memory holds
             await asyncio.to_thread(engine.shutdown)
 
     app = FastAPI(title="Engram", lifespan=lifespan)

@@ -21,7 +21,7 @@ import jinja2
 from engram.args import ServerArgs
 from engram.engine.async_engine import AsyncEngine
 from engram.engine.engine import LLMEngine
-from engram.engine.request import RequestOutput
+from engram.engine.request import FinishReason, RequestOutput
 from engram.models.embedded import default_cache_dir
 from engram.server.errors import APIError
 from engram.server.tokens import encode
@@ -191,27 +191,44 @@ class ConversationTurns:
     async def record(
         self, rid: str, plan: TurnPlan, new_messages: list[dict], outputs: AsyncIterator[RequestOutput]
     ) -> AsyncIterator[RequestOutput]:
-        """Pass the outputs through; when the request finishes, record the turn. An aborted or
-        failed request records nothing and frees the conversation."""
+        """Pass the outputs through, recording the turn before its final output goes on: a client
+        that has read the end of a reply holds a recorded turn (on disk, with sync durability), and
+        a record that fails is the request's error in its place. An aborted or failed request
+        records nothing and frees the conversation."""
         last: RequestOutput | None = None
+        recording = False
         try:
             async with aclosing(outputs):
                 async for out in outputs:
                     if last is None and plan.state_tier is not None:
                         self.manager.stats.restore_seconds[plan.state_tier].observe(plan.load_seconds + out.restore_seconds)
                     last = out
+                    if out.finished and out.finish_reason != FinishReason.ABORT:  # without a state if preempted at its end
+                        recording = True  # from here on `finish` frees the conversation, whatever happens
+                        turn = await self.finish(plan, new_messages, out)
+                        self.by_request[rid] = (plan.conversation_id, turn.branch, turn.turn)
+                        while len(self.by_request) > RECENT_REQUESTS:
+                            self.by_request.popitem(last=False)
                     yield out
         finally:
-            if last is not None and last.finished and last.state is not None:
-                turn = await self.finish(plan, new_messages, last)
-                self.by_request[rid] = (plan.conversation_id, turn.branch, turn.turn)
-                while len(self.by_request) > RECENT_REQUESTS:
-                    self.by_request.popitem(last=False)
-            else:
+            if not recording:
                 self.manager.release(plan.conversation_id)
 
     async def finish(self, plan: TurnPlan, new_messages: list[dict], out: RequestOutput) -> Turn:
+        """Record the turn in a task of the server's own: a client that leaves meanwhile (which
+        cancels its request) neither stops the record nor leaves the conversation reserved."""
         reply = {"role": "assistant", "content": out.text}
-        return await asyncio.to_thread(
+        work = asyncio.ensure_future(asyncio.to_thread(
             self.manager.finish, plan, out.prompt_token_ids, out.token_ids, new_messages + [reply], out.state, has_tool_call(out.text)
-        )
+        ))
+        try:
+            return await asyncio.shield(work)
+        except asyncio.CancelledError:
+            work.add_done_callback(_log_unheard_failure)
+            raise
+
+
+def _log_unheard_failure(work: asyncio.Future) -> None:
+    """A turn's record failed after its client left: nobody else hears of it."""
+    if not work.cancelled() and work.exception() is not None:
+        log.warning("a turn whose client had left was not recorded: %s", work.exception())

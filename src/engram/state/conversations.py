@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -220,6 +221,7 @@ class ConversationManager:
         self._conversations: dict[str, Conversation] = {}
         self._busy: set[str] = set()
         self._unsaved_by_health: set[tuple[str, str]] = set()  # turns whose state the health policy kept off disk
+        self._unrecorded: set[str] = set()  # async: conversations whose answered turns a failed record write left out
         self._pending_release: list[str] = []  # engine slots of forgotten turns, handed out by `maintain`
         self._lock = threading.RLock()
 
@@ -279,6 +281,7 @@ class ConversationManager:
     def _persist(self, conv: Conversation) -> None:
         if self.persistent:
             atomic_write(self._record_path(conv.conversation_id), json.dumps(conv.to_json()).encode())
+            self._unrecorded.discard(conv.conversation_id)
 
     def list_ids(self) -> list[str]:
         with self._lock:
@@ -398,8 +401,6 @@ class ConversationManager:
         try:
             with self._lock:
                 conv = self._conversations[plan.conversation_id]
-                for t in [t for t in conv.turns.values() if t.branch == plan.branch and t.turn >= plan.turn]:
-                    self._forget_turn(conv, t)  # regenerating from an earlier turn
                 turn = Turn(
                     branch=plan.branch,
                     turn=plan.turn,
@@ -409,6 +410,12 @@ class ConversationManager:
                     state_len=state.state_len if state else 0,
                     tool_calls=tool_calls,
                 )
+                replaced = [t for t in conv.turns.values() if t.branch == plan.branch and t.turn >= plan.turn]
+                recorded = bool(replaced) and self.writer is None
+                if recorded:  # sync: the regenerated turns are forgotten only once the record no longer lists them
+                    self._persist_replacing(conv, replaced, turn)
+                for t in replaced:
+                    self._forget_turn(conv, t)
                 conv.turns[turn.ref] = turn
                 key = retain_key(plan.conversation_id, turn.ref)
                 if key in self._pending_release:  # a forgotten turn's key, now naming this turn's slot
@@ -424,7 +431,7 @@ class ConversationManager:
                         wanted = wanted or self._written_on_leaving_memory(plan.conversation_id, turn.ref)
                     self.warm.put(plan.conversation_id, turn.ref, state)
                     self.active[(plan.conversation_id, turn.ref)] = now
-            job = lambda: self._commit(conv, turn, state if wanted else None)  # noqa: E731
+            job = lambda: self._commit(conv, turn, state if wanted else None, recorded)  # noqa: E731
             if self.writer is not None:
                 self.writer.submit(job)
             else:
@@ -442,13 +449,28 @@ class ConversationManager:
             self.quarantine.add(conversation_id, turn.ref, report.describe())
         return decision.save
 
-    def _commit(self, conv: Conversation, turn: Turn, state: SequenceState | None) -> None:
+    def _persist_replacing(self, conv: Conversation, replaced: list[Turn], turn: Turn) -> None:
+        """Write the record with `turn` (without its snapshot yet) in place of the turns it
+        regenerates, before anything of theirs is forgotten: a record that cannot be written
+        leaves them as they were, on disk and in memory. The engine slot kept under the new turn's
+        key holds the failed turn's state then, and is handed back."""
+        gone = {t.ref for t in replaced}
+        turns = {ref: t for ref, t in conv.turns.items() if ref not in gone}
+        try:
+            self._persist(Conversation(conv.conversation_id, {**turns, turn.ref: turn}, conv.created_at))
+        except OSError:
+            self.active.pop((conv.conversation_id, turn.ref), None)
+            self._pending_release.append(retain_key(conv.conversation_id, turn.ref))
+            raise
+
+    def _commit(self, conv: Conversation, turn: Turn, state: SequenceState | None, recorded: bool = False) -> None:
         """Write the turn's snapshot (if any) and then the record that points at it. A snapshot
         that cannot be written is logged and counted: the turn is recorded without it (its state
         is recomputed from its tokens when needed). A record that cannot be written undoes the
-        turn, so that memory never holds a turn the disk lacks."""
+        turn, so that memory never holds a turn the disk lacks; unless the record already holds
+        it (`recorded`: a regenerate's, see `_persist_replacing`), then only its snapshot is left out."""
         with self._lock:
-            if turn.ref not in conv.turns:  # forgotten meanwhile (regenerated or deleted)
+            if conv.turns.get(turn.ref) is not turn:  # forgotten meanwhile (regenerated or deleted)
                 return
             if state is not None:
                 try:
@@ -456,11 +478,19 @@ class ConversationManager:
                 except (SnapshotError, OSError) as e:
                     log.warning("snapshot of conversation %r turn %s not written, the turn is recorded without it: %s",
                                 conv.conversation_id, turn.ref, e)
+            if recorded and not turn.snapshot:
+                return
             try:
                 self._persist_and_prune(conv, turn.branch)
-            except OSError:
+            except OSError as e:
+                if recorded:  # the file it points at is an orphan, removed on the next load
+                    turn.snapshot = False
+                    log.warning("conversation %r turn %s is recorded without its snapshot: %s", conv.conversation_id, turn.ref, e)
+                    return
                 if self.writer is None:  # sync: the request fails; async: it was answered, a later write records it
                     self._forget_turn(conv, turn)
+                else:
+                    self._unrecorded.add(conv.conversation_id)
                 raise
 
     def release(self, conversation_id: str) -> None:
@@ -709,13 +739,19 @@ class ConversationManager:
             self.persistent and self.policy.trigger != SnapshotTrigger.MANUAL_ONLY and (conversation_id, ref) not in self._unsaved_by_health
         )
 
+    def _unwritten(self, conversation_id: str, ref: str) -> bool:
+        """Whether a recorded turn lacks the snapshot its state gets on leaving memory."""
+        conv = self._conversations.get(conversation_id)
+        turn = conv.turns.get(ref) if conv is not None else None
+        return turn is not None and not turn.snapshot and self._written_on_leaving_memory(conversation_id, ref)
+
     def _demote_to_cold(self, conversation_id: str, ref: str, state: SequenceState) -> bool:
         """Write the snapshot a state leaving the warm cache still lacks (`_written_on_leaving_memory`).
         False if the write fails."""
-        conv = self._conversations.get(conversation_id)
-        turn = conv.turns.get(ref) if conv is not None else None
-        if turn is None or turn.snapshot or not self._written_on_leaving_memory(conversation_id, ref):
+        if not self._unwritten(conversation_id, ref):
             return True
+        conv = self._conversations[conversation_id]
+        turn = conv.turns[ref]
         try:
             self._write_snapshot(conv, turn, state)
             self._persist_and_prune(conv, turn.branch)
@@ -776,10 +812,39 @@ class ConversationManager:
                 "quarantined": self.quarantine.list(),
             }
 
-    def close(self) -> None:
-        """Finish every write still queued (graceful shutdown)."""
+    def close(self, snapshot_budget_s: float = 0.0) -> None:
+        """Graceful shutdown: finish every write still queued, then write the states only memory
+        holds, as they would be on leaving it, for up to `snapshot_budget_s` seconds."""
+        if self.writer is not None:
+            self.writer.flush()
+        self._write_unrecorded()
+        self._write_unsaved(snapshot_budget_s)
         if self.writer is not None:
             self.writer.close()
+
+    def _write_unrecorded(self) -> None:
+        """Write the records that a failed write left behind memory (async durability)."""
+        with self._lock:
+            for cid in sorted(self._unrecorded & self._conversations.keys()):  # not deleted meanwhile
+                try:
+                    self._persist(self._conversations[cid])
+                except OSError as e:
+                    log.warning("shutdown: the record of conversation %r is still not written: %s", cid, e)
+
+    def _write_unsaved(self, budget_s: float) -> None:
+        """Write the snapshot every warm state still lacks (`_unwritten`), most recently used first."""
+        deadline = time.monotonic() + budget_s
+        with self._lock:
+            unwritten = [key for key in reversed(self.warm.idle(math.inf)) if self._unwritten(*key)]
+            written = 0
+            for cid, ref in unwritten:
+                if time.monotonic() >= deadline:
+                    break
+                self._demote_to_cold(cid, ref, self.warm.peek(cid, ref))
+                written += not self._unwritten(cid, ref)
+        if unwritten:
+            log.info("shutdown: %d of %d states held only in memory written as snapshots (the rest: the shutdown budget "
+                     "ran out or the write failed; their turns are recomputed from their tokens)", written, len(unwritten))
 
     def _require_persistence(self) -> None:
         if not self.persistent:
