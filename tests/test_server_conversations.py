@@ -165,6 +165,10 @@ def test_honest_status_codes(checkpoint_dir, tmp_path):
         assert code == 404 and "from_turn" in body["error"]["message"]
         assert post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                                              "conversation_id": "h", "branch": ""})[0] == 422
+        for where in ({"conversation_id": "h", "branch": ".x.tmp-0123456789ab-01234567", "from_turn": 1},
+                      {"conversation_id": ".h"}):  # a leading dot is the folder's own (temp files)
+            code, body = post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], **where})
+            assert code == 422 and "not beginning with '.'" in body["error"]["message"]
         # A selector never falls back to another branch than the one it names.
         code, body = post("/delete_snapshot", {"conversation_id": "h", "branch_name": "typo", "turn_number": 1})
         assert code == 404 and "no branch 'typo'" in body["error"]["message"]

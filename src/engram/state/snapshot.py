@@ -15,6 +15,7 @@ import logging
 import os
 import re
 import secrets
+import stat
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -32,8 +33,9 @@ from engram.state.sequence_state import SequenceState, StateDtypes, check_state
 
 FORMAT = "engram-state/1"
 MAX_TURN = 999_999  # turns are six digits in file names
-_ID_RE = re.compile(r"[A-Za-z0-9_.-]{1,128}")
-_PARENT_RE = re.compile(r"(?!\.\.?/)[A-Za-z0-9_.-]{1,128}/[0-9]{6}")
+# No leading dot: names that begin with one (temp files) are the folder's own.
+_ID_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}")
+_PARENT_RE = re.compile(_ID_RE.pattern + r"/[0-9]{6}")
 _SNAPSHOT_NAME_RE = re.compile(r"[0-9]{6}\.safetensors")
 # atomic_write's temp files are named .<name>.tmp-<writer>-<hex>, <writer> unique to this process
 # (a PID is not: a container's server is PID 1 after every restart).
@@ -71,11 +73,12 @@ RESERVED_IDS = (RECORD_NAME, QUARANTINE_NAME)
 
 
 def validate_id(value: str, what: str) -> str:
-    """Return `value` if it is a safe path component: `[A-Za-z0-9_.-]{1,128}`, not '.' or '..', and
-    not a name of the folder's own records."""
-    if not isinstance(value, str) or not _ID_RE.fullmatch(value) or value in (".", "..", *RESERVED_IDS):
+    """Return `value` if it is a safe path component: `[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}` (no
+    leading dot, which rules out '.', '..' and temp file names) and not a name of the folder's own
+    records."""
+    if not isinstance(value, str) or not _ID_RE.fullmatch(value) or value in RESERVED_IDS:
         raise InvalidIdError(
-            f"invalid {what} {value!r:.80}: ids are 1-128 characters of A-Z a-z 0-9 _ . -, not '.' or '..' "
+            f"invalid {what} {value!r:.80}: ids are 1-128 characters of A-Z a-z 0-9 _ . -, not beginning with '.', "
             f"and not {' or '.join(RESERVED_IDS)}"
         )
     return value
@@ -205,9 +208,10 @@ def atomic_write(path: Path, data: bytes) -> None:
 
 
 def is_stale_temp_file(path: Path) -> bool:
-    """Whether `path` is the temp file of a write by an earlier process (killed before it finished)."""
+    """Whether `path` is the temp file of a write by an earlier process (killed before it finished):
+    a regular file (never a folder or a link) named as `atomic_write` names them."""
     match = _TEMP_NAME_RE.fullmatch(path.name)
-    return match is not None and match.group(1) != _WRITER
+    return match is not None and match.group(1) != _WRITER and stat.S_ISREG(os.lstat(path).st_mode)
 
 
 def save_snapshot(
