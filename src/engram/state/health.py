@@ -237,6 +237,10 @@ class HealthMonitor:
             self._baselines.pop(conversation_id, None)
 
 
+class QuarantineListError(ValueError):
+    """The quarantine file cannot be read: the server does not start (it would un-quarantine silently)."""
+
+
 @dataclass
 class _Entry:
     conversation_id: str
@@ -265,8 +269,11 @@ class Quarantine:
             return []
         try:
             return [_Entry(**e) for e in json.loads(self.path.read_text())["quarantined"]]
-        except (ValueError, KeyError, TypeError) as e:  # never start empty: that would un-quarantine silently
-            raise ValueError(f"{self.path}: unreadable quarantine list: {e!r}") from e
+        except (OSError, ValueError, KeyError, TypeError) as e:  # never start empty: that would un-quarantine silently
+            raise QuarantineListError(
+                f"{self.path}: unreadable quarantine list ({e!r}); move it aside, or delete it (which releases every "
+                "quarantined snapshot), and start again"
+            ) from e
 
     def _persist(self) -> None:
         if self.path is not None:
