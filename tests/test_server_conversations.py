@@ -86,6 +86,25 @@ def test_three_turns_across_a_restart_equal_one_request_over_the_history(kind, c
         assert restored["meta_info"]["cached_tokens"] == len(history) - 1
 
 
+def test_the_turn_after_a_reply_ended_by_a_stop_token_continues_exactly(checkpoint_dir, tmp_path):
+    """The reply's text leaves the stop token out, its history keeps it: the next turn equals one
+    request over the whole history, and the reply text is what the history's tokens say."""
+    with serving(checkpoint_dir("nemotron"), tmp_path) as (srv, http):
+        probe = chat(http, "probe", USER_TURNS[0], ignore_eos=True)
+        reply = snapshot_info(http, "probe", 1)["fill_ids"][-probe["usage"]["completion_tokens"]:]
+        stop = next(t for k, t in enumerate(reply) if k >= 2 and t not in reply[:k] and chr(t).isascii() and chr(t).isalnum())
+        first = chat(http, "conv", USER_TURNS[0], ignore_eos=True, stop_token_ids=[stop])
+        assert first["choices"][0]["stop_reason"] == stop
+        history = snapshot_info(http, "conv", 1)["fill_ids"]
+        assert history[-1] == stop and chr(stop) not in first["choices"][0]["message"]["content"]
+        second = chat(http, "conv", USER_TURNS[1])
+        fill = snapshot_info(http, "conv", 2)["fill_ids"]
+        prompt = fill[: len(fill) - second["usage"]["completion_tokens"]]
+        assert prompt[: len(history)] == history
+        full = http.post("/generate", json={"input_ids": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 10}}).json()
+        assert full["output_ids"] == fill[len(prompt):] and full["text"] == second["choices"][0]["message"]["content"]
+
+
 def test_snapshot_routes_and_client(checkpoint_dir, tmp_path):
     with serving(checkpoint_dir("nemotron"), tmp_path, snapshot_trigger_policy="manual_only") as (srv, http):
         client = EngramClient(srv.url)
