@@ -12,6 +12,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from engram.engine.request import RequestOutput, SamplingParams, TokenLogprob
+from engram.server.auth import caller_is_admin
 from engram.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -46,7 +47,8 @@ router = APIRouter()
 async def list_models(raw_request: Request) -> ModelList:
     s = get_serving(raw_request)
     core = s.engine.engine
-    card = ModelCard(id=s.model_name, created=s.created, root=str(core.model_path), max_model_len=core.max_context_length)
+    root = str(core.model_path) if caller_is_admin(raw_request) else s.model_name  # server paths go to admins only
+    card = ModelCard(id=s.model_name, created=s.created, root=root, max_model_len=core.max_context_length)
     return ModelList(data=[card])
 
 
