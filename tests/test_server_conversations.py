@@ -4,6 +4,7 @@ and through restore-and-generate, equal to one request over the whole history.""
 from __future__ import annotations
 
 import contextlib
+import shutil
 import threading
 import time
 
@@ -103,6 +104,46 @@ def test_the_turn_after_a_reply_ended_by_a_stop_token_continues_exactly(checkpoi
         assert prompt[: len(history)] == history
         full = http.post("/generate", json={"input_ids": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 10}}).json()
         assert full["output_ids"] == fill[len(prompt):] and full["text"] == second["choices"][0]["message"]["content"]
+
+
+def test_links_in_the_snapshot_folder_are_never_followed(checkpoint_dir, tmp_path, caplog):
+    """A conversation folder, snapshot file or record that is a symbolic link (to files outside the
+    folder) is refused with a 409 that says so, and logged: nothing outside is read, written or
+    deleted, through any route, for a conversation loaded before or after the link was made."""
+    path, root, outside = checkpoint_dir("nemotron"), tmp_path / "snapshots", tmp_path / "outside"
+    outside.mkdir()
+
+    def link(inside: str, target: str) -> None:
+        shutil.move(root / inside, outside / target)
+        (root / inside).symlink_to(outside / target)
+
+    with serving(path, root) as (srv, http):
+        for cid in ("folder", "snapshot", "record"):
+            chat(http, cid, "hi")
+    link("folder", "folder")
+    link("snapshot/main/000001.safetensors", "snapshot.safetensors")
+    link("record/conversation.json", "record.json")
+    with serving(path, root) as (srv, http):
+        chat(http, "loaded", "hi")
+        link("loaded", "loaded")  # its record is in memory already
+        untouched = {p: p.read_bytes() if p.is_file() else None for p in outside.rglob("*")}
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], **GREEDY}
+        for cid in ("folder", "snapshot", "record", "loaded"):
+            answers = [http.post("/v1/chat/completions", json={**body, "conversation_id": cid}),
+                       http.post("/get_snapshot_info", json={"conversation_id": cid}),
+                       http.post("/delete_snapshot", json={"conversation_id": cid}),
+                       http.delete(f"/v1/conversations/{cid}")]
+            if cid != "loaded":  # its record and state are in memory: these read no file
+                answers += [http.get(f"/v1/conversations/{cid}"), http.post("/restore_snapshot", json={"conversation_id": cid})]
+            for r in answers:
+                assert r.status_code == 409, (cid, r.request.url, r.text)
+                assert r.json()["error"]["code"] == "snapshot_link_refused" and "symbolic link" in r.text
+                assert str(tmp_path) not in r.text
+        listed = http.post("/list_snapshots", json={})
+        assert listed.status_code == 200 and listed.json()["snapshots"] == []
+    assert {p: p.read_bytes() if p.is_file() else None for p in outside.rglob("*")} == untouched
+    assert all((root / p).is_symlink() for p in ("folder", "snapshot/main/000001.safetensors", "record/conversation.json", "loaded"))
+    assert "symbolic link under the snapshot folder is never followed" in caplog.text
 
 
 def test_snapshot_routes_and_client(checkpoint_dir, tmp_path):

@@ -21,6 +21,7 @@ from engram.state.snapshot import (
     SnapshotCorruptError,
     SnapshotError,
     SnapshotIncompatibleError,
+    SnapshotLinkError,
     SnapshotNotFoundError,
     reason_without_paths,
 )
@@ -56,6 +57,7 @@ _STATUS_OF = (
     (ConversationConflictError, 409, "conversation_conflict"),
     (SnapshotIncompatibleError, 409, "snapshot_incompatible"),
     (SnapshotCorruptError, 409, "snapshot_corrupt"),
+    (SnapshotLinkError, 409, "snapshot_link_refused"),
     (SnapshotError, 409, "snapshot_unavailable"),
 )
 

@@ -65,6 +65,11 @@ class InvalidIdError(SnapshotError, ValueError):
     pass
 
 
+class SnapshotLinkError(SnapshotError, OSError):
+    """A symbolic link under the snapshot folder where a folder or file of its own is expected: it
+    is not ours, and is never followed nor deleted through (an OSError: the storage refused)."""
+
+
 # The snapshot folder's own records (a conversation's, in its folder; the quarantine list, at the
 # top), whose names no conversation or branch may take.
 RECORD_NAME = "conversation.json"
@@ -122,12 +127,52 @@ def reason_without_paths(e: Exception) -> str:
 
 
 def snapshot_path(root: str | Path, conversation_id: str, branch: str, turn: int) -> Path:
-    return (
-        Path(root)
-        / validate_id(conversation_id, "conversation_id")
-        / validate_id(branch, "branch")
-        / f"{_validate_turn(turn):06d}.safetensors"
-    )
+    """The snapshot's path, after checking that none of it below `root` is a link (`check_no_links`)."""
+    path = Path(root) / validate_id(conversation_id, "conversation_id") / validate_id(branch, "branch") / f"{_validate_turn(turn):06d}.safetensors"
+    return check_no_links(Path(root), path)
+
+
+def check_no_links(root: Path, path: Path) -> Path:
+    """`path`, after checking (lstat) that none of its components below `root` is a symbolic link;
+    those that do not exist yet are fine. A link raises SnapshotLinkError (and is logged)."""
+    below = root
+    for part in path.relative_to(root).parts:
+        below = below / part
+        if not _exists_not_a_link(root, below):
+            break
+    return path
+
+
+def check_no_links_under(root: Path, folder: Path) -> None:
+    """`check_no_links` for `folder` and everything under it (links are listed, never entered)."""
+    check_no_links(root, folder)
+    for parent, folders, files in os.walk(folder):
+        for name in folders + files:
+            _exists_not_a_link(root, Path(parent) / name)
+
+
+def _exists_not_a_link(root: Path, path: Path) -> bool:
+    try:
+        mode = os.lstat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    if stat.S_ISLNK(mode):
+        log.warning("refusing %s: a symbolic link under the snapshot folder is never followed", path)
+        raise SnapshotLinkError(
+            f"{path.relative_to(root).as_posix()} in the snapshot folder is a symbolic link, which the server never "
+            "follows or deletes through; replace it with the folder or file itself"
+        )
+    return True
+
+
+def read_no_follow(path: Path) -> bytes:
+    """The file's bytes, refusing (ELOOP) to open it through a symbolic link."""
+    with open(path, "rb", opener=_no_follow) as f:
+        return f.read()
+
+
+def _no_follow(path: str, flags: int) -> int:
+    return os.open(path, flags | os.O_NOFOLLOW)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -259,7 +304,7 @@ def _read_header(path: Path, where: str) -> dict:
     """The parsed safetensors header, after checking the file holds all the tensor data it describes
     (`where`: the file as error messages name it)."""
     try:
-        with open(path, "rb") as f:
+        with open(path, "rb", opener=_no_follow) as f:
             size = os.fstat(f.fileno()).st_size
             raw = safetensors_header(f)
     except FileNotFoundError:
