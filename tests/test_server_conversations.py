@@ -90,7 +90,7 @@ def test_three_turns_across_a_restart_equal_one_request_over_the_history(kind, c
 def test_the_turn_after_a_reply_ended_by_a_stop_token_continues_exactly(checkpoint_dir, tmp_path):
     """The reply's text leaves the stop token out, its history keeps it: the next turn equals one
     request over the whole history, and the reply text is what the history's tokens say."""
-    with serving(checkpoint_dir("nemotron"), tmp_path) as (srv, http):
+    with serving(checkpoint_dir("nemotron"), tmp_path) as (_, http):
         probe = chat(http, "probe", USER_TURNS[0], ignore_eos=True)
         reply = snapshot_info(http, "probe", 1)["fill_ids"][-probe["usage"]["completion_tokens"]:]
         stop = next(t for k, t in enumerate(reply) if k >= 2 and t not in reply[:k] and chr(t).isascii() and chr(t).isalnum())
@@ -117,13 +117,13 @@ def test_links_in_the_snapshot_folder_are_never_followed(checkpoint_dir, tmp_pat
         shutil.move(root / inside, outside / target)
         (root / inside).symlink_to(outside / target)
 
-    with serving(path, root) as (srv, http):
+    with serving(path, root) as (_, http):
         for cid in ("folder", "snapshot", "record"):
             chat(http, cid, "hi")
     link("folder", "folder")
     link("snapshot/main/000001.safetensors", "snapshot.safetensors")
     link("record/conversation.json", "record.json")
-    with serving(path, root) as (srv, http):
+    with serving(path, root) as (_, http):
         chat(http, "loaded", "hi")
         link("loaded", "loaded")  # its record is in memory already
         untouched = {p: p.read_bytes() if p.is_file() else None for p in outside.rglob("*")}

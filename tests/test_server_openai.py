@@ -116,7 +116,7 @@ def test_stop_token_and_eos_text_are_left_out_unless_include_stop_str_in_output(
     """As vLLM: the text of the stop token (or EOS, whatever skip_special_tokens says) that ended a
     reply is left out, and kept with include_stop_str_in_output, as is a stop string; the token
     ids are the same either way."""
-    kw = dict(model=MODEL, prompt="The cat", temperature=0)
+    kw = {"model": MODEL, "prompt": "The cat", "temperature": 0}
     eos_free = {"ignore_eos": True}
     ids = httpx.post(server.url + "/generate", json={"text": "The cat", "sampling_params": {"max_new_tokens": 24, "temperature": 0,
                                                                                             **eos_free}}).json()["output_ids"]

@@ -66,6 +66,7 @@ class ServerArgs:
     served_model_name: str | None = field(default=None, metadata={"help": "model name in the API (default: the model folder's name, or the embedded model's)"})
     api_key: str | None = field(default=None, metadata={"help": "require `Authorization: Bearer <key>` on every route but /health, /health_generate and /metrics"})
     admin_api_key: str | None = field(default=None, metadata={"help": "key for admin routes (cache flush, request aborts, snapshots); without it they take --api-key"})
+    max_request_bytes: int = field(default=16 << 20, metadata={"help": "largest request body; a larger one gets 413 before it is parsed"})
     log_level: str = field(default="info", metadata={"help": "logging level", "choices": ["critical", "error", "warning", "info", "debug"]})
     enable_snapshot_persistence: bool = field(default=True, metadata={"help": "write conversation snapshots to --snapshot-dir so they survive restarts"})
     snapshot_dir: str | None = field(default=None, metadata={"help": "snapshot folder (default: $ENGRAM_CACHE_DIR/snapshots or ~/.cache/engram/snapshots)"})

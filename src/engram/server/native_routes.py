@@ -33,7 +33,7 @@ PATH_ARGS = ("model_path", "snapshot_dir")  # shown to admins only
 @cancel_on_disconnect
 async def generate(request: GenerateRequest, raw_request: Request):
     s = get_serving(raw_request)
-    prompt_ids = s.encode_prompt(request.text if request.text is not None else request.input_ids)
+    prompt_ids = await s.encode_prompt(request.text if request.text is not None else request.input_ids)
     params = s.sampling_params(request.sampling_fields())
     rid = request.rid or uuid.uuid4().hex
     start = time.perf_counter()

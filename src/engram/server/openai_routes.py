@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -37,7 +38,13 @@ from engram.server.protocol import (
     TopLogprob,
     Usage,
 )
-from engram.server.serving import Serving, collect_choices, get_serving, interleave
+from engram.server.serving import (
+    Serving,
+    collect_choices,
+    get_serving,
+    interleave,
+    message_chars,
+)
 from engram.server.streaming import cancel_on_disconnect, sse, sse_response
 
 router = APIRouter()
@@ -58,9 +65,9 @@ async def tokenize(request: TokenizeRequest, raw_request: Request) -> TokenizeRe
     if request.model is not None:
         s.check_model(request.model)
     if request.messages is not None:
-        tokens = s.encode_chat([m.template_dict() for m in request.messages], request.template_options())
+        tokens = await s.encode_chat([m.template_dict() for m in request.messages], request.template_options())
     else:
-        tokens = s.encode_prompt(request.prompt, request.add_special_tokens)
+        tokens = await s.encode_prompt(request.prompt, request.add_special_tokens)
     return TokenizeResponse(count=len(tokens), max_model_len=s.engine.engine.max_context_length, tokens=tokens)
 
 
@@ -69,7 +76,7 @@ async def detokenize(request: DetokenizeRequest, raw_request: Request) -> Detoke
     s = get_serving(raw_request)
     if request.model is not None:
         s.check_model(request.model)
-    return DetokenizeResponse(prompt=s.decode(request.tokens))
+    return DetokenizeResponse(prompt=await s.decode(request.tokens))
 
 
 @router.post("/v1/chat/completions", response_model=None)
@@ -82,7 +89,7 @@ async def chat_completions(request: ChatCompletionRequest, raw_request: Request)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     if request.conversation_id is None:
         where = ConversationFields()
-        streams = await s.generate_choices(rid, s.encode_chat(messages, request.template_options()), params, request.n)
+        streams = await s.generate_choices(rid, await s.encode_chat(messages, request.template_options()), params, request.n)
     else:  # one choice (the protocol refuses n > 1 there)
         where, outputs = await _conversation_turn(s, request, rid, messages, params)
         streams = [outputs]
@@ -107,9 +114,11 @@ async def _conversation_turn(
 ) -> tuple[ConversationFields, AsyncIterator[RequestOutput]]:
     """Start the next turn of a server-side conversation: restore its state, feed only the new tokens."""
     turns = s.conversations
+    s.check_prompt_chars(message_chars(messages), "messages")
     plan = await turns.begin(request.conversation_id, request.branch, request.from_turn)
     try:
-        outputs = await s.generate(rid, turns.prompt(plan, messages), params, **turns.engine_kwargs(plan))
+        prompt = await asyncio.to_thread(turns.prompt, plan, messages)  # the template and tokenizer, off the event loop
+        outputs = await s.generate(rid, prompt, params, **turns.engine_kwargs(plan))
     except BaseException:
         turns.manager.release(plan.conversation_id)
         raise
@@ -143,7 +152,7 @@ async def _chat_events(
 async def completions(request: CompletionRequest, raw_request: Request):
     s = get_serving(raw_request)
     s.check_model(request.model)
-    prompt_ids = s.encode_prompt(request.prompt)
+    prompt_ids = await s.encode_prompt(request.prompt)
     params = s.sampling_params(request.sampling_fields())
     rid = f"cmpl-{uuid.uuid4().hex}"
     streams = await s.generate_choices(rid, prompt_ids, params, request.n)
