@@ -464,6 +464,18 @@ def test_temp_files_of_killed_writes_are_removed_on_load(engine, tmp_path):
     assert not left.exists() and (tmp_path / "t" / "main" / "000001.safetensors").exists()
 
 
+def test_cleanup_removes_only_temp_files_never_a_folder_named_like_one(engine, tmp_path):
+    """A folder (a branch of an older build, which took a leading dot) named like a temp file is no
+    temp file of ours: loading the conversation leaves it and still works (listing, preload)."""
+    manager = manager_for(engine, tmp_path)
+    take_turn(engine, manager, "t", random_prompt(4, 1), max_tokens=2)
+    folder = tmp_path / "t" / ".x.tmp-0123456789ab-01234567"
+    (folder / "inner").mkdir(parents=True)
+    restarted = manager_for(engine, tmp_path)
+    assert [s["turn"] for s in restarted.snapshots("t")] == [1] and restarted.preload(1) == 1
+    assert (folder / "inner").is_dir()
+
+
 def test_a_state_pushed_out_of_memory_by_pressure_is_written_first(engine, tmp_path):
     manager = manager_for(engine, tmp_path, SnapshotPolicy(SnapshotTrigger.EVERY_N_TURNS, every_n_turns=2), warm_entries=1)
     take_turn(engine, manager, "p1", random_prompt(4, 1), max_tokens=2)  # turn 1: no snapshot by the policy

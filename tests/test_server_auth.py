@@ -60,6 +60,27 @@ def test_admin_key(server):
     assert httpx.get(server.url + "/health", headers=bearer(ADMIN)).status_code == 200
 
 
+def test_server_paths_go_to_the_admin_only(server, tmp_path_factory):
+    """The model's and snapshot folder's paths are the admin's (a snapshot's, below the folder)."""
+    base = str(tmp_path_factory.getbasetemp())  # the model and the snapshot folder are under it
+    model_path = str(server.app.state.serving.engine.engine.model_path)
+    routes = ("/v1/models", "/get_model_info", "/get_server_info")
+    user, admin = ({route: httpx.get(server.url + route, headers=bearer(key)) for route in routes} for key in (USER, ADMIN))
+    assert all(r.status_code == 200 and base not in r.text for r in user.values())
+    assert user["/v1/models"].json()["data"][0]["root"] == MODEL and user["/get_model_info"].json()["model_path"] == MODEL
+    assert admin["/v1/models"].json()["data"][0]["root"] == model_path
+    assert admin["/get_model_info"].json()["model_path"] == model_path
+    assert admin["/get_server_info"].json()["engine_args"]["model_path"] == model_path
+
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "conversation_id": "paths"}
+    assert httpx.post(server.url + "/v1/chat/completions", headers=bearer(USER), json=body, timeout=60).status_code == 200
+    for route in ("/list_snapshots", "/get_snapshot_info"):
+        r = httpx.post(server.url + route, headers=bearer(ADMIN), json={"conversation_id": "paths"})
+        assert r.status_code == 200 and base not in r.text
+        entries = r.json()["snapshots"] if route == "/list_snapshots" else [r.json()]
+        assert [e["manifest"]["path"] for e in entries] == ["paths/main/000001.safetensors"]
+
+
 def test_openai_client(server):
     good = openai.OpenAI(base_url=server.url + "/v1", api_key=USER, max_retries=0)
     assert good.completions.create(model=MODEL, prompt="a", max_tokens=2).usage.completion_tokens >= 1
@@ -81,3 +102,5 @@ def test_key_policy(api_key, admin_api_key, user_route, admin_route):
     config = AuthConfig(api_key, admin_api_key, frozenset({"/flush_cache"}))
     assert config.allowed_keys("/generate") == user_route
     assert config.allowed_keys("/flush_cache") == admin_route
+    for token in (None, "u", "a"):  # an admin is who opens the admin routes (everyone, without keys)
+        assert config.is_admin(token) == (not admin_route or token in admin_route)

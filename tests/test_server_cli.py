@@ -92,3 +92,17 @@ def test_serve_stops_cleanly_on_sigint(served):
     _, proc = served
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=60) == 0
+
+
+@pytest.mark.parametrize("content", ["{not json", '{"quarantined": [{"ref": 1}]}'])
+def test_an_unreadable_quarantine_list_stops_the_start_with_one_line(tmp_path_factory, tmp_path, content):
+    """Not a traceback: one line naming the file and what to do, exit status 2."""
+    cache = tmp_path_factory.getbasetemp() / "engram-cache"
+    (tmp_path / "quarantine.json").write_text(content)
+    cmd = [sys.executable, "-m", "engram", "serve", "--model-path", str(ensure_embedded_model(cache)), "--port", str(free_port()),
+           "--snapshot-dir", str(tmp_path), "--max-total-tokens", "4096", "--context-length", "512", "--log-level", "warning"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert "Traceback" not in done.stderr and len(lines) == 1, done.stderr
+    assert str(tmp_path / "quarantine.json") in lines[0] and "move it aside" in lines[0]

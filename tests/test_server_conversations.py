@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 import threading
 import time
 
@@ -85,6 +86,65 @@ def test_three_turns_across_a_restart_equal_one_request_over_the_history(kind, c
         restored = r.json()
         assert restored["success"] and restored["output_ids"] == full["output_ids"]
         assert restored["meta_info"]["cached_tokens"] == len(history) - 1
+
+
+def test_the_turn_after_a_reply_ended_by_a_stop_token_continues_exactly(checkpoint_dir, tmp_path):
+    """The reply's text leaves the stop token out, its history keeps it: the next turn equals one
+    request over the whole history, and the reply text is what the history's tokens say."""
+    with serving(checkpoint_dir("nemotron"), tmp_path) as (_, http):
+        probe = chat(http, "probe", USER_TURNS[0], ignore_eos=True)
+        reply = snapshot_info(http, "probe", 1)["fill_ids"][-probe["usage"]["completion_tokens"]:]
+        stop = next(t for k, t in enumerate(reply) if k >= 2 and t not in reply[:k] and chr(t).isascii() and chr(t).isalnum())
+        first = chat(http, "conv", USER_TURNS[0], ignore_eos=True, stop_token_ids=[stop])
+        assert first["choices"][0]["stop_reason"] == stop
+        history = snapshot_info(http, "conv", 1)["fill_ids"]
+        assert history[-1] == stop and chr(stop) not in first["choices"][0]["message"]["content"]
+        second = chat(http, "conv", USER_TURNS[1])
+        fill = snapshot_info(http, "conv", 2)["fill_ids"]
+        prompt = fill[: len(fill) - second["usage"]["completion_tokens"]]
+        assert prompt[: len(history)] == history
+        full = http.post("/generate", json={"input_ids": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 10}}).json()
+        assert full["output_ids"] == fill[len(prompt):] and full["text"] == second["choices"][0]["message"]["content"]
+
+
+def test_links_in_the_snapshot_folder_are_never_followed(checkpoint_dir, tmp_path, caplog):
+    """A conversation folder, snapshot file or record that is a symbolic link (to files outside the
+    folder) is refused with a 409 that says so, and logged: nothing outside is read, written or
+    deleted, through any route, for a conversation loaded before or after the link was made."""
+    path, root, outside = checkpoint_dir("nemotron"), tmp_path / "snapshots", tmp_path / "outside"
+    outside.mkdir()
+
+    def link(inside: str, target: str) -> None:
+        shutil.move(root / inside, outside / target)
+        (root / inside).symlink_to(outside / target)
+
+    with serving(path, root) as (_, http):
+        for cid in ("folder", "snapshot", "record"):
+            chat(http, cid, "hi")
+    link("folder", "folder")
+    link("snapshot/main/000001.safetensors", "snapshot.safetensors")
+    link("record/conversation.json", "record.json")
+    with serving(path, root) as (_, http):
+        chat(http, "loaded", "hi")
+        link("loaded", "loaded")  # its record is in memory already
+        untouched = {p: p.read_bytes() if p.is_file() else None for p in outside.rglob("*")}
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], **GREEDY}
+        for cid in ("folder", "snapshot", "record", "loaded"):
+            answers = [http.post("/v1/chat/completions", json={**body, "conversation_id": cid}),
+                       http.post("/get_snapshot_info", json={"conversation_id": cid}),
+                       http.post("/delete_snapshot", json={"conversation_id": cid}),
+                       http.delete(f"/v1/conversations/{cid}")]
+            if cid != "loaded":  # its record and state are in memory: these read no file
+                answers += [http.get(f"/v1/conversations/{cid}"), http.post("/restore_snapshot", json={"conversation_id": cid})]
+            for r in answers:
+                assert r.status_code == 409, (cid, r.request.url, r.text)
+                assert r.json()["error"]["code"] == "snapshot_link_refused" and "symbolic link" in r.text
+                assert str(tmp_path) not in r.text
+        listed = http.post("/list_snapshots", json={})
+        assert listed.status_code == 200 and listed.json()["snapshots"] == []
+    assert {p: p.read_bytes() if p.is_file() else None for p in outside.rglob("*")} == untouched
+    assert all((root / p).is_symlink() for p in ("folder", "snapshot/main/000001.safetensors", "record/conversation.json", "loaded"))
+    assert "symbolic link under the snapshot folder is never followed" in caplog.text
 
 
 def test_snapshot_routes_and_client(checkpoint_dir, tmp_path):
@@ -179,6 +239,10 @@ def test_honest_status_codes(checkpoint_dir, tmp_path):
         assert code == 404 and "from_turn" in body["error"]["message"]
         assert post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                                              "conversation_id": "h", "branch": ""})[0] == 422
+        for where in ({"conversation_id": "h", "branch": ".x.tmp-0123456789ab-01234567", "from_turn": 1},
+                      {"conversation_id": ".h"}):  # a leading dot is the folder's own (temp files)
+            code, body = post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], **where})
+            assert code == 422 and "not beginning with '.'" in body["error"]["message"]
         # A selector never falls back to another branch than the one it names.
         code, body = post("/delete_snapshot", {"conversation_id": "h", "branch_name": "typo", "turn_number": 1})
         assert code == 404 and "no branch 'typo'" in body["error"]["message"]

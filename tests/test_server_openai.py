@@ -112,6 +112,45 @@ def test_stop_string_and_seed(client):
     assert sampled[0] == sampled[1]
 
 
+def test_stop_token_and_eos_text_are_left_out_unless_include_stop_str_in_output(client, server, tokenizer):
+    """As vLLM: the text of the stop token (or EOS, whatever skip_special_tokens says) that ended a
+    reply is left out, and kept with include_stop_str_in_output, as is a stop string; the token
+    ids are the same either way."""
+    kw = {"model": MODEL, "prompt": "The cat", "temperature": 0}
+    eos_free = {"ignore_eos": True}
+    ids = httpx.post(server.url + "/generate", json={"text": "The cat", "sampling_params": {"max_new_tokens": 24, "temperature": 0,
+                                                                                            **eos_free}}).json()["output_ids"]
+    i = next(i for i in range(2, len(ids)) if ids[i] not in ids[:i] and chr(ids[i]).isascii() and chr(ids[i]).isalnum())  # a letter, first here
+    before, through = (client.completions.create(**kw, max_tokens=n, extra_body=eos_free).choices[0].text for n in (i, i + 1))
+    assert through != before
+    by_token = {**eos_free, "stop_token_ids": [ids[i]]}
+    left_out = client.completions.create(**kw, max_tokens=24, extra_body=by_token).choices[0]
+    assert left_out.text == before and left_out.model_extra["stop_reason"] == ids[i] and left_out.finish_reason == "stop"
+    kept = client.completions.create(**kw, max_tokens=24, extra_body={**by_token, "include_stop_str_in_output": True}).choices[0]
+    assert kept.text == through and kept.model_extra["stop_reason"] == ids[i]
+    streamed = client.completions.create(**kw, max_tokens=24, extra_body=by_token, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == before
+
+    full = client.completions.create(**kw, max_tokens=24, extra_body=eos_free).choices[0].text
+    stop = full[8:10]
+    for stream in (False, True):
+        made = client.completions.create(**kw, max_tokens=24, stop=[stop], stream=stream,
+                                         extra_body={**eos_free, "include_stop_str_in_output": True})
+        text = "".join(c.choices[0].text for c in made) if stream else made.choices[0].text
+        assert text == full[: full.index(stop) + len(stop)]
+
+    eos = {str(tokenizer.eos_token_id): 100}
+    for fields, text in (({"skip_special_tokens": False}, ""), ({"skip_special_tokens": False, "include_stop_str_in_output": True},
+                                                                 tokenizer.eos_token)):
+        forced = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3, logit_bias=eos, extra_body=fields)
+        assert forced.choices[0].message.content == text and forced.choices[0].finish_reason == "stop"
+    native = {"text": "The cat", "sampling_params": {"max_new_tokens": 24, "temperature": 0, "stop_token_ids": [ids[i]], **eos_free}}
+    assert httpx.post(server.url + "/generate", json=native).json()["text"] == before
+    native["sampling_params"]["no_stop_trim"] = True  # SGLang's name for it
+    out = httpx.post(server.url + "/generate", json=native).json()
+    assert out["text"] == through and out["output_ids"] == ids[: i + 1]
+
+
 def test_completions(client):
     r = client.completions.create(model=MODEL, prompt="abc", max_tokens=8, temperature=0, logprobs=2,
                                   extra_body={"ignore_eos": True})

@@ -258,7 +258,8 @@ def test_save_refuses_an_incomplete_or_invalid_state(tmp_path):
 
 # -- ids ----------------------------------------------------------------------------------------
 
-BAD_IDS = ["../x", "", "a" * 129, "a/b", ".", "..", "a b", "é", "a\0b", "x\n", None, 7, "quarantine.json", "conversation.json"]
+BAD_IDS = ["../x", "", "a" * 129, "a/b", ".", "..", "a b", "é", "a\0b", "x\n", None, 7, "quarantine.json", "conversation.json",
+           ".x.tmp-0123456789ab-01234567", ".hidden"]  # a leading dot: the namespace of the folder's own temp files
 
 
 @pytest.mark.parametrize("bad", BAD_IDS)
@@ -280,7 +281,7 @@ def test_bad_turns_are_refused(tmp_path, turn):
         snapshot_path(tmp_path, "c", "main", turn)
 
 
-@pytest.mark.parametrize("parent", ["main", "main/2", "../000001", "./000001", "a/b/000001", "main/٠٠٠٠٠١"])
+@pytest.mark.parametrize("parent", ["main", "main/2", "../000001", "./000001", "a/b/000001", "main/٠٠٠٠٠١", ".b/000001"])
 def test_bad_parents_are_refused(parent):
     with pytest.raises(InvalidIdError, match="parent"):
         SnapshotMeta(conversation_id="c", turn=2, parent=parent)

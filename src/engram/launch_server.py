@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import sys
 from typing import TYPE_CHECKING
 
 from engram.args import EngineArgs, ServerArgs, add_dataclass_args, from_namespace
@@ -33,12 +34,18 @@ def build_app(engine_args: EngineArgs, server_args: ServerArgs) -> FastAPI:
 
 
 def serve(engine_args: EngineArgs, server_args: ServerArgs) -> None:
+    """Exits with status 2 and one line, not a traceback, when the snapshot folder's state stops the start."""
     import uvicorn
 
     from engram.server.startup import banner
+    from engram.state.health import QuarantineListError
 
     logging.basicConfig(level=server_args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = build_app(engine_args, server_args)
+    try:
+        app = build_app(engine_args, server_args)
+    except QuarantineListError as e:
+        print(f"engram serve: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     logging.getLogger("engram.server").info(banner(app.state.serving, server_args, f"http://{server_args.host}:{server_args.port}"))
     uvicorn.run(app, host=server_args.host, port=server_args.port, log_level=server_args.log_level)
 

@@ -34,19 +34,22 @@ def detokenize_step(tokenizer, seq: Sequence) -> None:
 
 def find_stop_string(seq: Sequence, new_chars: int) -> str | None:
     """If a stop string appears in the text (looking only where new text could complete one),
-    truncate the text before it and return it."""
+    truncate the text before it (after it, with include_stop_str_in_output) and return it."""
     for stop in seq.params.stop:
         search_from = max(0, len(seq.text) - new_chars - len(stop) + 1)
         idx = seq.text.find(stop, search_from)
         if idx != -1:
-            seq.text = seq.text[:idx]
+            seq.text = seq.text[: idx + len(stop) if seq.params.include_stop_str_in_output else idx]
             return stop
     return None
 
 
 def stop_prefix_len(seq: Sequence) -> int:
     """Characters at the end of the text not yet emitted that could begin a stop string: a stream
-    holds them back until the next tokens show whether the stop string follows."""
+    holds them back until the next tokens show whether the stop string follows (none when the
+    stop string is kept in the output)."""
+    if seq.params.include_stop_str_in_output:
+        return 0
     pending = len(seq.text) - seq.emitted_chars
     held = 0
     for stop in seq.params.stop:

@@ -343,10 +343,10 @@ class LLMEngine:
         if not seq.internal:
             self._counters["generation"] += 1
         chars_before = len(seq.text)
-        detokenize_step(self.tokenizer, seq)
-        if not p.ignore_eos and token in self.eos_token_ids:
-            self._finish(seq, FinishReason.STOP, token)
-        elif token in p.stop_token_ids:
+        stop_token = (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids
+        if not stop_token or p.include_stop_str_in_output:  # a stop token's text is left out, as in vLLM
+            detokenize_step(self.tokenizer, seq)
+        if stop_token:
             self._finish(seq, FinishReason.STOP, token)
         elif (stop := find_stop_string(seq, len(seq.text) - chars_before)) is not None:
             self._finish(seq, FinishReason.STOP, stop)

@@ -32,6 +32,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs to return per token (0: only the sampled one)
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False  # keep the text of the stop string, stop token or EOS that ended it
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
 
     def __post_init__(self) -> None:
@@ -100,7 +101,7 @@ class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
     token_ids: list[int]  # every generated token so far
-    text: str  # detokenized output so far (stop string removed once finished by it)
+    text: str  # detokenized output so far (without the stop string, stop token or EOS that ended it, unless asked)
     new_token_ids: list[int]  # generated since the previous output of this request
     new_text: str
     finished: bool = False

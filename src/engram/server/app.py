@@ -15,6 +15,7 @@ from engram.args import ServerArgs
 from engram.engine.async_engine import AsyncEngine
 from engram.server import native_routes, openai_routes, snapshot_routes, startup
 from engram.server.auth import AuthConfig, AuthMiddleware
+from engram.server.body_limit import BodyLimitMiddleware
 from engram.server.conversations import ConversationTurns, build_manager, run_maintenance
 from engram.server.errors import install_error_handlers
 from engram.server.serving import Serving
@@ -46,5 +47,6 @@ def create_app(engine: AsyncEngine, args: ServerArgs) -> FastAPI:
     for router in (openai_routes.router, native_routes.router, snapshot_routes.router, *admin_routers):
         app.include_router(router)
     admin_paths = frozenset(route.path for r in admin_routers for route in r.routes)
-    app.add_middleware(AuthMiddleware, config=AuthConfig(args.api_key, args.admin_api_key, admin_paths))
+    app.add_middleware(BodyLimitMiddleware, max_bytes=args.max_request_bytes)
+    app.add_middleware(AuthMiddleware, config=AuthConfig(args.api_key, args.admin_api_key, admin_paths))  # outermost: first
     return app

@@ -2,7 +2,8 @@
 
 `--api-key` guards every route but the probes (the admin key is accepted too), which stay open as
 in SGLang so that load balancers and Prometheus need no key. `--admin-api-key` guards the admin
-routes; without it they take the API key.
+routes; without it they take the API key. Whoever opens the admin routes is an admin (everyone,
+when no key is set): the caller's role is `request.state.is_admin`, for routes that show admins more.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass
 
+from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engram.server.errors import APIError, error_response
@@ -31,6 +33,19 @@ class AuthConfig:
             return [self.admin_api_key]
         return [k for k in (self.api_key, self.admin_api_key if self.api_key else None) if k]
 
+    def is_admin(self, token: str | None) -> bool:
+        """Whether `token` opens the admin routes."""
+        keys = [k for k in (self.admin_api_key or self.api_key,) if k]
+        return not keys or _matches(token, keys)
+
+
+def _matches(token: str | None, keys: list[str]) -> bool:
+    return token is not None and any(secrets.compare_digest(token.encode(), k.encode()) for k in keys)
+
+
+def caller_is_admin(request: Request) -> bool:
+    return request.state.is_admin
+
 
 def _bearer(scope: Scope) -> str | None:
     for name, value in scope.get("headers", ()):
@@ -49,10 +64,11 @@ class AuthMiddleware:
         if scope["type"] == "http":
             keys = self.config.allowed_keys(scope["path"])
             token = _bearer(scope)
-            if keys and not (token and any(secrets.compare_digest(token.encode(), k.encode()) for k in keys)):
+            if keys and not _matches(token, keys):
                 message = "missing API key" if token is None else "invalid API key"
                 response = error_response(APIError(401, f"{message}: send `Authorization: Bearer <key>`", code="invalid_api_key"))
                 response.headers["WWW-Authenticate"] = "Bearer"
                 await response(scope, receive, send)
                 return
+            scope.setdefault("state", {})["is_admin"] = self.config.is_admin(token)
         await self.app(scope, receive, send)

@@ -22,6 +22,7 @@ from engram.state.snapshot import (
     SnapshotCorruptError,
     SnapshotError,
     SnapshotIncompatibleError,
+    SnapshotLinkError,
     SnapshotNotFoundError,
     reason_without_paths,
 )
@@ -59,6 +60,7 @@ _STATUS_OF = (
     (ConversationConflictError, 409, "conversation_conflict"),
     (SnapshotIncompatibleError, 409, "snapshot_incompatible"),
     (SnapshotCorruptError, 409, "snapshot_corrupt"),
+    (SnapshotLinkError, 409, "snapshot_link_refused"),
     (SnapshotError, 409, "snapshot_unavailable"),
 )
 

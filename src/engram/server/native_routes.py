@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from engram.engine.request import FinishReason, RequestOutput, SamplingParams, TokenLogprob
+from engram.server.auth import caller_is_admin
 from engram.server.errors import APIError
 from engram.server.protocol import AbortRequest, GenerateRequest, GenerateResponse, MetaInfo
 from engram.server.serving import collect, get_serving
@@ -25,13 +26,15 @@ router = APIRouter()
 admin_router = APIRouter()  # guarded by --admin-api-key
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0
+SECRET_ARGS = ("api_key", "admin_api_key")
+PATH_ARGS = ("model_path", "snapshot_dir")  # shown to admins only
 
 
 @router.post("/generate", response_model=None)
 @cancel_on_disconnect
 async def generate(request: GenerateRequest, raw_request: Request):
     s = get_serving(raw_request)
-    prompt_ids = s.encode_prompt(request.text if request.text is not None else request.input_ids)
+    prompt_ids = await s.encode_prompt(request.text if request.text is not None else request.input_ids)
     params = s.sampling_params(request.sampling_fields())
     rid = request.rid or uuid.uuid4().hex
     start = time.perf_counter()
@@ -107,9 +110,10 @@ async def health_generate(raw_request: Request) -> Response:
 async def get_model_info(raw_request: Request) -> dict[str, Any]:
     s = get_serving(raw_request)
     core = s.engine.engine
+    path = str(core.model_path) if caller_is_admin(raw_request) else s.model_name  # server paths go to admins only
     return {
-        "model_path": str(core.model_path),
-        "tokenizer_path": str(core.model_path) if s.tokenizer is not None else None,
+        "model_path": path,
+        "tokenizer_path": path if s.tokenizer is not None else None,
         "served_model_name": s.model_name,
         "is_generation": True,
         "architecture": core.spec.architecture,
@@ -134,11 +138,16 @@ async def version() -> dict[str, str]:
 
 @router.get("/get_server_info")
 async def get_server_info(raw_request: Request) -> dict[str, Any]:
-    """The version and the arguments the server and engine run with (API keys redacted)."""
-    server_args = dataclasses.asdict(raw_request.app.state.server_args)
-    for key in ("api_key", "admin_api_key"):
-        server_args[key] = "<redacted>" if server_args[key] else None
-    return {"version": _version(), "server_args": server_args, "engine_args": dataclasses.asdict(get_serving(raw_request).engine.engine.args)}
+    """The version and the arguments the server and engine run with (API keys redacted, and server
+    paths for all but admins)."""
+    hidden = SECRET_ARGS if caller_is_admin(raw_request) else SECRET_ARGS + PATH_ARGS
+    server_args = _redacted(dataclasses.asdict(raw_request.app.state.server_args), hidden)
+    engine_args = _redacted(dataclasses.asdict(get_serving(raw_request).engine.engine.args), hidden)
+    return {"version": _version(), "server_args": server_args, "engine_args": engine_args}
+
+
+def _redacted(args: dict[str, Any], hidden: tuple[str, ...]) -> dict[str, Any]:
+    return {key: "<redacted>" if key in hidden and value else value for key, value in args.items()}
 
 
 @admin_router.post("/abort_request")

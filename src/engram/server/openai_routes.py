@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -12,6 +13,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from engram.engine.request import RequestOutput, SamplingParams, TokenLogprob
+from engram.server.auth import caller_is_admin
 from engram.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -36,7 +38,13 @@ from engram.server.protocol import (
     TopLogprob,
     Usage,
 )
-from engram.server.serving import Serving, collect_choices, get_serving, interleave
+from engram.server.serving import (
+    Serving,
+    collect_choices,
+    get_serving,
+    interleave,
+    message_chars,
+)
 from engram.server.streaming import cancel_on_disconnect, sse, sse_response
 
 router = APIRouter()
@@ -46,7 +54,8 @@ router = APIRouter()
 async def list_models(raw_request: Request) -> ModelList:
     s = get_serving(raw_request)
     core = s.engine.engine
-    card = ModelCard(id=s.model_name, created=s.created, root=str(core.model_path), max_model_len=core.max_context_length)
+    root = str(core.model_path) if caller_is_admin(raw_request) else s.model_name  # server paths go to admins only
+    card = ModelCard(id=s.model_name, created=s.created, root=root, max_model_len=core.max_context_length)
     return ModelList(data=[card])
 
 
@@ -56,9 +65,9 @@ async def tokenize(request: TokenizeRequest, raw_request: Request) -> TokenizeRe
     if request.model is not None:
         s.check_model(request.model)
     if request.messages is not None:
-        tokens = s.encode_chat([m.template_dict() for m in request.messages], request.template_options())
+        tokens = await s.encode_chat([m.template_dict() for m in request.messages], request.template_options())
     else:
-        tokens = s.encode_prompt(request.prompt, request.add_special_tokens)
+        tokens = await s.encode_prompt(request.prompt, request.add_special_tokens)
     return TokenizeResponse(count=len(tokens), max_model_len=s.engine.engine.max_context_length, tokens=tokens)
 
 
@@ -67,7 +76,7 @@ async def detokenize(request: DetokenizeRequest, raw_request: Request) -> Detoke
     s = get_serving(raw_request)
     if request.model is not None:
         s.check_model(request.model)
-    return DetokenizeResponse(prompt=s.decode(request.tokens))
+    return DetokenizeResponse(prompt=await s.decode(request.tokens))
 
 
 @router.post("/v1/chat/completions", response_model=None)
@@ -80,7 +89,7 @@ async def chat_completions(request: ChatCompletionRequest, raw_request: Request)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     if request.conversation_id is None:
         where = ConversationFields()
-        streams = await s.generate_choices(rid, s.encode_chat(messages, request.template_options()), params, request.n)
+        streams = await s.generate_choices(rid, await s.encode_chat(messages, request.template_options()), params, request.n)
     else:  # one choice (the protocol refuses n > 1 there)
         where, outputs = await _conversation_turn(s, request, rid, messages, params)
         streams = [outputs]
@@ -105,10 +114,12 @@ async def _conversation_turn(
 ) -> tuple[ConversationFields, AsyncIterator[RequestOutput]]:
     """Start the next turn of a server-side conversation: restore its state, feed only the new tokens."""
     turns = s.conversations
+    s.check_prompt_chars(message_chars(messages), "messages")
     timer = s.metrics.timer(request.conversation_id)  # from arrival: the turn's planning and its prompt count
     plan = await turns.begin(request.conversation_id, request.branch, request.from_turn)
     try:
-        outputs = await s.generate(rid, turns.prompt(plan, messages), params, timer, **turns.engine_kwargs(plan))
+        prompt = await asyncio.to_thread(turns.prompt, plan, messages)  # the template and tokenizer, off the event loop
+        outputs = await s.generate(rid, prompt, params, timer, **turns.engine_kwargs(plan))
     except BaseException:
         turns.manager.release(plan.conversation_id)
         raise
@@ -142,7 +153,7 @@ async def _chat_events(
 async def completions(request: CompletionRequest, raw_request: Request):
     s = get_serving(raw_request)
     s.check_model(request.model)
-    prompt_ids = s.encode_prompt(request.prompt)
+    prompt_ids = await s.encode_prompt(request.prompt)
     params = s.sampling_params(request.sampling_fields())
     rid = f"cmpl-{uuid.uuid4().hex}"
     streams = await s.generate_choices(rid, prompt_ids, params, request.n)

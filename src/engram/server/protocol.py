@@ -65,6 +65,7 @@ class _OpenAIRequest(_Request):
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
     # constrained decoding (GUIDED_FIELDS)
     guided_json: Any = None
     guided_regex: Any = None
@@ -76,12 +77,10 @@ class _OpenAIRequest(_Request):
     json_schema: Any = None
     # vLLM's features this server lacks, refused unless they ask for nothing (field: its no-op value)
     min_tokens: Any = None
-    include_stop_str_in_output: Any = None
     prompt_logprobs: Any = None
     use_beam_search: Any = None
     best_of: Any = None
-    _UNSUPPORTED: ClassVar[dict[str, Any]] = {"min_tokens": 0, "include_stop_str_in_output": False, "prompt_logprobs": None,
-                                              "use_beam_search": False}
+    _UNSUPPORTED: ClassVar[dict[str, Any]] = {"min_tokens": 0, "prompt_logprobs": None, "use_beam_search": False}
 
     @model_validator(mode="after")
     def _no_unsupported_features(self) -> _OpenAIRequest:
@@ -101,7 +100,7 @@ class _OpenAIRequest(_Request):
 
     def _common_fields(self) -> dict[str, Any]:
         names = ("temperature", "top_p", "stop", "seed", "frequency_penalty", "presence_penalty", "logit_bias", "top_k",
-                 "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens")
+                 "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens", "include_stop_str_in_output")
         return {name: getattr(self, name) for name in names}
 
 
@@ -401,6 +400,7 @@ class NativeSamplingParams(_Request):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
+    no_stop_trim: bool | None = None  # SGLang's include_stop_str_in_output
     sampling_seed: int | None = None
     logit_bias: LogitBias | None = None
     n: SingleChoice = 1
@@ -433,11 +433,12 @@ class GenerateRequest(_Request):
         return self
 
     def sampling_fields(self) -> dict[str, Any]:
-        fields = self.sampling_params.model_dump(exclude={"max_new_tokens", "sampling_seed", "n"})
+        fields = self.sampling_params.model_dump(exclude={"max_new_tokens", "sampling_seed", "no_stop_trim", "n"})
         return {
             **fields,
             "max_tokens": self.sampling_params.max_new_tokens,
             "seed": self.sampling_params.sampling_seed,
+            "include_stop_str_in_output": self.sampling_params.no_stop_trim,
             "logprobs": self.top_logprobs_num if self.return_logprob else None,
         }
 

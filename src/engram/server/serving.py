@@ -46,6 +46,7 @@ class Serving:
         self.model_name = model_name
         self.metrics = Metrics(engine, conversations.manager, model_name)
         self.tokenizer = engine.engine.tokenizer
+        self.max_prompt_chars = engine.engine.max_context_length * _longest_token(self.tokenizer)
         self.conversations = conversations
         self.staged_states: OrderedDict[str, Any] = OrderedDict()  # rid -> state from /restore_snapshot
         self.created = int(time.time())
@@ -70,23 +71,32 @@ class Serving:
             raise APIError(400, "the model has no tokenizer: send token ids instead of text")
         return self.tokenizer
 
-    def encode_chat(self, messages: list[dict[str, str]], template_options: dict[str, Any]) -> list[int]:
-        """The messages through the chat template; `template_options` (add_generation_prompt,
-        continue_final_message, the template's own variables) go to the template."""
+    def check_prompt_chars(self, chars: int, param: str) -> None:
+        """Refuse, before tokenizing it, a prompt of more characters than the context's tokens can
+        hold (each at most as long as the vocabulary's longest token)."""
+        if chars > self.max_prompt_chars:
+            raise APIError(400, f"{param}: {chars} characters, more than the {self.max_prompt_chars} that the context of "
+                                f"{self.engine.engine.max_context_length} tokens can hold", param=param)
+
+    async def encode_chat(self, messages: list[dict[str, str]], template_options: dict[str, Any]) -> list[int]:
+        """The messages through the chat template, off the event loop; `template_options`
+        (add_generation_prompt, continue_final_message, the template's own variables) go to the template."""
         tokenizer = self._require_tokenizer()
-        try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False, **template_options)
-        except (ValueError, TypeError, jinja2.TemplateError) as e:
-            raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
-        return encode(tokenizer, text, add_special_tokens=False)
+        self.check_prompt_chars(message_chars(messages), "messages")
+        return await asyncio.to_thread(_render_and_encode, tokenizer, messages, template_options)
 
-    def encode_prompt(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
-        return encode(self._require_tokenizer(), prompt, add_special_tokens) if isinstance(prompt, str) else prompt
+    async def encode_prompt(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+        """Text to token ids, off the event loop; token ids as they are."""
+        if not isinstance(prompt, str):
+            return prompt
+        tokenizer = self._require_tokenizer()
+        self.check_prompt_chars(len(prompt), "prompt")
+        return await asyncio.to_thread(encode, tokenizer, prompt, add_special_tokens)
 
-    def decode(self, token_ids: list[int]) -> str:
+    async def decode(self, token_ids: list[int]) -> str:
         with _bad_input_is_400():
             self.engine.engine.check_in_vocabulary("token ids", token_ids)
-        return self._require_tokenizer().decode(token_ids)
+        return await asyncio.to_thread(self._require_tokenizer().decode, token_ids)
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else ""
@@ -151,6 +161,24 @@ class Serving:
         with _bad_input_is_400():
             out, _ = await collect(outputs)
         return out.state
+
+
+def message_chars(messages: list[dict[str, str]]) -> int:
+    return sum(len(value) for message in messages for value in message.values())
+
+
+def _longest_token(tokenizer: Any) -> int:
+    """Characters of the vocabulary's longest entry: no token's text is longer (a byte-level
+    entry has a character per byte)."""
+    return max(map(len, tokenizer.get_vocab()), default=1) if tokenizer is not None else 1
+
+
+def _render_and_encode(tokenizer: Any, messages: list[dict[str, str]], template_options: dict[str, Any]) -> list[int]:
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, **template_options)
+    except (ValueError, TypeError, jinja2.TemplateError) as e:
+        raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
+    return encode(tokenizer, text, add_special_tokens=False)
 
 
 @contextlib.contextmanager

@@ -23,7 +23,7 @@ from engram.server.protocol import (
 from engram.server.serving import Serving, collect, get_serving
 from engram.server.streaming import cancel_on_disconnect, sse_response
 from engram.state.conversations import Conversation, ConversationManager, Turn
-from engram.state.snapshot import validate_id
+from engram.state.snapshot import snapshot_label, validate_id
 
 admin_router = APIRouter(tags=[SNAPSHOT_TAG])  # guarded by --admin-api-key
 router = APIRouter()
@@ -49,7 +49,7 @@ def _snapshot_entry(manifest: dict, tokens: list[int], quarantine: dict | None) 
         "state_len": manifest["state_len"],
         "token_count": manifest.get("token_count"),
         "created_at": manifest.get("created_at"),
-        "manifest": manifest,
+        "manifest": {**manifest, "path": snapshot_label(manifest["path"])},  # below the snapshot folder: no server path
         "fill_ids": tokens,
     }
 

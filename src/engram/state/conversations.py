@@ -29,14 +29,18 @@ from engram.state.snapshot import (
     RECORD_NAME,
     SnapshotCorruptError,
     SnapshotError,
+    SnapshotLinkError,
     SnapshotMeta,
     SnapshotNotFoundError,
     atomic_write,
+    check_no_links,
+    check_no_links_under,
     delete_snapshot,
     is_stale_temp_file,
     list_snapshots,
     load_snapshot,
     read_manifest,
+    read_no_follow,
     read_tokens,
     reason_without_paths,
     save_snapshot,
@@ -66,6 +70,10 @@ class ConversationConflictError(ConversationError):
 
 class ConversationRecordError(SnapshotCorruptError):
     """A conversation record that cannot be read (the conversation is unusable until it is fixed)."""
+
+
+# A conversation whose record cannot be read or whose folder holds a link: listings and startup pass it by.
+UNUSABLE_CONVERSATION = (ConversationRecordError, SnapshotLinkError)
 
 
 class SnapshotTrigger(str, Enum):
@@ -235,7 +243,7 @@ class ConversationManager:
     # ---- records -----------------------------------------------------------------------------
 
     def _record_path(self, conversation_id: str) -> Path:
-        return self.root / validate_id(conversation_id, "conversation_id") / RECORD_NAME
+        return check_no_links(self.root, self.root / validate_id(conversation_id, "conversation_id") / RECORD_NAME)
 
     def get(self, conversation_id: str) -> Conversation | None:
         """The conversation, loaded from disk on first access (startup indexes nothing)."""
@@ -243,6 +251,7 @@ class ConversationManager:
         with self._lock:
             conv = self._conversations.get(conversation_id)
             if conv is None and self.persistent and self._record_path(conversation_id).is_file():
+                check_no_links_under(self.root, self.root / conversation_id)  # before a file of it is read or removed
                 conv = self._read_record(conversation_id)
                 self._conversations[conversation_id] = conv
                 self._remove_orphans(conv)
@@ -251,7 +260,7 @@ class ConversationManager:
     def _read_record(self, conversation_id: str) -> Conversation:
         path = self._record_path(conversation_id)
         try:
-            conv = Conversation.from_json(json.loads(path.read_text()))
+            conv = Conversation.from_json(json.loads(read_no_follow(path)))
         except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
             raise ConversationRecordError(f"the record of conversation {conversation_id!r} is unreadable: {reason_without_paths(e)}") from e
         if conv.conversation_id != conversation_id:
@@ -287,7 +296,7 @@ class ConversationManager:
         with self._lock:
             ids = set(self._conversations)
             if self.persistent and self.root.is_dir():
-                ids |= {p.parent.name for p in self.root.glob(f"*/{RECORD_NAME}")}
+                ids |= {p.parent.name for p in self.root.glob(f"*/{RECORD_NAME}") if not (p.is_symlink() or p.parent.is_symlink())}
             return sorted(ids)
 
     # ---- turns --------------------------------------------------------------------------------
@@ -592,7 +601,7 @@ class ConversationManager:
         for cid in [conversation_id] if conversation_id is not None else self.list_ids():
             try:
                 conv = self.get(cid)
-            except ConversationRecordError as e:
+            except UNUSABLE_CONVERSATION as e:
                 log.warning("listing snapshots: %s", e)
                 continue
             for turn in sorted(conv.turns.values(), key=lambda t: (t.branch, t.turn)) if conv else ():
@@ -645,8 +654,11 @@ class ConversationManager:
                 self._persist(conv)
 
     def delete_conversation(self, conversation_id: str) -> None:
-        """Forget the conversation and delete its files (also when its record is unreadable)."""
+        """Forget the conversation and delete its files (also when its record is unreadable); a
+        link in its folder refuses it all, before anything is forgotten."""
         with self._lock:
+            if self.persistent:
+                check_no_links_under(self.root, self.root / validate_id(conversation_id, "conversation_id"))
             try:
                 conv = self.require(conversation_id)
             except ConversationRecordError:
@@ -711,7 +723,7 @@ class ConversationManager:
                     if cid not in self._busy and now - self._last_use(cid) > self.tiers.cold_retention:
                         try:
                             self.delete_conversation(cid)
-                        except ConversationRecordError as e:
+                        except UNUSABLE_CONVERSATION as e:
                             log.warning("not expiring conversation %r: %s", cid, e)
                             continue
                         self.stats.expired_conversations += 1
@@ -776,7 +788,7 @@ class ConversationManager:
         for record in records:
             try:
                 conv = self.get(record.parent.name)
-            except ConversationRecordError as e:
+            except UNUSABLE_CONVERSATION as e:
                 log.warning("preload skipped: %s", e)
                 continue
             for branch in conv.branches():

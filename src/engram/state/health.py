@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from engram.state.sequence_state import SequenceState
-from engram.state.snapshot import atomic_write
+from engram.state.snapshot import atomic_write, read_no_follow
 
 log = logging.getLogger(__name__)
 
@@ -237,6 +237,10 @@ class HealthMonitor:
             self._baselines.pop(conversation_id, None)
 
 
+class QuarantineListError(ValueError):
+    """The quarantine file cannot be read: the server does not start (it would un-quarantine silently)."""
+
+
 @dataclass
 class _Entry:
     conversation_id: str
@@ -261,12 +265,15 @@ class Quarantine:
         return self._entries
 
     def _read(self) -> list[_Entry]:
-        if self.path is None or not self.path.is_file():
+        if self.path is None or not (self.path.is_file() or self.path.is_symlink()):
             return []
         try:
-            return [_Entry(**e) for e in json.loads(self.path.read_text())["quarantined"]]
-        except (ValueError, KeyError, TypeError) as e:  # never start empty: that would un-quarantine silently
-            raise ValueError(f"{self.path}: unreadable quarantine list: {e!r}") from e
+            return [_Entry(**e) for e in json.loads(read_no_follow(self.path))["quarantined"]]
+        except (OSError, ValueError, KeyError, TypeError) as e:  # never start empty: that would un-quarantine silently
+            raise QuarantineListError(
+                f"{self.path}: unreadable quarantine list ({e!r}); move it aside, or delete it (which releases every "
+                "quarantined snapshot), and start again"
+            ) from e
 
     def _persist(self) -> None:
         if self.path is not None:

@@ -15,6 +15,7 @@ import logging
 import os
 import re
 import secrets
+import stat
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -32,8 +33,9 @@ from engram.state.sequence_state import SequenceState, StateDtypes, check_state
 
 FORMAT = "engram-state/1"
 MAX_TURN = 999_999  # turns are six digits in file names
-_ID_RE = re.compile(r"[A-Za-z0-9_.-]{1,128}")
-_PARENT_RE = re.compile(r"(?!\.\.?/)[A-Za-z0-9_.-]{1,128}/[0-9]{6}")
+# No leading dot: names that begin with one (temp files) are the folder's own.
+_ID_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}")
+_PARENT_RE = re.compile(_ID_RE.pattern + r"/[0-9]{6}")
 _SNAPSHOT_NAME_RE = re.compile(r"[0-9]{6}\.safetensors")
 # atomic_write's temp files are named .<name>.tmp-<writer>-<hex>, <writer> unique to this process
 # (a PID is not: a container's server is PID 1 after every restart).
@@ -63,6 +65,11 @@ class InvalidIdError(SnapshotError, ValueError):
     pass
 
 
+class SnapshotLinkError(SnapshotError, OSError):
+    """A symbolic link under the snapshot folder where a folder or file of its own is expected: it
+    is not ours, and is never followed nor deleted through (an OSError: the storage refused)."""
+
+
 # The snapshot folder's own records (a conversation's, in its folder; the quarantine list, at the
 # top), whose names no conversation or branch may take.
 RECORD_NAME = "conversation.json"
@@ -71,11 +78,12 @@ RESERVED_IDS = (RECORD_NAME, QUARANTINE_NAME)
 
 
 def validate_id(value: str, what: str) -> str:
-    """Return `value` if it is a safe path component: `[A-Za-z0-9_.-]{1,128}`, not '.' or '..', and
-    not a name of the folder's own records."""
-    if not isinstance(value, str) or not _ID_RE.fullmatch(value) or value in (".", "..", *RESERVED_IDS):
+    """Return `value` if it is a safe path component: `[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}` (no
+    leading dot, which rules out '.', '..' and temp file names) and not a name of the folder's own
+    records."""
+    if not isinstance(value, str) or not _ID_RE.fullmatch(value) or value in RESERVED_IDS:
         raise InvalidIdError(
-            f"invalid {what} {value!r:.80}: ids are 1-128 characters of A-Z a-z 0-9 _ . -, not '.' or '..' "
+            f"invalid {what} {value!r:.80}: ids are 1-128 characters of A-Z a-z 0-9 _ . -, not beginning with '.', "
             f"and not {' or '.join(RESERVED_IDS)}"
         )
     return value
@@ -119,12 +127,52 @@ def reason_without_paths(e: Exception) -> str:
 
 
 def snapshot_path(root: str | Path, conversation_id: str, branch: str, turn: int) -> Path:
-    return (
-        Path(root)
-        / validate_id(conversation_id, "conversation_id")
-        / validate_id(branch, "branch")
-        / f"{_validate_turn(turn):06d}.safetensors"
-    )
+    """The snapshot's path, after checking that none of it below `root` is a link (`check_no_links`)."""
+    path = Path(root) / validate_id(conversation_id, "conversation_id") / validate_id(branch, "branch") / f"{_validate_turn(turn):06d}.safetensors"
+    return check_no_links(Path(root), path)
+
+
+def check_no_links(root: Path, path: Path) -> Path:
+    """`path`, after checking (lstat) that none of its components below `root` is a symbolic link;
+    those that do not exist yet are fine. A link raises SnapshotLinkError (and is logged)."""
+    below = root
+    for part in path.relative_to(root).parts:
+        below = below / part
+        if not _exists_not_a_link(root, below):
+            break
+    return path
+
+
+def check_no_links_under(root: Path, folder: Path) -> None:
+    """`check_no_links` for `folder` and everything under it (links are listed, never entered)."""
+    check_no_links(root, folder)
+    for parent, folders, files in os.walk(folder):
+        for name in folders + files:
+            _exists_not_a_link(root, Path(parent) / name)
+
+
+def _exists_not_a_link(root: Path, path: Path) -> bool:
+    try:
+        mode = os.lstat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    if stat.S_ISLNK(mode):
+        log.warning("refusing %s: a symbolic link under the snapshot folder is never followed", path)
+        raise SnapshotLinkError(
+            f"{path.relative_to(root).as_posix()} in the snapshot folder is a symbolic link, which the server never "
+            "follows or deletes through; replace it with the folder or file itself"
+        )
+    return True
+
+
+def read_no_follow(path: Path) -> bytes:
+    """The file's bytes, refusing (ELOOP) to open it through a symbolic link."""
+    with open(path, "rb", opener=_no_follow) as f:
+        return f.read()
+
+
+def _no_follow(path: str, flags: int) -> int:
+    return os.open(path, flags | os.O_NOFOLLOW)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -205,9 +253,10 @@ def atomic_write(path: Path, data: bytes) -> None:
 
 
 def is_stale_temp_file(path: Path) -> bool:
-    """Whether `path` is the temp file of a write by an earlier process (killed before it finished)."""
+    """Whether `path` is the temp file of a write by an earlier process (killed before it finished):
+    a regular file (never a folder or a link) named as `atomic_write` names them."""
     match = _TEMP_NAME_RE.fullmatch(path.name)
-    return match is not None and match.group(1) != _WRITER
+    return match is not None and match.group(1) != _WRITER and stat.S_ISREG(os.lstat(path).st_mode)
 
 
 def save_snapshot(
@@ -255,7 +304,7 @@ def _read_header(path: Path, where: str) -> dict:
     """The parsed safetensors header, after checking the file holds all the tensor data it describes
     (`where`: the file as error messages name it)."""
     try:
-        with open(path, "rb") as f:
+        with open(path, "rb", opener=_no_follow) as f:
             size = os.fstat(f.fileno()).st_size
             raw = safetensors_header(f)
     except FileNotFoundError:
