@@ -1,0 +1,313 @@
+"""kill -9 a loaded server again and again; then check that nothing answered was lost.
+
+    python scripts/crash_test.py [--clients 8] [--turns 200] [--kills 10]
+
+Serves a tiny random checkpoint with `python -m engram serve --snapshot-durability sync`.
+`--clients` threads hold conversation turns (greedy, a few tokens; every other client streams),
+each client moving to a new conversation every few turns, while the server is killed with
+SIGKILL `--kills` times at random moments and restarted on the same snapshot folder. A turn is
+answered when its client got a 200 with a turn number or, streamed, the chunk with the finish
+reason ([DONE] after it or not). After the load the server is killed once more, idle, and
+restarted, and then:
+
+  (a) every answered turn is in GET /v1/conversations/{id}, with the reply its client got;
+  (c) every conversation continues exactly: the next turn keeps the history's token ids, resumes
+      from the stored state (cached tokens == state_len) and its reply equals /generate's over
+      the full token history plus the new prompt (greedy);
+  (b) every snapshot /list_snapshots lists restores (/restore_snapshot): none corrupt.
+
+Prints a summary; exits 1 on any answered turn lost, corrupt snapshot or inexact continuation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from checkpoints import write_checkpoint
+from test_crash_recovery import MODEL, free_port, start_server
+
+MAX_TOKENS = 8
+TURNS_PER_CONVERSATION = 6  # keeps every history far below the context length
+TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class Answer:
+    conversation_id: str
+    turn: int
+    text: str
+    streamed: bool
+    done: bool  # a stream's [DONE] came after the finish chunk (always True unstreamed)
+
+
+@dataclass
+class Tally:
+    """What the clients got, shared between their threads."""
+
+    answers: list[Answer] = field(default_factory=list)
+    unanswered: Counter[str] = field(default_factory=Counter)  # reason -> attempts
+    conversations: set[str] = field(default_factory=set)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, conversation_id: str, outcome: Answer | str) -> None:
+        with self.lock:
+            self.conversations.add(conversation_id)
+            if isinstance(outcome, Answer):
+                self.answers.append(outcome)
+            else:
+                self.unanswered[outcome] += 1
+
+    @property
+    def answered(self) -> int:
+        with self.lock:
+            return len(self.answers)
+
+
+@dataclass
+class Server:
+    """`python -m engram serve` on one port and snapshot folder, killed and restarted at will."""
+
+    model_path: str
+    snapshot_dir: Path
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self.proc = start_server(self.model_path, self.snapshot_dir, self.port)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+
+def _chat_body(conversation_id: str, text: str, stream: bool) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": text}], "conversation_id": conversation_id,
+            "temperature": 0, "max_tokens": MAX_TOKENS, "stream": stream}
+
+
+def chat_turn(http: httpx.Client, conversation_id: str, text: str) -> Answer | str:
+    """One non-streamed turn: its answer, or why there was none."""
+    r = http.post("/v1/chat/completions", json=_chat_body(conversation_id, text, False))
+    if r.status_code != 200:
+        return f"status {r.status_code}"
+    body = r.json()
+    return Answer(conversation_id, body["turn"], body["choices"][0]["message"]["content"], streamed=False, done=True)
+
+
+def streamed_turn(http: httpx.Client, conversation_id: str, text: str) -> Answer | str:
+    """One streamed turn: answered once the finish chunk came, [DONE] or not."""
+    parts: list[str] = []
+    finished: dict[str, Any] | None = None
+    with http.stream("POST", "/v1/chat/completions", json=_chat_body(conversation_id, text, True)) as r:
+        if r.status_code != 200:
+            return f"status {r.status_code}"
+        try:
+            for line in r.iter_lines():
+                if line == "data: [DONE]":
+                    return _stream_answer(conversation_id, finished, parts, done=True) or "stream: [DONE] without a finish chunk"
+                if line.startswith("data: "):
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        return "stream: error in band"
+                    parts += [c["delta"].get("content") or "" for c in chunk["choices"]]
+                    if any(c.get("finish_reason") for c in chunk["choices"]):
+                        finished = chunk
+        except httpx.HTTPError:
+            pass
+    return _stream_answer(conversation_id, finished, parts, done=False) or "stream: cut before the finish chunk"
+
+
+def _stream_answer(conversation_id: str, finished: dict[str, Any] | None, parts: list[str], done: bool) -> Answer | None:
+    return None if finished is None else Answer(conversation_id, finished["turn"], "".join(parts), streamed=True, done=done)
+
+
+def client(index: int, server: Server, tally: Tally, stop: threading.Event) -> None:
+    """Hold turns until told to stop; a new conversation every few turns or after a refusal."""
+    turn = streamed_turn if index % 2 == 1 else chat_turn
+    n_conversation, turns_here, attempt = 0, 0, 0
+    with httpx.Client(base_url=server.url, timeout=TIMEOUT_S) as http:
+        while not stop.is_set():
+            conversation_id = f"crash-{index}-{n_conversation}"
+            attempt += 1
+            try:
+                outcome = turn(http, conversation_id, f"client {index} message {attempt}")
+            except httpx.ConnectError:  # the server is down: nothing was sent
+                time.sleep(0.1)
+                continue
+            except httpx.HTTPError as e:
+                outcome = f"connection lost ({type(e).__name__})"
+            tally.add(conversation_id, outcome)
+            turns_here += 1
+            if turns_here >= TURNS_PER_CONVERSATION or (isinstance(outcome, str) and outcome.startswith("status")):
+                n_conversation, turns_here = n_conversation + 1, 0
+
+
+def run_load(server: Server, clients: int, turns: int, kills: int, rng: random.Random) -> Tally:
+    """Clients hold turns; the server is killed after each share of `turns` (a random moment
+    later) and restarted, `kills` times; the load stops once `turns` turns were answered."""
+    tally, stop = Tally(), threading.Event()
+    threads = [threading.Thread(target=client, args=(i, server, tally, stop), daemon=True) for i in range(clients)]
+    for t in threads:
+        t.start()
+    share, start = -(-turns // (kills + 1)), time.monotonic()
+    for k in range(kills):
+        _wait_for(lambda k=k: tally.answered >= (k + 1) * share)
+        time.sleep(rng.uniform(0.0, 1.0))
+        server.kill()
+        print(f"kill {k + 1} at {time.monotonic() - start:.0f} s: {tally.answered} turns answered so far", flush=True)
+        server.start()
+    _wait_for(lambda: tally.answered >= turns)
+    stop.set()
+    for t in threads:
+        t.join()
+    print(f"load done at {time.monotonic() - start:.0f} s", flush=True)
+    return tally
+
+
+def _wait_for(condition, timeout_s: float = 600.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError("the load made no progress")
+        time.sleep(0.05)
+
+
+def lost_answers(http: httpx.Client, answers: list[Answer]) -> dict[Answer, str]:
+    """The answered turns the server no longer has, or has with another reply (and which)."""
+    lost = {}
+    for conversation_id in sorted({a.conversation_id for a in answers}):
+        r = http.get(f"/v1/conversations/{conversation_id}")
+        main = r.json()["branches"].get("main", {}) if r.status_code == 200 else {}
+        replies = [m["content"] for m in main.get("messages", []) if m["role"] == "assistant"]
+        for a in (a for a in answers if a.conversation_id == conversation_id):
+            if len(replies) < a.turn:
+                lost[a] = f"missing: the conversation has {len(replies)} turns"
+            elif replies[a.turn - 1] != a.text:
+                lost[a] = f"another reply: {replies[a.turn - 1]!r}"
+    return lost
+
+
+def continues_exactly(http: httpx.Client, conversation_id: str) -> str | None:
+    """None if the conversation's next turn is exact, else what differed."""
+    before = http.post("/get_snapshot_info", json={"conversation_id": conversation_id})
+    if before.status_code != 200:
+        return f"latest snapshot: {before.status_code}"
+    r = http.post("/v1/chat/completions", json=_chat_body(conversation_id, "after the crashes", False))
+    if r.status_code != 200:
+        return f"next turn: {r.status_code} {r.text[:200]}"
+    reply, info = r.json(), http.post("/get_snapshot_info", json={"conversation_id": conversation_id}).json()
+    fill, history = info["fill_ids"], before.json()
+    prompt = fill[: len(fill) - reply["usage"]["completion_tokens"]]
+    if prompt[: len(history["fill_ids"])] != history["fill_ids"]:
+        return "the next turn's prompt does not start with the history's tokens"
+    if reply["usage"]["prompt_tokens_details"]["cached_tokens"] != history["state_len"]:
+        return "the next turn did not resume from the stored state"
+    full = http.post("/generate", json={"input_ids": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": MAX_TOKENS}}).json()
+    if full["output_ids"] != fill[len(prompt):] or full["text"] != reply["choices"][0]["message"]["content"]:
+        return "the reply differs from /generate over the full history"
+    return None
+
+
+def unloadable_snapshots(http: httpx.Client) -> tuple[int, list[str]]:
+    """(snapshots listed, those that did not restore or are quarantined, with why)."""
+    listed = http.post("/list_snapshots", json={}).json()["snapshots"]
+    bad = []
+    for snap in listed:
+        where = f"{snap['conversation_id']}/{snap['snapshot_id']}"
+        if snap["quarantined"]:
+            bad.append(f"{where}: quarantined ({snap['quarantine_reason']})")
+            continue
+        r = http.post("/restore_snapshot", json={"conversation_id": snap["conversation_id"], "turn_number": snap["turn_number"],
+                                                  "branch_name": snap["branch_name"]})
+        if r.status_code != 200:
+            bad.append(f"{where}: {r.status_code} {r.text[:200]}")
+    return len(listed), bad
+
+
+@dataclass
+class Results:
+    tally: Tally
+    kills: int
+    lost: dict[Answer, str]
+    inexact: dict[str, str]
+    snapshots: int
+    unloadable: list[str]
+
+    def failed(self) -> bool:
+        return bool(self.lost or self.inexact or self.unloadable)
+
+    def table(self) -> str:
+        rows = [("", "answered", "lost")]
+        for streamed, name in ((False, "non-streamed turns"), (True, "streamed turns")):
+            rows.append((name, sum(a.streamed == streamed for a in self.tally.answers), sum(a.streamed == streamed for a in self.lost)))
+        no_done = [a for a in self.tally.answers if not a.done]
+        rows.append(("  streamed, finish chunk but no [DONE]", len(no_done), sum(a in no_done for a in self.lost)))
+        lines = [f"{name:40} {answered:>8} {lost:>6}" for name, answered, lost in rows]
+        lines.append(f"kills -9 under load: {self.kills} (and one idle before the checks)")
+        lines.append("unanswered attempts: " + (", ".join(f"{why}: {n}" for why, n in self.tally.unanswered.most_common()) or "none"))
+        lines.append(f"snapshots listed: {self.snapshots}, not restorable: {len(self.unloadable)}")
+        conversations = len(self.tally.conversations)
+        lines.append(f"conversations continued: {conversations}, exactly: {conversations - len(self.inexact)}")
+        lines += [f"  LOST {a}: {why}" for a, why in self.lost.items()] + [f"  INEXACT {c}: {why}" for c, why in self.inexact.items()]
+        lines += [f"  NOT RESTORABLE {why}" for why in self.unloadable]
+        return "\n".join(lines)
+
+
+def check(server: Server, tally: Tally, kills: int) -> Results:
+    with httpx.Client(base_url=server.url, timeout=TIMEOUT_S) as http:
+        lost = lost_answers(http, tally.answers)
+        inexact = {c: why for c in sorted(tally.conversations) if (why := continues_exactly(http, c)) is not None}
+        snapshots, unloadable = unloadable_snapshots(http)
+    return Results(tally, kills, lost, inexact, snapshots, unloadable)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--turns", type=int, default=200, help="answered turns to reach before the checks")
+    parser.add_argument("--kills", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=0, help="seeds the kill moments")
+    parser.add_argument("--checkpoint", default="nemotron", help="kind of tiny random checkpoint (tests/checkpoints.py)")
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        server = Server(str(write_checkpoint(args.checkpoint, Path(tmp) / "model")), Path(tmp) / "snapshots")
+        server.start()
+        try:
+            tally = run_load(server, args.clients, args.turns, args.kills, random.Random(args.seed))
+            server.kill()
+            server.start()
+            results = check(server, tally, args.kills)
+        finally:
+            server.kill()
+    print(results.table())
+    return 1 if results.failed() else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
