@@ -97,12 +97,12 @@ class ConversationTurns:
     tokenizer: Any
     by_request: OrderedDict[str, tuple[str, str, int]] = field(default_factory=OrderedDict)  # rid -> (conversation, branch, turn)
 
-    async def begin(self, conversation_id: str, branch: str | None, from_turn: int | None) -> TurnPlan:
+    async def begin(self, conversation_id: str, branch: str | None, from_turn: int | None, tenant: str | None = None) -> TurnPlan:
         """Reserve the conversation and plan the turn, off the event loop (it may read a snapshot
         file). If the request is cancelled meanwhile (its client left), the thread still finishes
         and the conversation it reserved is released then."""
         work = asyncio.ensure_future(
-            asyncio.to_thread(self.manager.begin, conversation_id, branch if branch is not None else "main", from_turn)
+            asyncio.to_thread(self.manager.begin, conversation_id, branch if branch is not None else "main", from_turn, tenant)
         )
         try:
             return await asyncio.shield(work)

@@ -12,6 +12,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from engram.engine.request import RequestOutput, SamplingParams, TokenLogprob
+from engram.server.auth import caller_of
 from engram.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -82,7 +83,7 @@ async def chat_completions(request: ChatCompletionRequest, raw_request: Request)
         where = ConversationFields()
         streams = await s.generate_choices(rid, s.encode_chat(messages, request.template_options()), params, request.n)
     else:  # one choice (the protocol refuses n > 1 there)
-        where, outputs = await _conversation_turn(s, request, rid, messages, params)
+        where, outputs = await _conversation_turn(s, request, rid, messages, params, caller_of(raw_request).scope)
         streams = [outputs]
     if request.stream:
         return sse_response(_chat_events(s, request, rid, streams, where))
@@ -101,11 +102,11 @@ async def chat_completions(request: ChatCompletionRequest, raw_request: Request)
 
 
 async def _conversation_turn(
-    s: Serving, request: ChatCompletionRequest, rid: str, messages: list[dict], params: SamplingParams
+    s: Serving, request: ChatCompletionRequest, rid: str, messages: list[dict], params: SamplingParams, tenant: str | None
 ) -> tuple[ConversationFields, AsyncIterator[RequestOutput]]:
     """Start the next turn of a server-side conversation: restore its state, feed only the new tokens."""
     turns = s.conversations
-    plan = await turns.begin(request.conversation_id, request.branch, request.from_turn)
+    plan = await turns.begin(request.conversation_id, request.branch, request.from_turn, tenant)
     try:
         outputs = await s.generate(rid, turns.prompt(plan, messages), params, **turns.engine_kwargs(plan))
     except BaseException:

@@ -129,6 +129,11 @@ class Conversation:
     conversation_id: str
     turns: dict[str, Turn] = field(default_factory=dict)
     created_at: float = field(default_factory=time.time)
+    owner: str | None = None  # the tenant that made it; None: made without one (seen only by callers who see all)
+
+    def visible_to(self, tenant: str | None) -> bool:
+        """Whether `tenant` may touch it; None: a caller who sees every conversation."""
+        return tenant is None or tenant == self.owner
 
     def latest(self, branch: str) -> Turn | None:
         own = [t for t in self.turns.values() if t.branch == branch]
@@ -152,12 +157,13 @@ class Conversation:
         return sorted({t.branch for t in self.turns.values()})
 
     def to_json(self) -> dict:
-        return {"conversation_id": self.conversation_id, "created_at": self.created_at, "turns": [asdict(t) for t in self.turns.values()]}
+        return {"conversation_id": self.conversation_id, "created_at": self.created_at, "owner": self.owner,
+                "turns": [asdict(t) for t in self.turns.values()]}
 
     @classmethod
     def from_json(cls, data: dict) -> "Conversation":
         turns = [Turn(**t) for t in data["turns"]]
-        return cls(data["conversation_id"], {t.ref: t for t in turns}, data.get("created_at", time.time()))
+        return cls(data["conversation_id"], {t.ref: t for t in turns}, data.get("created_at", time.time()), data.get("owner"))
 
 
 @dataclass
@@ -270,9 +276,11 @@ class ConversationManager:
                 log.warning("removing %s: the temp file of a write that never finished", path)
                 path.unlink(missing_ok=True)
 
-    def require(self, conversation_id: str) -> Conversation:
+    def require(self, conversation_id: str, tenant: str | None = None) -> Conversation:
+        """The conversation, if `tenant` may see it (None: any); another tenant's is not found, as a
+        missing one (its existence is not confirmed)."""
         conv = self.get(conversation_id)
-        if conv is None:
+        if conv is None or not conv.visible_to(tenant):
             raise ConversationNotFoundError(f"conversation {conversation_id!r} not found")
         return conv
 
@@ -287,6 +295,24 @@ class ConversationManager:
                 ids |= {p.parent.name for p in self.root.glob(f"*/{RECORD_NAME}")}
             return sorted(ids)
 
+    def visible(self, tenant: str | None, after: str | None = None, limit: int | None = None) -> list[Conversation]:
+        """The conversations `tenant` may see (None: all), in id order, from the first id past
+        `after`, at most `limit`. An unreadable record is logged and left out."""
+        out: list[Conversation] = []
+        for cid in self.list_ids():
+            if limit is not None and len(out) >= limit:
+                break
+            if after is not None and cid <= after:
+                continue
+            try:
+                conv = self.get(cid)
+            except ConversationRecordError as e:
+                log.warning("listing conversations: %s", e)
+                continue
+            if conv is not None and conv.turns and conv.visible_to(tenant):
+                out.append(conv)
+        return out
+
     # ---- turns --------------------------------------------------------------------------------
 
     def find_turn(self, conv: Conversation, branch: str, turn: int | None) -> Turn | None:
@@ -300,15 +326,18 @@ class ConversationManager:
             raise ConversationNotFoundError(f"conversation {conv.conversation_id!r} has no turn {turn} on branch {branch!r}")
         return match
 
-    def begin(self, conversation_id: str, branch: str = "main", from_turn: int | None = None) -> TurnPlan:
+    def begin(self, conversation_id: str, branch: str = "main", from_turn: int | None = None, tenant: str | None = None) -> TurnPlan:
         """Reserve the conversation for one new turn (409 if already busy) and say what it starts
-        from. A cold load happens outside the manager's lock: other conversations go on meanwhile."""
+        from. A cold load happens outside the manager's lock: other conversations go on meanwhile.
+        A new conversation belongs to `tenant`; another tenant's is not found."""
         validate_id(conversation_id, "conversation_id")
         validate_id(branch, "branch")
         with self._lock:
+            conv = self.get(conversation_id) or Conversation(conversation_id, owner=tenant)
+            if not conv.visible_to(tenant):
+                raise ConversationNotFoundError(f"conversation {conversation_id!r} not found")
             if conversation_id in self._busy:
                 raise ConversationBusyError(f"conversation {conversation_id!r} already has a request in flight")
-            conv = self.get(conversation_id) or Conversation(conversation_id)
             if from_turn is None and branch != "main" and conv.turns and conv.latest(branch) is None:
                 raise ConversationNotFoundError(f"branch {branch!r} does not exist; pass from_turn to fork it")
             base = self.find_turn(conv, branch, from_turn)
@@ -614,12 +643,15 @@ class ConversationManager:
                 target.snapshot = False
                 self._persist(conv)
 
-    def delete_conversation(self, conversation_id: str) -> None:
-        """Forget the conversation and delete its files (also when its record is unreadable)."""
+    def delete_conversation(self, conversation_id: str, tenant: str | None = None) -> None:
+        """Forget the conversation and delete its files (also when its record is unreadable, unless
+        for a `tenant`: whose it is cannot be told)."""
         with self._lock:
             try:
-                conv = self.require(conversation_id)
+                conv = self.require(conversation_id, tenant)
             except ConversationRecordError:
+                if tenant is not None:
+                    raise
                 conv = None
             if conversation_id in self._busy:
                 raise ConversationBusyError(f"conversation {conversation_id!r} has a request in flight")
