@@ -21,7 +21,7 @@ import jinja2
 from engram.args import ServerArgs
 from engram.engine.async_engine import AsyncEngine
 from engram.engine.engine import LLMEngine
-from engram.engine.request import RequestOutput
+from engram.engine.request import FinishReason, RequestOutput
 from engram.models.embedded import default_cache_dir
 from engram.server.errors import APIError
 from engram.server.tokens import encode
@@ -31,6 +31,7 @@ from engram.state.conversations import (
     SnapshotTrigger,
     TierConfig,
     Turn,
+    TurnAnswer,
     TurnPlan,
     retain_key,
 )
@@ -97,12 +98,22 @@ class ConversationTurns:
     tokenizer: Any
     by_request: OrderedDict[str, tuple[str, str, int]] = field(default_factory=OrderedDict)  # rid -> (conversation, branch, turn)
 
-    async def begin(self, conversation_id: str, branch: str | None, from_turn: int | None, tenant: str | None = None) -> TurnPlan:
+    async def begin(
+        self,
+        conversation_id: str,
+        branch: str | None,
+        from_turn: int | None,
+        tenant: str | None = None,
+        idempotency_key: str | None = None,
+        expected_turn: int | None = None,
+    ) -> TurnPlan | Turn:
         """Reserve the conversation and plan the turn, off the event loop (it may read a snapshot
-        file). If the request is cancelled meanwhile (its client left), the thread still finishes
-        and the conversation it reserved is released then."""
+        file); or the turn that `idempotency_key` already made (`ConversationManager.begin`). If
+        the request is cancelled meanwhile (its client left), the thread still finishes and the
+        conversation it reserved is released then."""
+        branch = branch if branch is not None else "main"
         work = asyncio.ensure_future(
-            asyncio.to_thread(self.manager.begin, conversation_id, branch if branch is not None else "main", from_turn, tenant)
+            asyncio.to_thread(self.manager.begin, conversation_id, branch, from_turn, tenant, idempotency_key, expected_turn)
         )
         try:
             return await asyncio.shield(work)
@@ -111,8 +122,26 @@ class ConversationTurns:
             raise
 
     def _release_unused(self, work: asyncio.Future) -> None:
-        if not work.cancelled() and work.exception() is None:
+        if not work.cancelled() and work.exception() is None and isinstance(work.result(), TurnPlan):
             self.manager.release(work.result().conversation_id)
+
+    def replay(self, conversation_id: str, turn: Turn, messages: list[dict]) -> RequestOutput:
+        """The answer of a turn made by a request with the same idempotency key, as its output was
+        (without logprobs). The retry must send the same messages (alone, or after the history)."""
+        conv = self.manager.require(conversation_id)
+        answer = turn.answer
+        sent = turn.new_messages[:-1] if answer.completion_tokens else turn.new_messages
+        if messages not in (sent, conv.messages(conv.turns.get(turn.parent)) + sent):
+            raise APIError(422, f"this Idempotency-Key made turn {turn.turn} of conversation {conversation_id!r} "
+                                "with other messages", param="Idempotency-Key", code="idempotency_key_reused")
+        tokens = conv.tokens(turn)
+        prompt, reply = tokens[: len(tokens) - answer.completion_tokens], tokens[len(tokens) - answer.completion_tokens :]
+        text = turn.new_messages[-1]["content"] if answer.completion_tokens else ""
+        return RequestOutput(
+            request_id="", prompt_token_ids=prompt, token_ids=reply, text=text, new_token_ids=reply, new_text=text,
+            finished=True, finish_reason=FinishReason(answer.finish_reason), stop_reason=answer.stop_reason,
+            num_cached_tokens=answer.cached_tokens,
+        )
 
     def engine_kwargs(self, plan: TurnPlan) -> dict[str, Any]:
         """How the engine should start the turn: the state to restore (or the slot to adopt), and
@@ -185,6 +214,8 @@ class ConversationTurns:
 
     async def finish(self, plan: TurnPlan, new_messages: list[dict], out: RequestOutput) -> Turn:
         reply = {"role": "assistant", "content": out.text}
+        answer = TurnAnswer(plan.idempotency_key, out.finish_reason.value, out.stop_reason, len(out.token_ids), out.num_cached_tokens)
         return await asyncio.to_thread(
-            self.manager.finish, plan, out.prompt_token_ids, out.token_ids, new_messages + [reply], out.state, has_tool_call(out.text)
+            self.manager.finish, plan, out.prompt_token_ids, out.token_ids, new_messages + [reply], out.state,
+            has_tool_call(out.text), answer,
         )

@@ -129,11 +129,13 @@ async def version() -> dict[str, str]:
 
 @router.get("/get_server_info")
 async def get_server_info(raw_request: Request) -> dict[str, Any]:
-    """The version and the arguments the server and engine run with (API keys redacted)."""
+    """The version, the epoch (new at every start) and the arguments the server and engine run with
+    (API keys redacted)."""
     server_args = dataclasses.asdict(raw_request.app.state.server_args)
     for key in ("api_key", "admin_api_key"):
         server_args[key] = "<redacted>" if server_args[key] else None
-    return {"version": _version(), "server_args": server_args, "engine_args": dataclasses.asdict(get_serving(raw_request).engine.engine.args)}
+    s = get_serving(raw_request)
+    return {"version": _version(), "epoch": s.epoch, "server_args": server_args, "engine_args": dataclasses.asdict(s.engine.engine.args)}
 
 
 @admin_router.post("/abort_request")

@@ -178,12 +178,14 @@ def _conversation_summary(conv: Conversation) -> dict[str, Any]:
 
 @router.get("/v1/conversations/{conversation_id}")
 async def get_conversation(conversation_id: str, raw_request: Request) -> dict[str, Any]:
-    conv = get_serving(raw_request).conversations.manager.require(conversation_id, caller_of(raw_request).scope)
+    s = get_serving(raw_request)
+    conv = s.conversations.manager.require(conversation_id, caller_of(raw_request).scope)
     return {
         "id": conv.conversation_id,
         "object": "conversation",
         "created_at": conv.created_at,
         "owner": conv.owner,
+        "epoch": s.epoch,
         "branches": {
             branch: {
                 "latest_turn": conv.latest(branch).turn,

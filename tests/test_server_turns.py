@@ -1,0 +1,105 @@
+"""Exactly-once conversation turns over HTTP: an idempotency key answers a retry with the turn it
+made (across a restart too), `expected_turn` refuses a turn appended to another history, and
+responses carry the server's epoch."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+
+import httpx
+from server_utils import running_server
+
+MODEL = "m"
+
+
+@contextlib.contextmanager
+def serving(path, snapshot_dir, **fields):
+    with running_server(path, MODEL, snapshot_dir=str(snapshot_dir), **fields) as srv, httpx.Client(base_url=srv.url, timeout=120) as http:
+        yield srv, http
+
+
+def turn(http, conversation_id, text, key=None, expect=200, **fields):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "conversation_id": conversation_id,
+            "temperature": 0, "max_tokens": 8, **fields}
+    r = http.post("/v1/chat/completions", json=body, headers={"Idempotency-Key": key} if key else {})
+    assert r.status_code == expect, r.text
+    return r.json()
+
+
+def answer(response):
+    return response["turn"], response["choices"][0]["message"]["content"], response["usage"]
+
+
+def latest(http, conversation_id):
+    return http.get(f"/v1/conversations/{conversation_id}").json()["branches"]["main"]["latest_turn"]
+
+
+def streamed_text(http, body, key):
+    with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}, headers={"Idempotency-Key": key}) as r:
+        assert r.status_code == 200
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    return events[0]["turn"], "".join(e["choices"][0]["delta"].get("content", "") for e in events if e["choices"])
+
+
+def test_a_retried_turn_is_answered_once_also_after_a_restart(checkpoint_dir, tmp_path):
+    path = checkpoint_dir("nemotron")
+    with serving(path, tmp_path) as (_, http):
+        turn(http, "c", "first")
+        first = turn(http, "c", "second", key="k-2")
+        assert first["turn"] == 2
+        assert answer(turn(http, "c", "second", key="k-2")) == answer(first)  # the retry: the same answer, no new turn
+        assert answer(turn(http, "c", "second", turn_id="k-2")) == answer(first)  # the key as a body field
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "second"}], "conversation_id": "c", "max_tokens": 8}
+        assert streamed_text(http, body, "k-2") == answer(first)[:2]
+        assert latest(http, "c") == 2
+        epoch = first["epoch"]
+        assert http.get("/get_server_info").json()["epoch"] == epoch
+
+        reused = turn(http, "c", "something else", key="k-2", expect=422)
+        assert reused["error"]["param"] == "Idempotency-Key" and "other messages" in reused["error"]["message"]
+        assert turn(http, "c", "x", key="k-3", turn_id="k-4", expect=400)["error"]["param"] == "turn_id"
+        assert turn(http, "c", "x", key="a b", expect=400)["error"]["param"] == "Idempotency-Key"
+        r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]},
+                      headers={"Idempotency-Key": "k-5"})
+        assert r.status_code == 400 and "conversation_id" in r.json()["error"]["message"]
+        assert latest(http, "c") == 2
+
+    with serving(path, tmp_path) as (_, http):  # the key and the answer were recorded with the turn
+        again = turn(http, "c", "second", key="k-2")
+        assert answer(again) == answer(first) and again["epoch"] != epoch
+        assert latest(http, "c") == 2
+        assert turn(http, "c", "third", key="k-3")["turn"] == 3
+
+
+def test_a_retry_while_the_turn_is_in_flight_gets_409_then_its_answer(checkpoint_dir, tmp_path):
+    with serving(checkpoint_dir("nemotron"), tmp_path) as (srv, http):
+        made = {}
+        worker = threading.Thread(target=lambda: made.update(turn(http, "busy", "long", key="k", max_tokens=600, ignore_eos=True)))
+        worker.start()
+        try:
+            for _ in range(200):
+                if srv.app.state.serving.engine.stats().num_running:
+                    break
+                time.sleep(0.01)
+            busy = turn(http, "busy", "long", key="k", expect=409)
+            assert "still in flight" in busy["error"]["message"]
+        finally:
+            worker.join()
+        assert answer(turn(http, "busy", "long", key="k", max_tokens=600, ignore_eos=True)) == answer(made)
+        assert latest(http, "busy") == 1
+
+
+def test_expected_turn_refuses_a_turn_on_another_history(checkpoint_dir, tmp_path):
+    with serving(checkpoint_dir("nemotron"), tmp_path) as (_, http):
+        assert turn(http, "e", "one", expected_turn=0)["turn"] == 1
+        stale = turn(http, "e", "one again", expected_turn=0, expect=409)["error"]
+        assert (stale["code"], stale["current_turn"]) == ("turn_mismatch", 1)
+        assert turn(http, "e", "two", expected_turn=1)["turn"] == 2
+        assert turn(http, "e", "other", branch="alt", from_turn=1, expected_turn=0)["turn"] == 2  # a new branch has none
+        assert latest(http, "e") == 2
+        assert turn(http, "e", "x", expected_turn=-1, expect=400)["error"]["param"] == "expected_turn"
+        r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "expected_turn": 1})
+        assert r.status_code == 400 and "need a conversation_id" in r.json()["error"]["message"]
