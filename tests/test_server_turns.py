@@ -103,3 +103,50 @@ def test_expected_turn_refuses_a_turn_on_another_history(checkpoint_dir, tmp_pat
         assert turn(http, "e", "x", expected_turn=-1, expect=400)["error"]["param"] == "expected_turn"
         r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "expected_turn": 1})
         assert r.status_code == 400 and "need a conversation_id" in r.json()["error"]["message"]
+
+
+def tokens_of(http, messages, add_generation_prompt):
+    r = http.post("/tokenize", json={"messages": messages, "add_generation_prompt": add_generation_prompt})
+    assert r.status_code == 200, r.text
+    return r.json()["tokens"]
+
+
+def fill_ids(http, conversation_id, turn_number):
+    info = http.post("/get_snapshot_info", json={"conversation_id": conversation_id, "turn_number": turn_number}).json()
+    return info["fill_ids"], info["state_len"]
+
+
+def test_max_tokens_0_appends_without_generating_and_the_next_turn_continues_exactly(checkpoint_dir, tmp_path):
+    doc = {"role": "user", "content": "A document to read: state space models keep a fixed-size state."}
+    question = {"role": "user", "content": "What do they keep?"}
+    with serving(checkpoint_dir("nemotron"), tmp_path) as (srv, http):
+        appended = turn(http, "d", doc["content"], max_tokens=0)
+        assert (appended["turn"], appended["choices"][0]["message"]["content"]) == (1, "")
+        assert (appended["choices"][0]["finish_reason"], appended["usage"]["completion_tokens"]) == ("length", 0)
+        fill1, state_len1 = fill_ids(http, "d", 1)
+        assert fill1 == tokens_of(http, [doc], False) and state_len1 == len(fill1)  # its state covers every token
+        prefill = http.post("/generate", json={"input_ids": fill1, "sampling_params": {"max_new_tokens": 0}}).json()
+        assert (prefill["output_ids"], prefill["meta_info"]["finish_reason"]["type"]) == ([], "length")  # SGLang's prefill only
+
+        before = srv.app.state.serving.engine.stats().prefill_tokens_computed_total
+        second = turn(http, "d", question["content"])
+        computed = srv.app.state.serving.engine.stats().prefill_tokens_computed_total - before
+        fill2, _ = fill_ids(http, "d", 2)
+        prompt2 = fill2[: len(fill2) - second["usage"]["completion_tokens"]]
+        assert prompt2 == tokens_of(http, [doc, question], True)  # as if the whole conversation were sent at once
+        assert computed == len(prompt2) - len(fill1) and second["usage"]["prompt_tokens_details"]["cached_tokens"] == len(fill1)
+        full = http.post("/generate", json={"input_ids": prompt2, "sampling_params": {"temperature": 0, "max_new_tokens": 8}}).json()
+        assert full["output_ids"] == fill2[len(prompt2):]
+
+        # appended after a reply: the reply is closed as the template closes it, then the messages follow
+        turn(http, "d", "Another document.", max_tokens=0)
+        fill3, state_len3 = fill_ids(http, "d", 3)
+        assert fill3[: len(fill2)] == fill2 and state_len3 == len(fill3)
+        fourth = turn(http, "d", "Summarize.")
+        fill4, _ = fill_ids(http, "d", 4)
+        prompt4 = fill4[: len(fill4) - fourth["usage"]["completion_tokens"]]
+        assert prompt4[: len(fill3)] == fill3
+        full = http.post("/generate", json={"input_ids": prompt4, "sampling_params": {"temperature": 0, "max_new_tokens": 8}}).json()
+        assert full["output_ids"] == fill4[len(prompt4):]
+        roles = [m["role"] for m in http.get("/v1/conversations/d").json()["branches"]["main"]["messages"]]
+        assert roles == ["user", "user", "assistant", "user", "user", "assistant"]

@@ -151,18 +151,19 @@ class ConversationTurns:
             kwargs["retain_key"] = retain_key(plan.conversation_id, plan.ref)
         return kwargs
 
-    def prompt(self, plan: TurnPlan, new_messages: list[dict]) -> list[int]:
-        """The history's exact tokens followed by the template rendering of only the new messages."""
+    def prompt(self, plan: TurnPlan, new_messages: list[dict], generate: bool = True) -> list[int]:
+        """The history's exact tokens followed by the template rendering of only the new messages
+        (and the generation prompt, unless the turn only appends them)."""
         if self.tokenizer is None:
             raise APIError(400, "the model has no tokenizer: conversations need a chat template")
         render = self._render
         if not plan.history_messages:
-            return encode(self.tokenizer, render(new_messages, True), add_special_tokens=False)
+            return encode(self.tokenizer, render(new_messages, generate), add_special_tokens=False)
         before = render(plan.history_messages, False)
-        after = render(plan.history_messages + new_messages, True)
+        after = render(plan.history_messages + new_messages, generate)
         if not after.startswith(before):
             raise APIError(422, "the chat template does not render this conversation incrementally; send the whole conversation without conversation_id")
-        delta = self._unclosed_reply(plan) + after[len(before) :]
+        delta = (self._unclosed_reply(plan) if plan.history_ends_with_reply else "") + after[len(before) :]
         return plan.history_tokens + encode(self.tokenizer, delta, add_special_tokens=False)
 
     def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
@@ -213,9 +214,10 @@ class ConversationTurns:
                 self.manager.release(plan.conversation_id)
 
     async def finish(self, plan: TurnPlan, new_messages: list[dict], out: RequestOutput) -> Turn:
-        reply = {"role": "assistant", "content": out.text}
+        """Record the turn: the new messages and the reply (none for a turn that generated nothing)."""
+        reply = [{"role": "assistant", "content": out.text}] if out.token_ids else []
         answer = TurnAnswer(plan.idempotency_key, out.finish_reason.value, out.stop_reason, len(out.token_ids), out.num_cached_tokens)
         return await asyncio.to_thread(
-            self.manager.finish, plan, out.prompt_token_ids, out.token_ids, new_messages + [reply], out.state,
+            self.manager.finish, plan, out.prompt_token_ids, out.token_ids, new_messages + reply, out.state,
             has_tool_call(out.text), answer,
         )

@@ -118,7 +118,8 @@ async def _conversation_turn(
         where = ConversationFields(conversation_id=request.conversation_id, branch=plan.branch, turn=plan.turn, epoch=s.epoch)
         return where, _one(turns.replay(request.conversation_id, plan, messages))
     try:
-        outputs = await s.generate(rid, turns.prompt(plan, messages), params, **turns.engine_kwargs(plan))
+        prompt = turns.prompt(plan, messages, generate=params.max_tokens != 0)
+        outputs = await s.generate(rid, prompt, params, **turns.engine_kwargs(plan))
     except BaseException:
         turns.manager.release(plan.conversation_id)
         raise

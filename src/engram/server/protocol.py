@@ -178,6 +178,8 @@ class ChatCompletionRequest(_OpenAIRequest, _ChatTemplateOptions):
         given = [name for name in ("branch", "from_turn", "turn_id", "expected_turn") if getattr(self, name) is not None]
         if self.conversation_id is None and given:
             raise ValueError(f"{', '.join(given)} need a conversation_id")
+        if self.conversation_id is None and 0 in (self.max_tokens, self.max_completion_tokens):
+            raise ValueError("max_tokens 0 appends the messages to a conversation without generating: it needs a conversation_id")
         if self.conversation_id is not None and self.n != 1:
             raise ValueError("a conversation turn has one answer: n must be 1 with a conversation_id")
         if self.conversation_id is not None and self.template_options() != {"add_generation_prompt": True}:
@@ -212,7 +214,7 @@ class ChatCompletionRequest(_OpenAIRequest, _ChatTemplateOptions):
 
 class CompletionRequest(_OpenAIRequest):
     prompt: str | list[int]
-    max_tokens: int | None = 16
+    max_tokens: int | None = Field(default=16, ge=1)
     logprobs: int | None = None
     echo: Any = None
     suffix: Any = None

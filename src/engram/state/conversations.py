@@ -148,6 +148,11 @@ class Turn:
     def ref(self) -> str:
         return ref_name(self.branch, self.turn)
 
+    @property
+    def reply(self) -> bool:
+        """Whether its messages end with the model's reply (not so for one appended with max_tokens 0)."""
+        return self.answer is None or self.answer.completion_tokens > 0
+
 
 @dataclass
 class Conversation:
@@ -210,6 +215,7 @@ class TurnPlan:
     resume_key: str | None = None  # the engine slot still holding the base turn's state, if any
     load_seconds: float = 0.0  # time spent reading and verifying a snapshot file
     idempotency_key: str | None = None  # the request's, recorded with the turn
+    history_ends_with_reply: bool = False  # the base turn's messages end with the model's reply
 
     @property
     def ref(self) -> str:
@@ -428,6 +434,7 @@ class ConversationManager:
             resume_key=resume_key,
             load_seconds=load_seconds,
             idempotency_key=idempotency_key,
+            history_ends_with_reply=base is not None and base.reply,
         )
 
     def _check_regenerable(self, conv: Conversation, base: Turn) -> None:
