@@ -150,3 +150,29 @@ def test_max_tokens_0_appends_without_generating_and_the_next_turn_continues_exa
         assert full["output_ids"] == fill4[len(prompt4):]
         roles = [m["role"] for m in http.get("/v1/conversations/d").json()["branches"]["main"]["messages"]]
         assert roles == ["user", "user", "assistant", "user", "user", "assistant"]
+
+
+def test_a_request_that_resends_the_history_adds_only_its_new_messages(checkpoint_dir, tmp_path):
+    def send(conversation_id, messages, key=None, expect=200):
+        body = {"model": MODEL, "messages": messages, "conversation_id": conversation_id, "temperature": 0, "max_tokens": 8}
+        r = http.post("/v1/chat/completions", json=body, headers={"Idempotency-Key": key} if key else {})
+        assert r.status_code == expect, r.text
+        return r.json()
+
+    a, b = {"role": "user", "content": "Hello"}, {"role": "user", "content": "And then?"}
+    with serving(checkpoint_dir("nemotron"), tmp_path) as (_, http):
+        r1 = {"role": "assistant", "content": send("h", [a])["choices"][0]["message"]["content"]}
+        second = send("h", [a, r1, b], key="k")  # the whole conversation, as OpenAI clients send it
+        assert answer(send("h", [a, r1, b], key="k")) == answer(second)  # its retry
+        send("only-new", [a])
+        assert answer(send("only-new", [b])) == answer(second)  # the same turn as sending only the new message
+        assert fill_ids(http, "h", 2) == fill_ids(http, "only-new", 2)
+        r2 = {"role": "assistant", "content": second["choices"][0]["message"]["content"]}
+        stored = http.get("/v1/conversations/h").json()["branches"]["main"]["messages"]
+        assert stored == [a, r1, b, r2]
+
+        edited = send("h", [a, {"role": "assistant", "content": r1["content"] + "!"}, b], expect=400)["error"]
+        assert edited["param"] == "messages" and "message 1 differs" in edited["message"]
+        assert "add nothing" in send("h", [a, r1, b, r2], expect=400)["error"]["message"]
+        assert "add nothing" in send("h", [a, r1], expect=400)["error"]["message"]
+        assert send("h", [a])["turn"] == 3  # one message is always new, even one the history holds

@@ -77,6 +77,22 @@ def build_manager(engine: LLMEngine, args: ServerArgs) -> ConversationManager:
 REPLY_MARKER = "engramReplyMarker7f3a"
 
 
+def new_messages(history: list[dict], messages: list[dict]) -> list[dict]:
+    """The messages a turn adds: past the stored history when the request repeats it first (a
+    client that sends the whole conversation every time). One message is always new; a request
+    that repeats only part of the history, or nothing past it, is ambiguous (400)."""
+    if len(messages) == 1 or not history:
+        return messages
+    same = next((i for i, (a, b) in enumerate(zip(history, messages)) if a != b), min(len(history), len(messages)))
+    if same == 0:
+        return messages
+    if same == len(history) < len(messages):
+        return messages[same:]
+    how = "and add nothing" if same == len(messages) else f"but message {same} differs from it"
+    raise APIError(400, f"the messages repeat the first {same} of the conversation's {len(history)} stored messages {how}: "
+                        "send only the new messages, or the whole stored history followed by them", param="messages")
+
+
 def has_tool_call(text: str) -> bool:
     return any(marker in text for marker in TOOL_CALL_MARKERS)
 

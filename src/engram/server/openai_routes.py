@@ -14,6 +14,7 @@ from fastapi import APIRouter, Request
 
 from engram.engine.request import RequestOutput, SamplingParams, TokenLogprob
 from engram.server.auth import caller_of
+from engram.server.conversations import new_messages
 from engram.server.errors import APIError
 from engram.server.protocol import (
     IDEMPOTENCY_KEY_PATTERN,
@@ -118,6 +119,7 @@ async def _conversation_turn(
         where = ConversationFields(conversation_id=request.conversation_id, branch=plan.branch, turn=plan.turn, epoch=s.epoch)
         return where, _one(turns.replay(request.conversation_id, plan, messages))
     try:
+        messages = new_messages(plan.history_messages, messages)
         prompt = turns.prompt(plan, messages, generate=params.max_tokens != 0)
         outputs = await s.generate(rid, prompt, params, **turns.engine_kwargs(plan))
     except BaseException:
