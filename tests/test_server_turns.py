@@ -176,3 +176,26 @@ def test_a_request_that_resends_the_history_adds_only_its_new_messages(checkpoin
         assert "add nothing" in send("h", [a, r1, b, r2], expect=400)["error"]["message"]
         assert "add nothing" in send("h", [a, r1], expect=400)["error"]["message"]
         assert send("h", [a])["turn"] == 3  # one message is always new, even one the history holds
+
+
+def test_the_client_retries_a_turn_whose_answer_was_lost_and_it_is_made_once(checkpoint_dir, tmp_path):
+    from engram.client import EngramClient
+
+    with serving(checkpoint_dir("nemotron"), tmp_path) as (srv, http):
+        client = EngramClient(srv.url)
+        send = client.http.request
+        lost = []
+
+        def lose_the_first_answer(method, path, **kw):
+            response = send(method, path, **kw)
+            if path == "/v1/chat/completions" and not lost:
+                lost.append(response)
+                raise httpx.ReadTimeout("the answer was lost")
+            return response
+
+        client.http.request = lose_the_first_answer
+        conv = client.conversation("lost", temperature=0, max_tokens=6, retry_wait=0)
+        text = conv.chat("hello")
+        assert lost and text == lost[0].json()["choices"][0]["message"]["content"]
+        assert conv.turn == 1 and latest(http, "lost") == 1
+        assert conv.epoch == http.get("/get_server_info").json()["epoch"]
