@@ -272,7 +272,7 @@ def test_a_reply_cut_short_is_closed_as_the_template_closes_it(reply_ids):
     head = tokenizer.apply_chat_template([user], add_generation_prompt=True, tokenize=False)
     history_tokens = tokenizer.encode(head, add_special_tokens=False) + list(reply_ids)  # ids 0-255 are the bytes
     reply = {"role": "assistant", "content": tokenizer.decode(list(reply_ids)).replace("\ufffd", "")}
-    plan = SimpleNamespace(history_messages=[user, reply], history_tokens=history_tokens)
+    plan = SimpleNamespace(history_messages=[user, reply], history_tokens=history_tokens, history_ends_with_reply=True)
     new = [{"role": "user", "content": "next"}]
     prompt = ConversationTurns(manager=None, tokenizer=tokenizer).prompt(plan, new)
     rest = tokenizer.apply_chat_template([user, reply, *new], add_generation_prompt=True, tokenize=False)[len(head) + len(reply["content"]):]
@@ -304,7 +304,7 @@ def test_the_closing_the_model_generated_is_not_fed_again(template, generated, f
     head = tokenizer.apply_chat_template([user], add_generation_prompt=True, tokenize=False)
     history_tokens = tokenizer.encode(head + generated.decode(), add_special_tokens=False)
     reply = {"role": "assistant", "content": generated.decode().replace("<|end|>", "")}
-    plan = SimpleNamespace(history_messages=[user, reply], history_tokens=history_tokens)
+    plan = SimpleNamespace(history_messages=[user, reply], history_tokens=history_tokens, history_ends_with_reply=True)
     new = [{"role": "user", "content": "next"}]
     prompt = ConversationTurns(manager=None, tokenizer=tokenizer).prompt(plan, new)
     fresh = tokenizer.apply_chat_template([user, reply, *new], add_generation_prompt=True, tokenize=False)

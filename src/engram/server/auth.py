@@ -34,7 +34,7 @@ class Caller:
     admin: bool = False
 
     @property
-    def scope(self) -> str | None:
+    def restricted_to(self) -> str | None:
         """The tenant whose conversations it may touch; None: every conversation."""
         return None if self.admin else self.tenant
 

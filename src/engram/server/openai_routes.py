@@ -89,7 +89,7 @@ async def chat_completions(request: ChatCompletionRequest, raw_request: Request)
         where = ConversationFields()
         streams = await s.generate_choices(rid, s.encode_chat(messages, request.template_options()), params, request.n)
     else:  # one choice (the protocol refuses n > 1 there)
-        where, outputs = await _conversation_turn(s, request, rid, messages, params, caller_of(raw_request).scope, key)
+        where, outputs = await _conversation_turn(s, request, rid, messages, params, caller_of(raw_request).restricted_to, key)
         streams = [outputs]
     if request.stream:
         return sse_response(_chat_events(s, request, rid, streams, where))

@@ -38,7 +38,7 @@ router = APIRouter()
 
 def _turn_of(s: Serving, selector: SnapshotSelector, raw_request: Request) -> tuple[Conversation, Turn]:
     manager = s.conversations.manager
-    conv = manager.require(selector.conversation_id, caller_of(raw_request).scope)
+    conv = manager.require(selector.conversation_id, caller_of(raw_request).restricted_to)
     branch, turn = selector.target()
     if validate_id(branch, "branch") not in conv.branches():
         raise APIError(404, f"conversation {selector.conversation_id!r} has no branch {branch!r}")
@@ -87,7 +87,7 @@ async def save_snapshot(body: SaveSnapshotRequest, raw_request: Request) -> dict
         conversation_id, branch, turn = made
     else:
         conversation_id, (branch, turn) = body.conversation_id, body.target()
-    s.conversations.manager.require(conversation_id, caller_of(raw_request).scope)
+    s.conversations.manager.require(conversation_id, caller_of(raw_request).restricted_to)
     saved = await asyncio.to_thread(s.conversations.manager.save, conversation_id, branch, turn)
     return {"success": True, "conversation_id": conversation_id, "branch_name": saved.branch, "turn_number": saved.turn,
             "snapshot_id": saved.ref, "message": f"snapshot of turn {saved.ref} saved"}
@@ -96,7 +96,7 @@ async def save_snapshot(body: SaveSnapshotRequest, raw_request: Request) -> dict
 @admin_router.post("/list_snapshots")
 async def list_snapshots(body: ListSnapshotsRequest, raw_request: Request) -> dict[str, Any]:
     manager = get_serving(raw_request).conversations.manager
-    tenant = caller_of(raw_request).scope
+    tenant = caller_of(raw_request).restricted_to
     if body.conversation_id is not None:
         manager.require(body.conversation_id, tenant)
     entries = await asyncio.to_thread(manager.snapshots, body.conversation_id)
@@ -161,7 +161,7 @@ async def list_conversations(
 ) -> dict[str, Any]:
     """The caller's conversations in id order, a page of `limit` from the first id past `after`."""
     manager = get_serving(raw_request).conversations.manager
-    page = await asyncio.to_thread(manager.visible, caller_of(raw_request).scope, after, limit + 1)
+    page = await asyncio.to_thread(manager.visible, caller_of(raw_request).restricted_to, after, limit + 1)
     data = [_conversation_summary(conv) for conv in page[:limit]]
     return {"object": "list", "data": data, "has_more": len(page) > limit, "last_id": data[-1]["id"] if data else None}
 
@@ -179,7 +179,7 @@ def _conversation_summary(conv: Conversation) -> dict[str, Any]:
 @router.get("/v1/conversations/{conversation_id}")
 async def get_conversation(conversation_id: str, raw_request: Request) -> dict[str, Any]:
     s = get_serving(raw_request)
-    conv = s.conversations.manager.require(conversation_id, caller_of(raw_request).scope)
+    conv = s.conversations.manager.require(conversation_id, caller_of(raw_request).restricted_to)
     return {
         "id": conv.conversation_id,
         "object": "conversation",
@@ -205,7 +205,7 @@ async def get_conversation(conversation_id: str, raw_request: Request) -> dict[s
 @router.delete("/v1/conversations/{conversation_id}")
 async def delete_conversation(conversation_id: str, raw_request: Request) -> dict[str, Any]:
     manager = get_serving(raw_request).conversations.manager
-    await asyncio.to_thread(manager.delete_conversation, conversation_id, caller_of(raw_request).scope)
+    await asyncio.to_thread(manager.delete_conversation, conversation_id, caller_of(raw_request).restricted_to)
     return {"id": conversation_id, "object": "conversation.deleted", "deleted": True}
 
 
@@ -214,7 +214,7 @@ async def state_stats(raw_request: Request) -> dict[str, Any]:
     s = get_serving(raw_request)
     manager = s.conversations.manager
     stats = manager.state_stats()
-    tenant = caller_of(raw_request).scope
+    tenant = caller_of(raw_request).restricted_to
     if tenant is not None:  # other tenants' conversation ids are not shown
         stats["quarantined"] = [q for q in stats["quarantined"] if _visible(manager, q["conversation_id"], tenant)]
     engine = s.engine.stats()

@@ -394,7 +394,7 @@ class ConversationManager:
             current = latest.turn if latest is not None else 0
             if expected_turn is not None and expected_turn != current:
                 raise TurnMismatchError(f"expected_turn is {expected_turn} but the latest turn of branch {branch!r} is {current}", current)
-            if from_turn is None and branch != "main" and conv.turns and conv.latest(branch) is None:
+            if from_turn is None and branch != "main" and conv.turns and latest is None:
                 raise ConversationNotFoundError(f"branch {branch!r} does not exist; pass from_turn to fork it")
             base = self.find_turn(conv, branch, from_turn)
             if base is not None and base.branch == branch:
