@@ -39,7 +39,7 @@ def test_the_harness_reports_a_server_error_with_its_traceback():
         raise RuntimeError("boom")
 
     report = FuzzReport()
-    with BackgroundServer(app) as server:
+    with BackgroundServer(app, wait_ready=False) as server:  # a bare app: nothing to warm up
         fuzz_round(server.url, MODEL, 3, SEED, report)
     assert report.failures and all(f.status == 500 for f in report.failures)
     assert "RuntimeError: boom" in report.failures[0].server_traceback

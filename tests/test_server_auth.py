@@ -92,15 +92,16 @@ def test_openai_client(server):
 @pytest.mark.parametrize(
     ("api_key", "admin_api_key", "user_route", "admin_route"),
     [
-        (None, None, [], []),
-        ("u", None, ["u"], ["u"]),
-        (None, "a", [], ["a"]),
-        ("u", "a", ["u", "a"], ["a"]),
+        ([], None, [], []),
+        (["u"], None, ["u"], ["u"]),
+        (["u", "v"], None, ["u", "v"], ["u", "v"]),
+        ([], "a", [], ["a"]),
+        (["u"], "a", ["u", "a"], ["a"]),
     ],
 )
 def test_key_policy(api_key, admin_api_key, user_route, admin_route):
-    config = AuthConfig(api_key, admin_api_key, frozenset({"/flush_cache"}))
+    config = AuthConfig.of(api_key, None, admin_api_key, frozenset({"/flush_cache"}))
     assert config.allowed_keys("/generate") == user_route
     assert config.allowed_keys("/flush_cache") == admin_route
-    for token in (None, "u", "a"):  # an admin is who opens the admin routes (everyone, without keys)
-        assert config.is_admin(token) == (not admin_route or token in admin_route)
+    for token in (None, "u", "a"):  # an admin holds the admin key (everyone, without keys); a tenant never is
+        assert config.caller(token).admin == (token == admin_api_key if admin_api_key else not api_key)

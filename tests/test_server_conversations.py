@@ -350,7 +350,7 @@ def test_a_reply_cut_short_is_closed_as_the_template_closes_it(reply_ids):
     head = tokenizer.apply_chat_template([user], add_generation_prompt=True, tokenize=False)
     history_tokens = tokenizer.encode(head, add_special_tokens=False) + list(reply_ids)  # ids 0-255 are the bytes
     reply = {"role": "assistant", "content": tokenizer.decode(list(reply_ids)).replace("\ufffd", "")}
-    plan = SimpleNamespace(history_messages=[user, reply], history_tokens=history_tokens)
+    plan = SimpleNamespace(history_messages=[user, reply], history_tokens=history_tokens, history_ends_with_reply=True)
     new = [{"role": "user", "content": "next"}]
     prompt = ConversationTurns(manager=None, tokenizer=tokenizer).prompt(plan, new)
     rest = tokenizer.apply_chat_template([user, reply, *new], add_generation_prompt=True, tokenize=False)[len(head) + len(reply["content"]):]
@@ -382,7 +382,7 @@ def test_the_closing_the_model_generated_is_not_fed_again(template, generated, f
     head = tokenizer.apply_chat_template([user], add_generation_prompt=True, tokenize=False)
     history_tokens = tokenizer.encode(head + generated.decode(), add_special_tokens=False)
     reply = {"role": "assistant", "content": generated.decode().replace("<|end|>", "")}
-    plan = SimpleNamespace(history_messages=[user, reply], history_tokens=history_tokens)
+    plan = SimpleNamespace(history_messages=[user, reply], history_tokens=history_tokens, history_ends_with_reply=True)
     new = [{"role": "user", "content": "next"}]
     prompt = ConversationTurns(manager=None, tokenizer=tokenizer).prompt(plan, new)
     fresh = tokenizer.apply_chat_template([user, reply, *new], add_generation_prompt=True, tokenize=False)
@@ -446,12 +446,13 @@ def test_a_turn_renders_only_the_tail_and_equals_the_whole_rendering(template, s
         history += [{"role": "user", "content": f"question {i}?"}, {"role": "assistant", "content": f"answer {i}"}]
         closed = render(history, tokenize=False)
         text = render(history[:-1], add_generation_prompt=True, tokenize=False) + history[-1]["content"] if cut else closed
-        plan = SimpleNamespace(history_messages=list(history), history_tokens=tokenizer.encode(text, add_special_tokens=False))
+        plan = SimpleNamespace(history_messages=list(history), history_tokens=tokenizer.encode(text, add_special_tokens=False),
+                               history_ends_with_reply=True)
         new = [{"role": "user", "content": f"next {i}"}]
         rendered_lengths.clear()
         prompt = turns.prompt(plan, new)
         tail_rendered = max(rendered_lengths)
-        whole = plan.history_tokens + tokenizer.encode(turns._delta(history, new, plan.history_tokens), add_special_tokens=False)
+        whole = plan.history_tokens + tokenizer.encode(turns._delta(history, new, plan, True), add_special_tokens=False)
         assert prompt == whole
         if len(history) > system + max(TAIL_WINDOWS):  # long enough for the tail
             assert (tail_rendered == len(history) + 1) == (template == TEMPLATE_NUMBERED), rendered_lengths

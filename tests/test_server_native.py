@@ -127,7 +127,7 @@ def test_version_and_server_info(http):
     version = http.get("/version").json()["version"]
     info = http.get("/get_server_info").json()
     assert info["version"] == version and info["server_args"]["served_model_name"] == MODEL
-    assert info["server_args"]["api_key"] is None and "max_running_requests" in info["engine_args"]
+    assert not info["server_args"]["api_key"] and "max_running_requests" in info["engine_args"]
 
 
 def test_abort_request_by_rid(http, server):

@@ -37,8 +37,9 @@ def _flag(name: str) -> str:
 
 
 def _base_type(tp: typing.Any) -> type:
+    """`X` of `X | None`; other types as they are."""
     args = [a for a in typing.get_args(tp) if a is not type(None)]
-    return args[0] if args else tp
+    return args[0] if args and type(None) in typing.get_args(tp) else tp
 
 
 def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
@@ -49,6 +50,8 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
         help_text = f.metadata.get("help", "")
         if kind is bool:
             parser.add_argument(_flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+        elif typing.get_origin(kind) is list:  # a repeatable flag
+            parser.add_argument(_flag(f.name), dest=f.name, action="append", type=typing.get_args(kind)[0], default=default, help=help_text)
         else:
             choices = f.metadata.get("choices")
             parser.add_argument(_flag(f.name), dest=f.name, type=kind, default=default, choices=choices, help=help_text)
@@ -64,7 +67,12 @@ class ServerArgs:
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
     port: int = field(default=30000, metadata={"help": "port to listen on"})
     served_model_name: str | None = field(default=None, metadata={"help": "model name in the API (default: the model folder's name, or the embedded model's)"})
-    api_key: str | None = field(default=None, metadata={"help": "require `Authorization: Bearer <key>` on every route but /health, /health_generate and /metrics"})
+    api_key: list[str] = field(
+        default_factory=list,
+        metadata={"help": "require `Authorization: Bearer <key>` on every route but /health, /health_generate and /metrics; "
+                          "repeat it for several tenants, each seeing only its own conversations"},
+    )
+    api_keys_file: str | None = field(default=None, metadata={"help": "file of `name: key` lines, one tenant each (re-read on SIGHUP)"})
     admin_api_key: str | None = field(default=None, metadata={"help": "key for admin routes (cache flush, request aborts, snapshots); without it they take --api-key"})
     enable_warmup: bool = field(default=True, metadata={"help": "capture every CUDA graph and compile the kernels before /health answers 200 (nothing to do on the CPU)"})
     max_request_bytes: int = field(default=16 << 20, metadata={"help": "largest request body; a larger one gets 413 before it is parsed"})
@@ -88,3 +96,7 @@ class ServerArgs:
     snapshot_preload: int = field(default=0, metadata={"help": "at startup, warm the latest snapshots of the N most recently used conversations"})
     snapshot_health_check_interval: int = field(default=1, metadata={"help": "check state norms for anomalies every N turns of a conversation; 0: structural checks only"})
     snapshot_health_failure_policy: str = field(default="log_and_continue", metadata={"help": "what an anomalous state does", "choices": ["log_and_continue", "skip_snapshot", "refuse_restore"]})
+
+    def __post_init__(self) -> None:
+        if isinstance(self.api_key, str):  # ServerArgs(api_key="k"): one key
+            self.api_key = [self.api_key]

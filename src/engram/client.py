@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 from typing import Any
 
@@ -77,8 +78,8 @@ class EngramClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def request(self, method: str, path: str, body: dict | None = None) -> Any:
-        response = self.http.request(method, path, json=body)
+    def request(self, method: str, path: str, body: dict | None = None, headers: dict[str, str] | None = None) -> Any:
+        response = self.http.request(method, path, json=body, headers=headers)
         if response.status_code >= 400:
             raise _error_for(response)
         return response.json()
@@ -86,10 +87,12 @@ class EngramClient:
     def model(self) -> str:
         return self.request("GET", "/v1/models")["data"][0]["id"]
 
-    def chat(self, messages: list[dict], **fields: Any) -> dict:
-        """POST /v1/chat/completions; extension fields (conversation_id, branch, from_turn) pass through."""
+    def chat(self, messages: list[dict], idempotency_key: str | None = None, **fields: Any) -> dict:
+        """POST /v1/chat/completions; extension fields (conversation_id, branch, from_turn,
+        expected_turn) pass through."""
         body = {"model": fields.pop("model", None) or self.model(), "messages": messages, **fields}
-        return self.request("POST", "/v1/chat/completions", {k: v for k, v in body.items() if v is not None})
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
+        return self.request("POST", "/v1/chat/completions", {k: v for k, v in body.items() if v is not None}, headers)
 
     def generate(self, text: str | None = None, input_ids: list[int] | None = None, **fields: Any) -> dict:
         body = {"text": text, "input_ids": input_ids, **fields}
@@ -149,33 +152,49 @@ class SnapshotManager:
 
 
 class Conversation:
-    """A server-side conversation: `.chat(text)` sends only the new user turn."""
+    """A server-side conversation: `.chat(text)` sends only the new user turn. Each turn carries an
+    idempotency key: a turn whose answer was lost (a timeout, a dropped connection) or that is
+    still in flight is sent again up to `retries` times, and the server answers it once."""
 
-    def __init__(self, client: EngramClient, conversation_id: str | None = None, branch: str = "main", **defaults: Any):
+    def __init__(self, client: EngramClient, conversation_id: str | None = None, branch: str = "main", *,
+                 retries: int = 2, retry_wait: float = 0.5, **defaults: Any):
         self.client = client
         self.conversation_id = conversation_id or f"conv-{uuid.uuid4().hex[:16]}"
         self.branch = branch
+        self.retries, self.retry_wait = retries, retry_wait
         self.defaults = defaults
         self.turn = 0
+        self.epoch: str | None = None  # the server's; it changes when the server restarts
         self.last_response: dict | None = None
         self._fork_from: int | None = None  # the turn a forked branch's first chat starts from
 
     def chat(self, text: str, role: str = "user", from_turn: int | None = None, **fields: Any) -> str:
-        response = self.client.chat(
-            [{"role": role, "content": text}],
-            conversation_id=self.conversation_id,
-            branch=self.branch,
-            from_turn=from_turn if from_turn is not None else self._fork_from,
-            **{**self.defaults, **fields},
-        )
+        key = uuid.uuid4().hex
+        for attempt in range(self.retries + 1):
+            try:
+                response = self.client.chat(
+                    [{"role": role, "content": text}],
+                    idempotency_key=key,
+                    conversation_id=self.conversation_id,
+                    branch=self.branch,
+                    from_turn=from_turn if from_turn is not None else self._fork_from,
+                    **{**self.defaults, **fields},
+                )
+                break
+            except (httpx.TransportError, SnapshotBusyError):
+                if attempt == self.retries:
+                    raise
+                time.sleep(self.retry_wait * 2**attempt)
         self._fork_from = None
         self.turn = response.get("turn", self.turn + 1)
+        self.epoch = response.get("epoch", self.epoch)
         self.last_response = response
         return response["choices"][0]["message"]["content"]
 
     def fork(self, branch: str, from_turn: int) -> "Conversation":
         """A handle on a new branch that will start from `from_turn` of this one."""
-        forked = Conversation(self.client, self.conversation_id, branch, **self.defaults)
+        forked = Conversation(self.client, self.conversation_id, branch, retries=self.retries, retry_wait=self.retry_wait,
+                              **self.defaults)
         forked.turn = from_turn
         forked._fork_from = from_turn
         return forked

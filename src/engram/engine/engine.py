@@ -249,7 +249,10 @@ class LLMEngine:
                 seq = chunk.seq
                 self._counters["prefill_computed"] += max(0, min(chunk.start + chunk.length, seq.num_prompt_tokens) - chunk.start)
                 seq.num_computed += chunk.length
-            completing = [c.seq for c in chunks if c.completes]
+            completing = [c.seq for c in chunks if c.completes]  # one logits row each, sampled unless finished
+            outputs += [self._finish_prefill_only(seq) for seq in completing if seq.params.max_tokens == 0]
+            if all(seq.is_finished for seq in completing):
+                completing = []
             if completing and self.args.enable_overlap_schedule and all(self._overlappable(s.params) for s in completing):
                 launched = self._sample_on_device(logits, completing)
         if self._inflight is not None:
@@ -260,6 +263,11 @@ class LLMEngine:
         elif completing:
             outputs += self._sample_and_append(logits, completing)
         return outputs
+
+    def _finish_prefill_only(self, seq: Sequence) -> RequestOutput:
+        """Finish a sequence that samples nothing (max_tokens 0): its state covers the whole prompt."""
+        self._finish(seq, FinishReason.LENGTH)
+        return self._output(seq)
 
     @staticmethod
     def _overlappable(p: SamplingParams) -> bool:

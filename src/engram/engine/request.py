@@ -16,7 +16,8 @@ SEED_RANGE = 2**64  # seeds are -2^63 .. 2^64 - 1, what torch.Generator takes
 
 @dataclass
 class SamplingParams:
-    """vLLM's names and defaults. `temperature` 0 (below GREEDY_TEMPERATURE) means greedy."""
+    """vLLM's names and defaults. `temperature` 0 (below GREEDY_TEMPERATURE) means greedy;
+    `max_tokens` 0 computes the prompt's state and samples nothing (SGLang's `max_new_tokens` 0)."""
 
     max_tokens: int | None = 16
     temperature: float = 1.0
@@ -45,8 +46,8 @@ class SamplingParams:
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.max_tokens is not None and self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be at least 0, got {self.max_tokens}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:

@@ -6,6 +6,9 @@ The app owns the engine's loop thread: it starts with the app and stops with it.
 from __future__ import annotations
 
 import asyncio
+import logging
+import signal
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -14,15 +17,29 @@ from fastapi import FastAPI
 from engram.args import ServerArgs
 from engram.engine.async_engine import AsyncEngine
 from engram.server import native_routes, openai_routes, snapshot_routes, startup
-from engram.server.auth import AuthConfig, AuthMiddleware
+from engram.server.auth import AuthMiddleware, KeyRing
 from engram.server.body_limit import BodyLimitMiddleware
 from engram.server.conversations import ConversationTurns, build_manager, run_maintenance
 from engram.server.errors import install_error_handlers
 from engram.server.serving import Serving
 
+log = logging.getLogger(__name__)
+
+
+def _reload_keys_on_sighup(keys: KeyRing) -> bool:
+    """Re-read --api-keys-file on SIGHUP (possible only when the server runs in the main thread)."""
+    if not hasattr(signal, "SIGHUP") or threading.current_thread() is not threading.main_thread():
+        log.warning("--api-keys-file is read once: SIGHUP can reload it only when the server runs in the main thread")
+        return False
+    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, keys.reload)
+    return True
+
 
 def create_app(engine: AsyncEngine, args: ServerArgs) -> FastAPI:
     manager = build_manager(engine.engine, args)
+    admin_routers = (native_routes.admin_router, snapshot_routes.admin_router)
+    admin_paths = frozenset(route.path for r in admin_routers for route in r.routes)
+    keys = KeyRing(args.api_key, args.api_keys_file, args.admin_api_key, admin_paths)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -30,9 +47,12 @@ def create_app(engine: AsyncEngine, args: ServerArgs) -> FastAPI:
         await asyncio.to_thread(manager.preload, args.snapshot_preload)
         maintenance = asyncio.create_task(run_maintenance(manager, engine))
         warming = asyncio.create_task(startup.warm_up(app.state.serving, args.enable_warmup))
+        reloading = args.api_keys_file is not None and _reload_keys_on_sighup(keys)
         try:
             yield
         finally:
+            if reloading:
+                asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
             warming.cancel()
             maintenance.cancel()
             await asyncio.to_thread(manager.close, args.shutdown_snapshot_timeout)  # flush, write what only memory holds
@@ -43,10 +63,8 @@ def create_app(engine: AsyncEngine, args: ServerArgs) -> FastAPI:
     app.state.serving = Serving(engine, args.served_model_name or engine.engine.model_path.name, turns)
     app.state.server_args = args
     install_error_handlers(app)
-    admin_routers = (native_routes.admin_router, snapshot_routes.admin_router)
     for router in (openai_routes.router, native_routes.router, snapshot_routes.router, *admin_routers):
         app.include_router(router)
-    admin_paths = frozenset(route.path for r in admin_routers for route in r.routes)
     app.add_middleware(BodyLimitMiddleware, max_bytes=args.max_request_bytes)
-    app.add_middleware(AuthMiddleware, config=AuthConfig(args.api_key, args.admin_api_key, admin_paths))  # outermost: first
+    app.add_middleware(AuthMiddleware, keys=keys)  # outermost: first
     return app

@@ -31,6 +31,7 @@ from engram.state.conversations import (
     SnapshotTrigger,
     TierConfig,
     Turn,
+    TurnAnswer,
     TurnPlan,
     retain_key,
 )
@@ -79,6 +80,22 @@ def build_manager(engine: LLMEngine, args: ServerArgs) -> ConversationManager:
 REPLY_MARKER = "engramReplyMarker7f3a"
 
 
+def new_messages(history: list[dict], messages: list[dict]) -> list[dict]:
+    """The messages a turn adds: past the stored history when the request repeats it first (a
+    client that sends the whole conversation every time). One message is always new; a request
+    that repeats only part of the history, or nothing past it, is ambiguous (400)."""
+    if len(messages) == 1 or not history:
+        return messages
+    same = next((i for i, (a, b) in enumerate(zip(history, messages)) if a != b), min(len(history), len(messages)))
+    if same == 0:
+        return messages
+    if same == len(history) < len(messages):
+        return messages[same:]
+    how = "and add nothing" if same == len(messages) else f"but message {same} differs from it"
+    raise APIError(400, f"the messages repeat the first {same} of the conversation's {len(history)} stored messages {how}: "
+                        "send only the new messages, or the whole stored history followed by them", param="messages")
+
+
 def has_tool_call(text: str) -> bool:
     return any(marker in text for marker in TOOL_CALL_MARKERS)
 
@@ -100,12 +117,22 @@ class ConversationTurns:
     tokenizer: Any
     by_request: OrderedDict[str, tuple[str, str, int]] = field(default_factory=OrderedDict)  # rid -> (conversation, branch, turn)
 
-    async def begin(self, conversation_id: str, branch: str | None, from_turn: int | None) -> TurnPlan:
+    async def begin(
+        self,
+        conversation_id: str,
+        branch: str | None,
+        from_turn: int | None,
+        tenant: str | None = None,
+        idempotency_key: str | None = None,
+        expected_turn: int | None = None,
+    ) -> TurnPlan | Turn:
         """Reserve the conversation and plan the turn, off the event loop (it may read a snapshot
-        file). If the request is cancelled meanwhile (its client left), the thread still finishes
-        and the conversation it reserved is released then."""
+        file); or the turn that `idempotency_key` already made (`ConversationManager.begin`). If
+        the request is cancelled meanwhile (its client left), the thread still finishes and the
+        conversation it reserved is released then."""
+        branch = branch if branch is not None else "main"
         work = asyncio.ensure_future(
-            asyncio.to_thread(self.manager.begin, conversation_id, branch if branch is not None else "main", from_turn)
+            asyncio.to_thread(self.manager.begin, conversation_id, branch, from_turn, tenant, idempotency_key, expected_turn)
         )
         try:
             return await asyncio.shield(work)
@@ -114,8 +141,26 @@ class ConversationTurns:
             raise
 
     def _release_unused(self, work: asyncio.Future) -> None:
-        if not work.cancelled() and work.exception() is None:
+        if not work.cancelled() and work.exception() is None and isinstance(work.result(), TurnPlan):
             self.manager.release(work.result().conversation_id)
+
+    def replay(self, conversation_id: str, turn: Turn, messages: list[dict]) -> RequestOutput:
+        """The answer of a turn made by a request with the same idempotency key, as its output was
+        (without logprobs). The retry must send the same messages (alone, or after the history)."""
+        conv = self.manager.require(conversation_id)
+        answer = turn.answer
+        sent = turn.new_messages[:-1] if answer.completion_tokens else turn.new_messages
+        if messages not in (sent, conv.messages(conv.turns.get(turn.parent)) + sent):
+            raise APIError(422, f"this Idempotency-Key made turn {turn.turn} of conversation {conversation_id!r} "
+                                "with other messages", param="Idempotency-Key", code="idempotency_key_reused")
+        tokens = conv.tokens(turn)
+        prompt, reply = tokens[: len(tokens) - answer.completion_tokens], tokens[len(tokens) - answer.completion_tokens :]
+        text = turn.new_messages[-1]["content"] if answer.completion_tokens else ""
+        return RequestOutput(
+            request_id="", prompt_token_ids=prompt, token_ids=reply, text=text, new_token_ids=reply, new_text=text,
+            finished=True, finish_reason=FinishReason(answer.finish_reason), stop_reason=answer.stop_reason,
+            num_cached_tokens=answer.cached_tokens,
+        )
 
     def engine_kwargs(self, plan: TurnPlan) -> dict[str, Any]:
         """How the engine should start the turn: the state to restore (or the slot to adopt), and
@@ -125,29 +170,32 @@ class ConversationTurns:
             kwargs["retain_key"] = retain_key(plan.conversation_id, plan.ref)
         return kwargs
 
-    def prompt(self, plan: TurnPlan, new_messages: list[dict]) -> list[int]:
-        """The history's exact tokens followed by the template rendering of only the new messages.
-        The template is rendered over the last messages only (O(new tokens), not O(history)) when
-        two windows of them give the same text (`_tail_delta`); else over the whole conversation."""
+    def prompt(self, plan: TurnPlan, new_messages: list[dict], generate: bool = True) -> list[int]:
+        """The history's exact tokens followed by the template rendering of only the new messages
+        (and the generation prompt, unless the turn only appends them). The template is rendered
+        over the last messages only (O(new tokens), not O(history)) when two windows of them give
+        the same text (`_tail_delta`); else over the whole conversation."""
         if self.tokenizer is None:
             raise APIError(400, "the model has no tokenizer: conversations need a chat template")
         if not plan.history_messages:
-            return encode(self.tokenizer, self._render(new_messages, True), add_special_tokens=False)
-        delta = self._tail_delta(plan, new_messages)
+            return encode(self.tokenizer, self._render(new_messages, generate), add_special_tokens=False)
+        delta = self._tail_delta(plan, new_messages, generate)
         if delta is None:
-            delta = self._delta(plan.history_messages, new_messages, plan.history_tokens)
+            delta = self._delta(plan.history_messages, new_messages, plan, generate)
         return plan.history_tokens + encode(self.tokenizer, delta, add_special_tokens=False)
 
-    def _delta(self, history: list[dict], new_messages: list[dict], history_tokens: list[int]) -> str:
+    def _delta(self, history: list[dict], new_messages: list[dict], plan: TurnPlan, generate: bool) -> str:
         """What the history's rendering lacks of the conversation's: the last reply's closing the
-        model did not generate, then the new messages and the generation prompt."""
+        model did not generate (if the history ends with a reply), then the new messages and the
+        generation prompt."""
         before = self._render(history, False)
-        after = self._render(history + new_messages, True)
+        after = self._render(history + new_messages, generate)
         if not after.startswith(before):
             raise APIError(422, "the chat template does not render this conversation incrementally; send the whole conversation without conversation_id")
-        return self._unclosed_reply(history, history_tokens) + after[len(before) :]
+        closing = self._unclosed_reply(history, plan.history_tokens) if plan.history_ends_with_reply else ""
+        return closing + after[len(before) :]
 
-    def _tail_delta(self, plan: TurnPlan, new_messages: list[dict]) -> str | None:
+    def _tail_delta(self, plan: TurnPlan, new_messages: list[dict], generate: bool) -> str | None:
         """`_delta` from two windows of the history: its system message (if first) and its last 2,
         then its last 4 messages. Their agreement says the template renders the new messages
         without reading what lies before the window; None when they differ or one fails."""
@@ -158,7 +206,7 @@ class ConversationTurns:
             if len(head) + size >= len(history):
                 return None  # the windows are (nearly) the whole history: render it
             try:
-                deltas.append(self._delta(head + history[-size:], new_messages, plan.history_tokens))
+                deltas.append(self._delta(head + history[-size:], new_messages, plan, generate))
             except APIError:
                 return None
         return deltas[0] if all(d == deltas[0] for d in deltas) else None
@@ -216,10 +264,13 @@ class ConversationTurns:
 
     async def finish(self, plan: TurnPlan, new_messages: list[dict], out: RequestOutput) -> Turn:
         """Record the turn in a task of the server's own: a client that leaves meanwhile (which
-        cancels its request) neither stops the record nor leaves the conversation reserved."""
-        reply = {"role": "assistant", "content": out.text}
+        cancels its request) neither stops the record nor leaves the conversation reserved. A turn
+        that generated nothing records no reply."""
+        reply = [{"role": "assistant", "content": out.text}] if out.token_ids else []
+        answer = TurnAnswer(plan.idempotency_key, out.finish_reason.value, out.stop_reason, len(out.token_ids), out.num_cached_tokens)
         work = asyncio.ensure_future(asyncio.to_thread(
-            self.manager.finish, plan, out.prompt_token_ids, out.token_ids, new_messages + [reply], out.state, has_tool_call(out.text)
+            self.manager.finish, plan, out.prompt_token_ids, out.token_ids, new_messages + reply, out.state,
+            has_tool_call(out.text), answer,
         ))
         try:
             return await asyncio.shield(work)

@@ -16,6 +16,7 @@ from engram.state.conversations import (
     ConversationError,
     ConversationConflictError,
     ConversationNotFoundError,
+    TurnMismatchError,
 )
 from engram.state.snapshot import (
     InvalidIdError,
@@ -43,12 +44,15 @@ SNAPSHOT_TAG = "snapshots"  # routes with this tag answer invalid bodies with 42
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, *, param: str | None = None, code: str | None = None, extra: dict | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.extra = extra or {}  # more fields of the error object
 
 
 # Conversation and snapshot failures: 404 not found, 409 busy or unusable, 422 invalid.
@@ -72,6 +76,8 @@ def error_for(exc: Exception) -> APIError:
         return exc
     if isinstance(exc, EngineDeadError):
         return APIError(503, str(exc))
+    if isinstance(exc, TurnMismatchError):
+        return APIError(409, str(exc), code="turn_mismatch", extra={"current_turn": exc.current_turn})
     for kind, status, code in _STATUS_OF:
         if isinstance(exc, kind):
             return APIError(status, str(exc), code=code)
@@ -84,7 +90,7 @@ def error_for(exc: Exception) -> APIError:
 def error_body(err: APIError) -> dict:
     kind = _ERROR_TYPES.get(err.status, "invalid_request_error" if err.status < 500 else "server_error")
     # `success` is the snapshot API's field (its predecessor's clients test it).
-    return {"success": False, "error": {"message": err.message, "type": kind, "param": err.param, "code": err.code}}
+    return {"success": False, "error": {"message": err.message, "type": kind, "param": err.param, "code": err.code, **err.extra}}
 
 
 def error_response(err: APIError) -> JSONResponse:

@@ -138,12 +138,13 @@ async def version() -> dict[str, str]:
 
 @router.get("/get_server_info")
 async def get_server_info(raw_request: Request) -> dict[str, Any]:
-    """The version and the arguments the server and engine run with (API keys redacted, and server
-    paths for all but admins)."""
+    """The version, the epoch (new at every start) and the arguments the server and engine run with
+    (API keys redacted, and server paths for all but admins)."""
     hidden = SECRET_ARGS if caller_is_admin(raw_request) else SECRET_ARGS + PATH_ARGS
+    s = get_serving(raw_request)
     server_args = _redacted(dataclasses.asdict(raw_request.app.state.server_args), hidden)
-    engine_args = _redacted(dataclasses.asdict(get_serving(raw_request).engine.engine.args), hidden)
-    return {"version": _version(), "server_args": server_args, "engine_args": engine_args}
+    engine_args = _redacted(dataclasses.asdict(s.engine.engine.args), hidden)
+    return {"version": _version(), "epoch": s.epoch, "server_args": server_args, "engine_args": engine_args}
 
 
 def _redacted(args: dict[str, Any], hidden: tuple[str, ...]) -> dict[str, Any]:

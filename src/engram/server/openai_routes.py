@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -13,8 +14,11 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from engram.engine.request import RequestOutput, SamplingParams, TokenLogprob
-from engram.server.auth import caller_is_admin
+from engram.server.auth import caller_is_admin, caller_of
+from engram.server.conversations import new_messages
+from engram.server.errors import APIError
 from engram.server.protocol import (
+    IDEMPOTENCY_KEY_PATTERN,
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -46,6 +50,7 @@ from engram.server.serving import (
     message_chars,
 )
 from engram.server.streaming import cancel_on_disconnect, sse, sse_response
+from engram.state.conversations import Turn
 
 router = APIRouter()
 
@@ -87,11 +92,12 @@ async def chat_completions(request: ChatCompletionRequest, raw_request: Request)
     messages = [m.template_dict() for m in request.messages]
     params = s.sampling_params(request.sampling_fields())
     rid = f"chatcmpl-{uuid.uuid4().hex}"
+    key = _idempotency_key(request, raw_request)
     if request.conversation_id is None:
         where = ConversationFields()
         streams = await s.generate_choices(rid, await s.encode_chat(messages, request.template_options()), params, request.n)
     else:  # one choice (the protocol refuses n > 1 there)
-        where, outputs = await _conversation_turn(s, request, rid, messages, params)
+        where, outputs = await _conversation_turn(s, request, rid, messages, params, caller_of(raw_request).restricted_to, key)
         streams = [outputs]
     if request.stream:
         return sse_response(_chat_events(s, request, rid, streams, where))
@@ -110,21 +116,46 @@ async def chat_completions(request: ChatCompletionRequest, raw_request: Request)
 
 
 async def _conversation_turn(
-    s: Serving, request: ChatCompletionRequest, rid: str, messages: list[dict], params: SamplingParams
+    s: Serving, request: ChatCompletionRequest, rid: str, messages: list[dict], params: SamplingParams, tenant: str | None,
+    idempotency_key: str | None,
 ) -> tuple[ConversationFields, AsyncIterator[RequestOutput]]:
-    """Start the next turn of a server-side conversation: restore its state, feed only the new tokens."""
+    """Start the next turn of a server-side conversation: restore its state, feed only the new tokens.
+    A retry of a turn already made (same idempotency key) is answered as it was."""
     turns = s.conversations
     s.check_prompt_chars(message_chars(messages), "messages")
     timer = s.metrics.timer(request.conversation_id)  # from arrival: the turn's planning and its prompt count
-    plan = await turns.begin(request.conversation_id, request.branch, request.from_turn)
+    plan = await turns.begin(request.conversation_id, request.branch, request.from_turn, tenant, idempotency_key, request.expected_turn)
+    if isinstance(plan, Turn):
+        where = ConversationFields(conversation_id=request.conversation_id, branch=plan.branch, turn=plan.turn, epoch=s.epoch)
+        return where, _one(turns.replay(request.conversation_id, plan, messages))
     try:
-        prompt = await asyncio.to_thread(turns.prompt, plan, messages)  # the template and tokenizer, off the event loop
+        messages = new_messages(plan.history_messages, messages)
+        # the template and tokenizer, off the event loop
+        prompt = await asyncio.to_thread(turns.prompt, plan, messages, params.max_tokens != 0)
         outputs = await s.generate(rid, prompt, params, timer, **turns.engine_kwargs(plan))
     except BaseException:
         turns.manager.release(plan.conversation_id)
         raise
-    where = ConversationFields(conversation_id=plan.conversation_id, branch=plan.branch, turn=plan.turn)
+    where = ConversationFields(conversation_id=plan.conversation_id, branch=plan.branch, turn=plan.turn, epoch=s.epoch)
     return where, turns.record(rid, plan, messages, outputs)
+
+
+async def _one(out: RequestOutput) -> AsyncIterator[RequestOutput]:
+    yield out
+
+
+def _idempotency_key(request: ChatCompletionRequest, raw_request: Request) -> str | None:
+    """The turn's idempotency key: the `Idempotency-Key` header, or the `turn_id` field."""
+    header = raw_request.headers.get("idempotency-key")
+    if header is None:
+        return request.turn_id
+    if not re.fullmatch(IDEMPOTENCY_KEY_PATTERN, header):
+        raise APIError(400, "the Idempotency-Key header must be 1 to 256 visible ASCII characters", param="Idempotency-Key")
+    if request.conversation_id is None:
+        raise APIError(400, "Idempotency-Key makes a conversation turn exactly-once: it needs a conversation_id", param="Idempotency-Key")
+    if request.turn_id not in (None, header):
+        raise APIError(400, "the Idempotency-Key header and turn_id differ", param="turn_id")
+    return header
 
 
 async def _chat_events(

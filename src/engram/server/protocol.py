@@ -33,6 +33,7 @@ TEMPLATE_RESERVED_KWARGS = frozenset({"chat_template", "conversation", "messages
                                       "return_tensors", "add_generation_prompt", "continue_final_message", "tokenizer_kwargs"})
 # logit_bias maps token ids to biases; JSON object keys are strings ("50256"), so they are parsed.
 LogitBias = dict[Annotated[int, Strict(False)], float]
+IDEMPOTENCY_KEY_PATTERN = r"[\x21-\x7e]{1,256}"  # visible ASCII, as a header value can carry it
 
 
 class _Request(BaseModel):
@@ -168,11 +169,16 @@ class ChatCompletionRequest(_OpenAIRequest, _ChatTemplateOptions):
     conversation_id: str | None = None
     branch: str | None = None
     from_turn: int | None = Field(default=None, ge=1)
+    turn_id: str | None = Field(default=None, pattern=IDEMPOTENCY_KEY_PATTERN)  # the Idempotency-Key header's body form
+    expected_turn: int | None = Field(default=None, ge=0)  # the branch's latest turn as the client knows it (0: none)
 
     @model_validator(mode="after")
     def _conversation_fields_need_an_id(self) -> ChatCompletionRequest:
-        if self.conversation_id is None and (self.branch is not None or self.from_turn is not None):
-            raise ValueError("branch and from_turn need a conversation_id")
+        given = [name for name in ("branch", "from_turn", "turn_id", "expected_turn") if getattr(self, name) is not None]
+        if self.conversation_id is None and given:
+            raise ValueError(f"{', '.join(given)} need a conversation_id")
+        if self.conversation_id is None and 0 in (self.max_tokens, self.max_completion_tokens):
+            raise ValueError("max_tokens 0 appends the messages to a conversation without generating: it needs a conversation_id")
         if self.conversation_id is not None and self.n != 1:
             raise ValueError("a conversation turn has one answer: n must be 1 with a conversation_id")
         if self.conversation_id is not None and self.template_options() != {"add_generation_prompt": True}:
@@ -207,7 +213,7 @@ class ChatCompletionRequest(_OpenAIRequest, _ChatTemplateOptions):
 
 class CompletionRequest(_OpenAIRequest):
     prompt: str | list[int]
-    max_tokens: int | None = 16
+    max_tokens: int | None = Field(default=16, ge=1)
     logprobs: int | None = None
     echo: Any = None
     suffix: Any = None
@@ -330,11 +336,12 @@ class ConversationFields(BaseModel):
     conversation_id: str | None = None
     branch: str | None = None
     turn: int | None = None
+    epoch: str | None = None  # the server's, new at every start: a client sees a restart
 
     @model_serializer(mode="wrap")
     def _drop_unset_conversation(self, handler: Any) -> dict[str, Any]:
         data = handler(self)
-        for key in ("conversation_id", "branch", "turn"):
+        for key in ("conversation_id", "branch", "turn", "epoch"):
             if data.get(key) is None:
                 data.pop(key, None)
         return data

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import secrets
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterator
@@ -51,6 +52,7 @@ class Serving:
         self.staged_states: OrderedDict[str, Any] = OrderedDict()  # rid -> state from /restore_snapshot
         self.created = int(time.time())
         self.startup = Startup()
+        self.epoch = secrets.token_hex(8)  # new at every start: a client that sees it change knows the server restarted
 
     def stage_state(self, rid: str, state: Any) -> None:
         """Hold a restored state for the `/generate` request that will carry this rid."""

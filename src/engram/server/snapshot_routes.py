@@ -1,7 +1,8 @@
 """Snapshot routes with the request bodies of the SGLang-based predecessor (`/save_snapshot`,
 `/list_snapshots`, `/get_snapshot_info`, `/restore_snapshot`, `/delete_snapshot`), and
-`/v1/conversations/{id}`. Status codes are honest: 404 not found, 409 busy or unusable,
-422 invalid; every answer keeps the predecessor's `success` field."""
+`/v1/conversations`. Status codes are honest: 404 not found, 409 busy or unusable,
+422 invalid; every answer keeps the predecessor's `success` field. A tenant (see `auth`) reaches
+only its own conversations: another's is not found, on every route."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ import time
 import uuid
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 
 from engram.server import native_routes
+from engram.server.auth import caller_of
 from engram.server.errors import SNAPSHOT_TAG, APIError
 from engram.server.protocol import (
     ListSnapshotsRequest,
@@ -22,20 +24,33 @@ from engram.server.protocol import (
 )
 from engram.server.serving import Serving, collect, get_serving
 from engram.server.streaming import cancel_on_disconnect, sse_response
-from engram.state.conversations import Conversation, ConversationManager, Turn
+from engram.state.conversations import (
+    Conversation,
+    ConversationManager,
+    ConversationRecordError,
+    Turn,
+)
 from engram.state.snapshot import snapshot_label, validate_id
 
 admin_router = APIRouter(tags=[SNAPSHOT_TAG])  # guarded by --admin-api-key
 router = APIRouter()
 
 
-def _turn_of(s: Serving, selector: SnapshotSelector) -> tuple[Conversation, Turn]:
+def _turn_of(s: Serving, selector: SnapshotSelector, raw_request: Request) -> tuple[Conversation, Turn]:
     manager = s.conversations.manager
-    conv = manager.require(selector.conversation_id)
+    conv = manager.require(selector.conversation_id, caller_of(raw_request).restricted_to)
     branch, turn = selector.target()
     if validate_id(branch, "branch") not in conv.branches():
         raise APIError(404, f"conversation {selector.conversation_id!r} has no branch {branch!r}")
     return conv, manager.find_turn(conv, branch, turn)  # an existing branch has a latest turn
+
+
+def _visible(manager: ConversationManager, conversation_id: str, tenant: str | None) -> bool:
+    try:
+        conv = manager.get(conversation_id)
+    except ConversationRecordError:
+        return tenant is None
+    return conv is not None and conv.visible_to(tenant)
 
 
 def _snapshot_entry(manifest: dict, tokens: list[int], quarantine: dict | None) -> dict[str, Any]:
@@ -72,6 +87,7 @@ async def save_snapshot(body: SaveSnapshotRequest, raw_request: Request) -> dict
         conversation_id, branch, turn = made
     else:
         conversation_id, (branch, turn) = body.conversation_id, body.target()
+    s.conversations.manager.require(conversation_id, caller_of(raw_request).restricted_to)
     saved = await asyncio.to_thread(s.conversations.manager.save, conversation_id, branch, turn)
     return {"success": True, "conversation_id": conversation_id, "branch_name": saved.branch, "turn_number": saved.turn,
             "snapshot_id": saved.ref, "message": f"snapshot of turn {saved.ref} saved"}
@@ -80,14 +96,19 @@ async def save_snapshot(body: SaveSnapshotRequest, raw_request: Request) -> dict
 @admin_router.post("/list_snapshots")
 async def list_snapshots(body: ListSnapshotsRequest, raw_request: Request) -> dict[str, Any]:
     manager = get_serving(raw_request).conversations.manager
+    tenant = caller_of(raw_request).restricted_to
+    if body.conversation_id is not None:
+        manager.require(body.conversation_id, tenant)
     entries = await asyncio.to_thread(manager.snapshots, body.conversation_id)
+    if tenant is not None and body.conversation_id is None:
+        entries = [m for m in entries if _visible(manager, m["conversation_id"], tenant)]
     return {"success": True, "snapshots": [_entry(manager, m) for m in entries]}
 
 
 @admin_router.post("/get_snapshot_info")
 async def get_snapshot_info(body: SnapshotSelector, raw_request: Request) -> dict[str, Any]:
     s = get_serving(raw_request)
-    _, turn = _turn_of(s, body)
+    _, turn = _turn_of(s, body, raw_request)
     manager = s.conversations.manager
     manifest = await asyncio.to_thread(manager.snapshot_manifest, body.conversation_id, turn)
     return {"success": True, **_entry(manager, manifest)}
@@ -96,7 +117,7 @@ async def get_snapshot_info(body: SnapshotSelector, raw_request: Request) -> dic
 @admin_router.post("/delete_snapshot")
 async def delete_snapshot(body: SnapshotSelector, raw_request: Request) -> dict[str, Any]:
     s = get_serving(raw_request)
-    _, turn = _turn_of(s, body)
+    _, turn = _turn_of(s, body, raw_request)
     await asyncio.to_thread(s.conversations.manager.delete_snapshot, body.conversation_id, turn.branch, turn.turn)
     return {"success": True, "message": f"snapshot of turn {turn.ref} deleted"}
 
@@ -108,7 +129,7 @@ async def restore_snapshot(body: RestoreSnapshotRequest, raw_request: Request):
     request of that id) or, with `create_new_request`, restore and generate from
     `fill_ids + continuation_ids` computing only the new tokens."""
     s = get_serving(raw_request)
-    _, turn = _turn_of(s, body)
+    _, turn = _turn_of(s, body, raw_request)
     manager = s.conversations.manager
     if not manager.health.restore_allowed(manager.quarantine, body.conversation_id, turn.ref):
         raise APIError(409, f"the snapshot of turn {turn.ref} is quarantined and the health policy refuses to restore it",
@@ -131,13 +152,40 @@ async def restore_snapshot(body: RestoreSnapshotRequest, raw_request: Request):
     return {"success": True, **native_routes.generate_response(rid, out, None, start).model_dump()}
 
 
-@router.get("/v1/conversations/{conversation_id}")
-async def get_conversation(conversation_id: str, raw_request: Request) -> dict[str, Any]:
-    conv = get_serving(raw_request).conversations.manager.require(conversation_id)
+MAX_LISTED_CONVERSATIONS = 100
+
+
+@router.get("/v1/conversations")
+async def list_conversations(
+    raw_request: Request, limit: int = Query(default=20, ge=1, le=MAX_LISTED_CONVERSATIONS), after: str | None = None
+) -> dict[str, Any]:
+    """The caller's conversations in id order, a page of `limit` from the first id past `after`."""
+    manager = get_serving(raw_request).conversations.manager
+    page = await asyncio.to_thread(manager.visible, caller_of(raw_request).restricted_to, after, limit + 1)
+    data = [_conversation_summary(conv) for conv in page[:limit]]
+    return {"object": "list", "data": data, "has_more": len(page) > limit, "last_id": data[-1]["id"] if data else None}
+
+
+def _conversation_summary(conv: Conversation) -> dict[str, Any]:
     return {
         "id": conv.conversation_id,
         "object": "conversation",
         "created_at": conv.created_at,
+        "owner": conv.owner,
+        "latest_turns": {branch: conv.latest(branch).turn for branch in conv.branches()},
+    }
+
+
+@router.get("/v1/conversations/{conversation_id}")
+async def get_conversation(conversation_id: str, raw_request: Request) -> dict[str, Any]:
+    s = get_serving(raw_request)
+    conv = s.conversations.manager.require(conversation_id, caller_of(raw_request).restricted_to)
+    return {
+        "id": conv.conversation_id,
+        "object": "conversation",
+        "created_at": conv.created_at,
+        "owner": conv.owner,
+        "epoch": s.epoch,
         "branches": {
             branch: {
                 "latest_turn": conv.latest(branch).turn,
@@ -156,14 +204,19 @@ async def get_conversation(conversation_id: str, raw_request: Request) -> dict[s
 
 @router.delete("/v1/conversations/{conversation_id}")
 async def delete_conversation(conversation_id: str, raw_request: Request) -> dict[str, Any]:
-    await asyncio.to_thread(get_serving(raw_request).conversations.manager.delete_conversation, conversation_id)
+    manager = get_serving(raw_request).conversations.manager
+    await asyncio.to_thread(manager.delete_conversation, conversation_id, caller_of(raw_request).restricted_to)
     return {"id": conversation_id, "object": "conversation.deleted", "deleted": True}
 
 
 @router.get("/v1/state/stats")
 async def state_stats(raw_request: Request) -> dict[str, Any]:
     s = get_serving(raw_request)
-    stats = s.conversations.manager.state_stats()
+    manager = s.conversations.manager
+    stats = manager.state_stats()
+    tenant = caller_of(raw_request).restricted_to
+    if tenant is not None:  # other tenants' conversation ids are not shown
+        stats["quarantined"] = [q for q in stats["quarantined"] if _visible(manager, q["conversation_id"], tenant)]
     engine = s.engine.stats()
     stats["tiers"]["active"]["engine_slots"] = engine.retained_slots
     stats["engine"] = {"state_slots_used": engine.state_slots_used, "state_slots_total": engine.state_slots_total,

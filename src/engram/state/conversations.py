@@ -68,6 +68,14 @@ class ConversationConflictError(ConversationError):
     pass
 
 
+class TurnMismatchError(ConversationConflictError):
+    """The turn the client expected to be the latest is not."""
+
+    def __init__(self, message: str, current_turn: int):
+        super().__init__(message)
+        self.current_turn = current_turn
+
+
 class ConversationRecordError(SnapshotCorruptError):
     """A conversation record that cannot be read (the conversation is unusable until it is fixed)."""
 
@@ -117,6 +125,18 @@ def ref_name(branch: str, turn: int) -> str:
 
 
 @dataclass
+class TurnAnswer:
+    """What the request that made a turn was answered, beyond the turn's tokens and messages: kept so
+    that a retry with the same idempotency key is answered the same."""
+
+    idempotency_key: str | None
+    finish_reason: str | None
+    stop_reason: str | int | None
+    completion_tokens: int  # the reply's tokens, at the end of the turn's new tokens (0: appended without a reply)
+    cached_tokens: int
+
+
+@dataclass
 class Turn:
     branch: str
     turn: int
@@ -127,10 +147,20 @@ class Turn:
     created_at: float = field(default_factory=time.time)
     tool_calls: bool = False
     snapshot: bool = False  # a snapshot file holds this turn's state
+    answer: TurnAnswer | None = None  # None: recorded before answers were (or not through the server)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.answer, dict):  # read from a record
+            self.answer = TurnAnswer(**self.answer)
 
     @property
     def ref(self) -> str:
         return ref_name(self.branch, self.turn)
+
+    @property
+    def reply(self) -> bool:
+        """Whether its messages end with the model's reply (not so for one appended with max_tokens 0)."""
+        return self.answer is None or self.answer.completion_tokens > 0
 
 
 @dataclass
@@ -138,6 +168,11 @@ class Conversation:
     conversation_id: str
     turns: dict[str, Turn] = field(default_factory=dict)
     created_at: float = field(default_factory=time.time)
+    owner: str | None = None  # the tenant that made it; None: made without one (seen only by callers who see all)
+
+    def visible_to(self, tenant: str | None) -> bool:
+        """Whether `tenant` may touch it; None: a caller who sees every conversation."""
+        return tenant is None or tenant == self.owner
 
     def latest(self, branch: str) -> Turn | None:
         own = [t for t in self.turns.values() if t.branch == branch]
@@ -160,13 +195,18 @@ class Conversation:
     def branches(self) -> list[str]:
         return sorted({t.branch for t in self.turns.values()})
 
+    def made_by(self, idempotency_key: str) -> Turn | None:
+        """The turn the request with this idempotency key made."""
+        return next((t for t in self.turns.values() if t.answer is not None and t.answer.idempotency_key == idempotency_key), None)
+
     def to_json(self) -> dict:
-        return {"conversation_id": self.conversation_id, "created_at": self.created_at, "turns": [asdict(t) for t in self.turns.values()]}
+        return {"conversation_id": self.conversation_id, "created_at": self.created_at, "owner": self.owner,
+                "turns": [asdict(t) for t in self.turns.values()]}
 
     @classmethod
     def from_json(cls, data: dict) -> "Conversation":
         turns = [Turn(**t) for t in data["turns"]]
-        return cls(data["conversation_id"], {t.ref: t for t in turns}, data.get("created_at", time.time()))
+        return cls(data["conversation_id"], {t.ref: t for t in turns}, data.get("created_at", time.time()), data.get("owner"))
 
 
 @dataclass
@@ -183,6 +223,8 @@ class TurnPlan:
     state_tier: str | None  # "active", "warm" or "cold"; None: the whole history is prefilled
     resume_key: str | None = None  # the engine slot still holding the base turn's state, if any
     load_seconds: float = 0.0  # time spent reading and verifying a snapshot file
+    idempotency_key: str | None = None  # the request's, recorded with the turn
+    history_ends_with_reply: bool = False  # the base turn's messages end with the model's reply
 
     @property
     def ref(self) -> str:
@@ -227,7 +269,7 @@ class ConversationManager:
         self.quarantine = Quarantine(self.root / QUARANTINE_NAME if self.root is not None else None, clock=clock)
         self.quarantine.list()  # read now: an unreadable list stops the start with its message, not every later request
         self._conversations: dict[str, Conversation] = {}
-        self._busy: set[str] = set()
+        self._busy: dict[str, str | None] = {}  # conversation -> the idempotency key of its request in flight
         self._unsaved_by_health: set[tuple[str, str]] = set()  # turns whose state the health policy kept off disk
         self._unrecorded: set[str] = set()  # async: conversations whose answered turns a failed record write left out
         self._pending_release: list[str] = []  # engine slots of forgotten turns, handed out by `maintain`
@@ -281,9 +323,11 @@ class ConversationManager:
                 log.warning("removing %s: the temp file of a write that never finished", path)
                 path.unlink(missing_ok=True)
 
-    def require(self, conversation_id: str) -> Conversation:
+    def require(self, conversation_id: str, tenant: str | None = None) -> Conversation:
+        """The conversation, if `tenant` may see it (None: any); another tenant's is not found, as a
+        missing one (its existence is not confirmed)."""
         conv = self.get(conversation_id)
-        if conv is None:
+        if conv is None or not conv.visible_to(tenant):
             raise ConversationNotFoundError(f"conversation {conversation_id!r} not found")
         return conv
 
@@ -299,6 +343,24 @@ class ConversationManager:
                 ids |= {p.parent.name for p in self.root.glob(f"*/{RECORD_NAME}") if not (p.is_symlink() or p.parent.is_symlink())}
             return sorted(ids)
 
+    def visible(self, tenant: str | None, after: str | None = None, limit: int | None = None) -> list[Conversation]:
+        """The conversations `tenant` may see (None: all), in id order, from the first id past
+        `after`, at most `limit`. An unreadable record is logged and left out."""
+        out: list[Conversation] = []
+        for cid in self.list_ids():
+            if limit is not None and len(out) >= limit:
+                break
+            if after is not None and cid <= after:
+                continue
+            try:
+                conv = self.get(cid)
+            except ConversationRecordError as e:
+                log.warning("listing conversations: %s", e)
+                continue
+            if conv is not None and conv.turns and conv.visible_to(tenant):
+                out.append(conv)
+        return out
+
     # ---- turns --------------------------------------------------------------------------------
 
     def find_turn(self, conv: Conversation, branch: str, turn: int | None) -> Turn | None:
@@ -312,22 +374,45 @@ class ConversationManager:
             raise ConversationNotFoundError(f"conversation {conv.conversation_id!r} has no turn {turn} on branch {branch!r}")
         return match
 
-    def begin(self, conversation_id: str, branch: str = "main", from_turn: int | None = None) -> TurnPlan:
+    def begin(
+        self,
+        conversation_id: str,
+        branch: str = "main",
+        from_turn: int | None = None,
+        tenant: str | None = None,
+        idempotency_key: str | None = None,
+        expected_turn: int | None = None,
+    ) -> TurnPlan | Turn:
         """Reserve the conversation for one new turn (409 if already busy) and say what it starts
-        from. A cold load happens outside the manager's lock: other conversations go on meanwhile."""
+        from. A cold load happens outside the manager's lock: other conversations go on meanwhile.
+        A new conversation belongs to `tenant`; another tenant's is not found. Returns the turn that
+        `idempotency_key` already made, if any (nothing reserved); refuses a new turn unless the
+        branch's latest is `expected_turn` (0: none yet), when given."""
         validate_id(conversation_id, "conversation_id")
         validate_id(branch, "branch")
         with self._lock:
+            conv = self.get(conversation_id) or Conversation(conversation_id, owner=tenant)
+            if not conv.visible_to(tenant):
+                raise ConversationNotFoundError(f"conversation {conversation_id!r} not found")
+            made = conv.made_by(idempotency_key) if idempotency_key is not None else None
+            if made is not None:
+                return made
             if conversation_id in self._busy:
+                if idempotency_key is not None and self._busy[conversation_id] == idempotency_key:
+                    raise ConversationBusyError(f"the turn with Idempotency-Key {idempotency_key!r} is still in flight; "
+                                                "retry once it has finished to get its answer")
                 raise ConversationBusyError(f"conversation {conversation_id!r} already has a request in flight")
-            conv = self.get(conversation_id) or Conversation(conversation_id)
-            if from_turn is None and branch != "main" and conv.turns and conv.latest(branch) is None:
+            latest = conv.latest(branch)
+            current = latest.turn if latest is not None else 0
+            if expected_turn is not None and expected_turn != current:
+                raise TurnMismatchError(f"expected_turn is {expected_turn} but the latest turn of branch {branch!r} is {current}", current)
+            if from_turn is None and branch != "main" and conv.turns and latest is None:
                 raise ConversationNotFoundError(f"branch {branch!r} does not exist; pass from_turn to fork it")
             base = self.find_turn(conv, branch, from_turn)
             if base is not None and base.branch == branch:
                 self._check_regenerable(conv, base)
             self._conversations.setdefault(conversation_id, conv)
-            self._busy.add(conversation_id)
+            self._busy[conversation_id] = idempotency_key
             self.last_used[conversation_id] = self.clock()
             adoptable = base is not None and not self.health.refuses(self.quarantine, conversation_id, base.ref)
             active_since = self.active.pop((conversation_id, base.ref), None) if adoptable else None
@@ -360,6 +445,8 @@ class ConversationManager:
             state_tier=tier,
             resume_key=resume_key,
             load_seconds=load_seconds,
+            idempotency_key=idempotency_key,
+            history_ends_with_reply=base is not None and base.reply,
         )
 
     def _check_regenerable(self, conv: Conversation, base: Turn) -> None:
@@ -404,6 +491,7 @@ class ConversationManager:
         new_messages: list[dict],
         state: SequenceState | None,
         tool_calls: bool = False,
+        answer: TurnAnswer | None = None,
     ) -> Turn:
         """Record the turn, keep its state warm (and its engine slot active), snapshot it per the
         policy (now, or written behind with async durability), release the conversation."""
@@ -418,6 +506,7 @@ class ConversationManager:
                     new_messages=new_messages,
                     state_len=state.state_len if state else 0,
                     tool_calls=tool_calls,
+                    answer=answer,
                 )
                 replaced = [t for t in conv.turns.values() if t.branch == plan.branch and t.turn >= plan.turn]
                 recorded = bool(replaced) and self.writer is None
@@ -504,7 +593,7 @@ class ConversationManager:
 
     def release(self, conversation_id: str) -> None:
         with self._lock:
-            self._busy.discard(conversation_id)
+            self._busy.pop(conversation_id, None)
             conv = self._conversations.get(conversation_id)
             if conv is not None and not conv.turns:  # its first turn failed: there is no conversation
                 del self._conversations[conversation_id]
@@ -653,15 +742,18 @@ class ConversationManager:
                 target.snapshot = False
                 self._persist(conv)
 
-    def delete_conversation(self, conversation_id: str) -> None:
-        """Forget the conversation and delete its files (also when its record is unreadable); a
-        link in its folder refuses it all, before anything is forgotten."""
+    def delete_conversation(self, conversation_id: str, tenant: str | None = None) -> None:
+        """Forget the conversation and delete its files (also when its record is unreadable, unless
+        for a `tenant`: whose it is cannot be told); a link in its folder refuses it all, before
+        anything is forgotten."""
         with self._lock:
             if self.persistent:
                 check_no_links_under(self.root, self.root / validate_id(conversation_id, "conversation_id"))
             try:
-                conv = self.require(conversation_id)
+                conv = self.require(conversation_id, tenant)
             except ConversationRecordError:
+                if tenant is not None:
+                    raise
                 conv = None
             if conversation_id in self._busy:
                 raise ConversationBusyError(f"conversation {conversation_id!r} has a request in flight")
