@@ -22,6 +22,7 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_speed import find_config  # noqa: E402
+
 from engram.models.spec import parse_model_spec  # noqa: E402
 from engram.ops.triton_ops import linear, moe, ssd  # noqa: E402
 

@@ -402,9 +402,13 @@ def commit() -> str:
         return "unknown"
 
 
+def ints(text: str) -> list[int]:
+    """A comma-separated list of integers (a flag's value)."""
+    return [int(x) for x in text.split(",") if x]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ints = lambda s: [int(x) for x in s.split(",") if x]
     ap.add_argument("--config", default="granite-4.0-h-tiny")
     ap.add_argument("--tiny", action="store_true", help="shrink the model to a few narrow layers (a CPU run)")
     ap.add_argument("--device", default="auto")

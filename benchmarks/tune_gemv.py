@@ -26,6 +26,7 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_speed import find_config, replay_seconds  # noqa: E402
+
 from engram.models.spec import parse_model_spec  # noqa: E402
 from engram.ops import triton_ops  # noqa: E402
 

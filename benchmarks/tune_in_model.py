@@ -23,9 +23,9 @@ import json
 import runpy
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_speed import build_models, engine_decode, find_config  # noqa: E402
+
 from engram.ops import dispatch, triton_ops  # noqa: E402
 from engram.ops import moe as moe_ref  # noqa: E402
 

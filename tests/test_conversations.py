@@ -4,8 +4,8 @@ branches, regeneration, policies, retention, restart."""
 from __future__ import annotations
 
 import pytest
-
 from engine_utils import greedy, make_engine, random_prompt, run_to_end
+
 from engram.state.conversations import (
     ConversationBusyError,
     ConversationConflictError,
@@ -19,9 +19,9 @@ from engram.state.conversations import (
     retain_key,
 )
 from engram.state.health import Decision, HealthMonitor
+from engram.state.identity import ModelIdentity, tokenizer_fingerprint
 from engram.state.snapshot import SnapshotCorruptError
 from engram.state.store import WarmCache
-from engram.state.identity import ModelIdentity, tokenizer_fingerprint
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from engine_utils import greedy, make_engine, random_prompt, record_logits, run_to_end
+
 from engram.engine.request import FinishReason, SamplingParams
 from engram.state.sequence_state import SequenceState
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from engine_utils import greedy, make_engine, random_prompt, run_to_end
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (side-stream copies)")

@@ -10,8 +10,8 @@ import gc
 
 import pytest
 import torch
-
 from engine_utils import greedy, make_engine, random_prompt, run_to_end
+
 from engram.engine import runner as runner_mod
 from engram.engine.request import SamplingParams
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from checkpoints import KINDS, write_checkpoint
 from engine_utils import greedy, make_engine, random_prompt, record_logits, run_to_end
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import io
-import re
 import os
+import re
 import signal
 import socket
 import subprocess

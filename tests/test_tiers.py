@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from engine_utils import greedy, make_engine, random_prompt, run_to_end
+
 from engram.state.conversations import ConversationManager, SnapshotPolicy, SnapshotTrigger, TierConfig, retain_key
 from engram.state.health import HealthConfig, HealthMonitor, HealthPolicy
 from engram.state.identity import ModelIdentity, tokenizer_fingerprint

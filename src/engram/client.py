@@ -72,7 +72,7 @@ class EngramClient:
     def close(self) -> None:
         self.http.close()
 
-    def __enter__(self) -> "EngramClient":
+    def __enter__(self) -> EngramClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -104,7 +104,7 @@ class EngramClient:
     def delete_conversation(self, conversation_id: str) -> dict:
         return self.request("DELETE", f"/v1/conversations/{conversation_id}")
 
-    def conversation(self, conversation_id: str | None = None, branch: str = "main", **defaults: Any) -> "Conversation":
+    def conversation(self, conversation_id: str | None = None, branch: str = "main", **defaults: Any) -> Conversation:
         return Conversation(self, conversation_id, branch, **defaults)
 
 
@@ -191,7 +191,7 @@ class Conversation:
         self.last_response = response
         return response["choices"][0]["message"]["content"]
 
-    def fork(self, branch: str, from_turn: int) -> "Conversation":
+    def fork(self, branch: str, from_turn: int) -> Conversation:
         """A handle on a new branch that will start from `from_turn` of this one."""
         forked = Conversation(self.client, self.conversation_id, branch, retries=self.retries, retry_wait=self.retry_wait,
                               **self.defaults)

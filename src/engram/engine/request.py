@@ -8,7 +8,6 @@ from enum import Enum
 
 from engram.state.sequence_state import SequenceState
 
-
 # Temperatures below this count as 0 (greedy), as in vLLM: dividing logits by them overflows.
 GREEDY_TEMPERATURE = 1e-5
 SEED_RANGE = 2**64  # seeds are -2^63 .. 2^64 - 1, what torch.Generator takes

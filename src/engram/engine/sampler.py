@@ -13,7 +13,7 @@ tokens on any device."""
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Callable, Iterable, Mapping
 
 import torch
 from safetensors import safe_open
@@ -35,7 +36,7 @@ def _empty_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> C
 
 def _fill(model: CausalLM, spec: ModelSpec, tensors: Iterable[tuple[str, str, Callable[[], torch.Tensor]]]) -> CausalLM:
     """Copy checkpoint tensors (source name, tensor name, getter) into the model's parameters."""
-    params = dict(model.named_parameters(remove_duplicate=False))
+    params: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
     params.update(model.named_buffers(remove_duplicate=False))
     loaded: set[str] = set()
     rows_loaded: dict[str, set[int]] = {}  # parameters filled by rows (experts, packed parts)
@@ -58,8 +59,8 @@ def _fill(model: CausalLM, spec: ModelSpec, tensors: Iterable[tuple[str, str, Ca
             rows = range(*row.indices(param.shape[0])) if isinstance(row, slice) else (row,)
             rows_loaded.setdefault(target, set()).update(rows)
     partly = {}  # parameters filled by rows, some of them missing: which
-    for target, rows in rows_loaded.items():
-        absent = sorted(set(range(params[target].shape[0])) - rows)
+    for target, filled in rows_loaded.items():
+        absent = sorted(set(range(params[target].shape[0])) - filled)
         if absent:
             partly[target] = f"{target} (rows {_spans(absent)})"
         else:
@@ -75,7 +76,7 @@ def _fill(model: CausalLM, spec: ModelSpec, tensors: Iterable[tuple[str, str, Ca
 def _spans(rows: list[int]) -> str:
     """Sorted row numbers as ranges: [0, 1, 2, 7] -> "0:3, 7:8"."""
     spans, start = [], rows[0]
-    for prev, row in zip(rows, rows[1:] + [None]):
+    for prev, row in zip(rows, rows[1:] + [-1]):
         if row != prev + 1:
             spans.append(f"{start}:{prev + 1}")
             start = row
@@ -105,4 +106,8 @@ def load_model_from_state_dict(
     """Build a model from tensors already in memory under checkpoint names (e.g. a `transformers`
     model's `state_dict()`), so that both engines run on the same weights (benchmarks, tests)."""
     model = _empty_model(spec, dtype, device)
-    return _fill(model, spec, (("state_dict", name, lambda t=t: t) for name, t in state_dict.items()))
+    return _fill(model, spec, (("state_dict", name, functools.partial(_same, t)) for name, t in state_dict.items()))
+
+
+def _same(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor

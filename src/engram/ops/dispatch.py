@@ -10,8 +10,8 @@ in place; the references do it with gather/scatter, the fast kernels read and wr
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Callable
 
 import torch.nn.functional as F
 

@@ -13,8 +13,8 @@ from starlette.exceptions import HTTPException
 from engram.engine.async_engine import EngineDeadError
 from engram.state.conversations import (
     ConversationBusyError,
-    ConversationError,
     ConversationConflictError,
+    ConversationError,
     ConversationNotFoundError,
     TurnMismatchError,
 )

@@ -26,7 +26,6 @@ from engram.server.errors import APIError
 from engram.server.metrics import Metrics, RequestTimer
 from engram.server.tokens import encode
 
-
 MAX_STAGED_STATES = 64
 # From this many prompt tokens, the n choices of a request share one prefill: the state one token
 # short of the prompt is computed once and restored into every choice, which computes the last one.

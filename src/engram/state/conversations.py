@@ -23,7 +23,6 @@ from engram.models.spec import ModelSpec
 from engram.state.health import HealthMonitor, Quarantine
 from engram.state.identity import ModelIdentity
 from engram.state.sequence_state import SequenceState, StateDtypes
-from engram.state.store import Clock, SnapshotWriter, TierStats, WarmCache
 from engram.state.snapshot import (
     QUARANTINE_NAME,
     RECORD_NAME,
@@ -48,6 +47,7 @@ from engram.state.snapshot import (
     snapshot_path,
     validate_id,
 )
+from engram.state.store import Clock, SnapshotWriter, TierStats, WarmCache
 
 log = logging.getLogger(__name__)
 
@@ -204,7 +204,7 @@ class Conversation:
                 "turns": [asdict(t) for t in self.turns.values()]}
 
     @classmethod
-    def from_json(cls, data: dict) -> "Conversation":
+    def from_json(cls, data: dict) -> Conversation:
         turns = [Turn(**t) for t in data["turns"]]
         return cls(data["conversation_id"], {t.ref: t for t in turns}, data.get("created_at", time.time()), data.get("owner"))
 

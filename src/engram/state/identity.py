@@ -38,7 +38,7 @@ class ModelIdentity:
     weights_fingerprint: str
 
     @classmethod
-    def of(cls, spec: ModelSpec, model_path: str | Path) -> "ModelIdentity":
+    def of(cls, spec: ModelSpec, model_path: str | Path) -> ModelIdentity:
         return cls(spec.architecture, spec.config_sha256, weights_fingerprint(model_path))
 
 

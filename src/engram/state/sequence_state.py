@@ -34,7 +34,7 @@ class SequenceState:
     tensors: dict[str, torch.Tensor]
     ready: torch.cuda.Event | None = field(default=None, repr=False, compare=False)
 
-    def wait(self) -> "SequenceState":
+    def wait(self) -> SequenceState:
         if self.ready is not None:
             self.ready.synchronize()
             self.ready = None
@@ -48,7 +48,7 @@ class SequenceState:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
-    def without_attention_kv(self) -> "SequenceState":
+    def without_attention_kv(self) -> SequenceState:
         """A copy that lacks every attention layer's KV (used to show such a state is wrong)."""
         kept = {k: v for k, v in self.tensors.items() if not k.endswith((".k", ".v"))}
         return SequenceState(list(self.tokens), self.state_len, kept)

@@ -3,7 +3,7 @@ experts as GEMVs per pair (small batch) or a grouped GEMM over expert-sorted blo
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
