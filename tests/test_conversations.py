@@ -577,3 +577,36 @@ def test_a_snapshot_retention_cannot_delete_does_not_undo_the_turn(engine, tmp_p
     restarted = manager_for(engine, tmp_path)
     assert [s["turn"] for s in restarted.snapshots("e")] == [2]
     assert not (tmp_path / "e" / "main" / "000001.safetensors").exists()  # the orphan went on load
+
+
+def test_another_conversation_begins_while_a_snapshot_file_is_written(engine, tmp_path, monkeypatch):
+    """A turn's snapshot (the whole history's KV) is written outside the manager's lock: while one
+    conversation's write is held, another conversation's turn is planned; the held turn is then
+    recorded with its snapshot as usual."""
+    import threading
+
+    from engram.state import conversations
+
+    manager = manager_for(engine, tmp_path)
+    take_turn(engine, manager, "other", random_prompt(5, 1), max_tokens=3)
+    writing, release = threading.Event(), threading.Event()
+    save = conversations.save_snapshot
+
+    def held_save(*args, **kwargs):
+        writing.set()
+        assert release.wait(30)
+        return save(*args, **kwargs)
+
+    monkeypatch.setattr(conversations, "save_snapshot", held_save)
+    held = threading.Thread(target=take_turn, args=(engine, manager, "held", random_prompt(5, 2)), kwargs={"max_tokens": 3})
+    held.start()
+    assert writing.wait(30)
+    planned = []
+    begin = threading.Thread(target=lambda: planned.append(manager.begin("other")))
+    begin.start()
+    begin.join(10)
+    release.set()
+    held.join(30)
+    assert planned and planned[0].turn == 2  # planned while the other write was still held
+    manager.release("other")
+    assert [s["turn"] for s in manager.snapshots("held")] == [1]

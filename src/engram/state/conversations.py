@@ -566,16 +566,27 @@ class ConversationManager:
         that cannot be written is logged and counted: the turn is recorded without it (its state
         is recomputed from its tokens when needed). A record that cannot be written undoes the
         turn, so that memory never holds a turn the disk lacks; unless the record already holds
-        it (`recorded`: a regenerate's, see `_persist_replacing`), then only its snapshot is left out."""
+        it (`recorded`: a regenerate's, see `_persist_replacing`), then only its snapshot is left out.
+
+        The snapshot file (the whole history's KV) is written outside the manager's lock, so other
+        conversations' turns begin meanwhile; this one is still reserved (sync) or is checked
+        again after the write (async: a turn forgotten meanwhile leaves an orphan file, removed on
+        the next load, and its manifest names the old turn, so it is never loaded for a new one)."""
         with self._lock:
             if conv.turns.get(turn.ref) is not turn:  # forgotten meanwhile (regenerated or deleted)
                 return
-            if state is not None:
-                try:
-                    self._write_snapshot(conv, turn, state)
-                except (SnapshotError, OSError) as e:
-                    log.warning("snapshot of conversation %r turn %s not written, the turn is recorded without it: %s",
-                                conv.conversation_id, turn.ref, e)
+        written = False
+        if state is not None:
+            try:
+                self._save_file(conv, turn, state)
+                written = True
+            except (SnapshotError, OSError) as e:
+                log.warning("snapshot of conversation %r turn %s not written, the turn is recorded without it: %s",
+                            conv.conversation_id, turn.ref, e)
+        with self._lock:
+            if conv.turns.get(turn.ref) is not turn:
+                return
+            turn.snapshot = turn.snapshot or written
             if recorded and not turn.snapshot:
                 return
             try:
@@ -602,15 +613,21 @@ class ConversationManager:
     # ---- snapshots ------------------------------------------------------------------------------
 
     def _write_snapshot(self, conv: Conversation, turn: Turn, state: SequenceState) -> None:
+        self._save_file(conv, turn, state)
+        turn.snapshot = True
+
+    def _save_file(self, conv: Conversation, turn: Turn, state: SequenceState) -> None:
+        """Write the turn's snapshot file (counted and timed); the record does not point at it yet."""
         meta = SnapshotMeta(conversation_id=conv.conversation_id, branch=turn.branch, turn=turn.turn, parent=turn.parent)
         started = time.perf_counter()
         try:
             save_snapshot(self.root, state, meta, self.spec, self.dtypes, self.model, self.tokenizer_sha256)
         except Exception:
-            self.stats.snapshot_write_failures += 1
+            with self._lock:
+                self.stats.snapshot_write_failures += 1
             raise
-        self.stats.snapshot_write_seconds.observe(time.perf_counter() - started)
-        turn.snapshot = True
+        with self._lock:
+            self.stats.snapshot_write_seconds.observe(time.perf_counter() - started)
 
     def _beyond_retention(self, conv: Conversation, branch: str, extra: Turn | None = None) -> list[Turn]:
         """The turns of `branch` whose snapshots the retention count drops (counting `extra` as saved)."""
