@@ -6,6 +6,7 @@ import logging
 
 from engram.args import ServerArgs
 from engram.server.serving import Serving
+from engram.state.snapshot import reason_without_paths
 
 log = logging.getLogger("engram.server")
 
@@ -35,7 +36,7 @@ async def warm_up(serving: Serving, enabled: bool) -> None:
         report = await serving.engine.warm_up(on_stage, enabled)
     except Exception as e:
         log.exception("warm-up failed: the server stays unready")
-        state.status, state.stage = "failed", f"warm-up failed: {e!r}"
+        state.status, state.stage = "failed", f"warm-up failed: {type(e).__name__}: {reason_without_paths(e)}"  # /health is open: no paths
         return
     state.status, state.stage = "ready", "ready"
     if report is not None:
