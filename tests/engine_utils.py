@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
 from engram.args import EngineArgs
 from engram.engine.engine import LLMEngine
 from engram.engine.request import RequestOutput, SamplingParams
+from engram.state.chunks import STORE_NAME
 
 
 def make_engine(path: str, **overrides) -> LLMEngine:
@@ -43,3 +47,10 @@ def record_logits(engine: LLMEngine) -> list[torch.Tensor]:
 
 def random_prompt(n: int, seed: int, vocab: int = 256) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def store_file(manifest_path: Path, piece: int | None = None) -> Path:
+    """The store file a turn's v2 manifest names: its checkpoint, or its `piece`-th KV piece."""
+    refs = json.loads(manifest_path.read_text())["store"]
+    kind, key = ("ckpt", refs["checkpoint"][0]) if piece is None else ("kv", refs["pieces"][piece][2])
+    return manifest_path.parents[2] / STORE_NAME / kind / key[:2] / f"{key}.safetensors"

@@ -3,8 +3,10 @@ branches, regeneration, policies, retention, restart."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
-from engine_utils import greedy, make_engine, random_prompt, run_to_end
+from engine_utils import greedy, make_engine, random_prompt, run_to_end, store_file
 
 from engram.state.conversations import (
     ConversationBusyError,
@@ -212,19 +214,15 @@ def test_delete_conversation_removes_files(engine, tmp_path):
 
 
 def _rewrite_manifest(path, **changes) -> None:
-    """Rewrite a snapshot file with its manifest changed and its tensors (and checksum) untouched."""
+    """Rewrite a turn's manifest with fields changed (None: removed), its store files untouched."""
     import json
 
-    import safetensors.torch
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        manifest = json.loads(f.metadata()["engram"])
-        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    manifest = json.loads(path.read_text())
     manifest.update(changes)
     for key in [k for k, v in changes.items() if v is None]:
         del manifest[key]
-    safetensors.torch.save_file(tensors, str(path), metadata={"engram": json.dumps(manifest)})
+    path.write_text(json.dumps(manifest))
+
 
 
 @pytest.fixture(scope="module")
@@ -238,15 +236,15 @@ def test_a_snapshot_that_does_not_belong_to_its_turn_is_refused(mamba_engine, tm
     manager = manager_for(engine, tmp_path)
     for cid in ("a", "b"):
         take_turn(engine, manager, cid, random_prompt(6, 1 if cid == "a" else 2), max_tokens=3)
-    path = tmp_path / "b" / "main" / "000001.safetensors"
+    path = tmp_path / "b" / "main" / "000001.json"
     if damage == "other_conversation":
-        path.write_bytes((tmp_path / "a" / "main" / "000001.safetensors").read_bytes())
+        path.write_bytes((tmp_path / "a" / "main" / "000001.json").read_bytes())
     else:
         turn = manager.require("b").latest("main")
         _rewrite_manifest(path, **({"state_len": turn.state_len + 1} if damage == "state_len" else {"turn": None}))
     restarted = manager_for(engine, tmp_path)
     conv = restarted.require("b")
-    with pytest.raises(SnapshotCorruptError, match="manifest names"):
+    with pytest.raises(SnapshotCorruptError, match="manifest names|do not agree"):
         restarted.load_into_warm("b", conv.latest("main"))
     with pytest.raises(SnapshotCorruptError):
         restarted.snapshot_manifest("b", conv.latest("main"))
@@ -257,7 +255,7 @@ def test_a_damaged_snapshot_is_quarantined_and_the_next_turn_resumes_from_an_ear
     manager = manager_for(engine, tmp_path)
     take_turn(engine, manager, "d", random_prompt(6, 1), max_tokens=3)
     take_turn(engine, manager, "d", random_prompt(5, 2), max_tokens=3)
-    path = tmp_path / "d" / "main" / "000002.safetensors"
+    path = store_file(tmp_path / "d" / "main" / "000002.json")  # turn 2's own checkpoint
     data = bytearray(path.read_bytes())
     data[-3] ^= 0xFF  # tensor bytes: the checksum no longer matches
     path.write_bytes(bytes(data))
@@ -301,7 +299,7 @@ def test_a_snapshot_that_cannot_be_written_leaves_the_turn_recorded_without_it(e
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("engram.state.conversations.save_snapshot", disk_full)
+    monkeypatch.setattr("engram.state.conversations.save_turn", disk_full)
     turn, _, _, _ = take_turn(engine, manager, "f", random_prompt(5, 2), max_tokens=3)
     monkeypatch.undo()
     assert turn.turn == 2 and not turn.snapshot and manager.stats.snapshot_write_failures == 1
@@ -333,7 +331,7 @@ def test_a_record_that_cannot_be_written_undoes_the_turn(engine, tmp_path, monke
     monkeypatch.undo()
     conv = manager.require("r")
     assert [t.turn for t in conv.turns.values()] == [1]  # memory agrees with the disk
-    assert not (tmp_path / "r" / "main" / "000002.safetensors").exists()
+    assert not (tmp_path / "r" / "main" / "000002.json").exists()
     assert take_turn(engine, manager, "r", random_prompt(5, 2), max_tokens=3)[0].turn == 2  # a retry is turn 2 again
 
 
@@ -374,7 +372,7 @@ def test_retention_deletes_a_snapshot_only_after_the_record_stops_listing_it(eng
 
     def delete(path):
         record = json.loads((tmp_path / "k" / conversations.RECORD_NAME).read_text())
-        turn = int(str(path)[-18:-12])
+        turn = int(Path(path).stem)
         listed_when_deleted.append([t["snapshot"] for t in record["turns"] if t["turn"] == turn][0])
         real_delete(path)
 
@@ -411,7 +409,7 @@ def test_idle_demotion_that_cannot_write_keeps_the_state_warm(engine, tmp_path, 
         TierConfig(active_timeout=10, warm_timeout=20), clock=lambda: now[0],
     )
     take_turn(engine, manager, "w", random_prompt(4, 1), max_tokens=2)  # turn 1: no snapshot by the policy
-    monkeypatch.setattr("engram.state.conversations.save_snapshot", lambda *a, **k: (_ for _ in ()).throw(OSError(28, "disk full")))
+    monkeypatch.setattr("engram.state.conversations.save_turn", lambda *a, **k: (_ for _ in ()).throw(OSError(28, "disk full")))
     now[0] = 100.0
     assert manager.maintain() == [retain_key("w", "main/000001")]  # the slot is released all the same
     assert manager.warm.peek("w", "main/000001") is not None
@@ -461,7 +459,7 @@ def test_temp_files_of_killed_writes_are_removed_on_load(engine, tmp_path):
     left = tmp_path / "t" / "main" / ".000002.safetensors.tmp-0123456789ab-0123abcd"
     left.write_bytes(b"partial")
     manager_for(engine, tmp_path).require("t")
-    assert not left.exists() and (tmp_path / "t" / "main" / "000001.safetensors").exists()
+    assert not left.exists() and (tmp_path / "t" / "main" / "000001.json").exists()
 
 
 def test_cleanup_removes_only_temp_files_never_a_folder_named_like_one(engine, tmp_path):
@@ -576,7 +574,7 @@ def test_a_snapshot_retention_cannot_delete_does_not_undo_the_turn(engine, tmp_p
     assert turn.snapshot and [t.turn for t in manager.require("e").turns.values()] == [1, 2]
     restarted = manager_for(engine, tmp_path)
     assert [s["turn"] for s in restarted.snapshots("e")] == [2]
-    assert not (tmp_path / "e" / "main" / "000001.safetensors").exists()  # the orphan went on load
+    assert not (tmp_path / "e" / "main" / "000001.json").exists()  # the orphan went on load
 
 
 def test_another_conversation_begins_while_a_snapshot_file_is_written(engine, tmp_path, monkeypatch):
@@ -590,14 +588,14 @@ def test_another_conversation_begins_while_a_snapshot_file_is_written(engine, tm
     manager = manager_for(engine, tmp_path)
     take_turn(engine, manager, "other", random_prompt(5, 1), max_tokens=3)
     writing, release = threading.Event(), threading.Event()
-    save = conversations.save_snapshot
+    save = conversations.save_turn
 
     def held_save(*args, **kwargs):
         writing.set()
         assert release.wait(30)
         return save(*args, **kwargs)
 
-    monkeypatch.setattr(conversations, "save_snapshot", held_save)
+    monkeypatch.setattr(conversations, "save_turn", held_save)
     held = threading.Thread(target=take_turn, args=(engine, manager, "held", random_prompt(5, 2)), kwargs={"max_tokens": 3})
     held.start()
     assert writing.wait(30)

@@ -11,6 +11,7 @@ import time
 
 import httpx
 import pytest
+from engine_utils import store_file
 from server_utils import running_server
 
 from engram.client import EngramClient, SnapshotManager, SnapshotNotFoundError
@@ -122,7 +123,7 @@ def test_links_in_the_snapshot_folder_are_never_followed(checkpoint_dir, tmp_pat
         for cid in ("folder", "snapshot", "record"):
             chat(http, cid, "hi")
     link("folder", "folder")
-    link("snapshot/main/000001.safetensors", "snapshot.safetensors")
+    link("snapshot/main/000001.json", "snapshot.json")
     link("record/conversation.json", "record.json")
     with serving(path, root) as (_, http):
         chat(http, "loaded", "hi")
@@ -143,7 +144,7 @@ def test_links_in_the_snapshot_folder_are_never_followed(checkpoint_dir, tmp_pat
         listed = http.post("/list_snapshots", json={})
         assert listed.status_code == 200 and listed.json()["snapshots"] == []
     assert {p: p.read_bytes() if p.is_file() else None for p in outside.rglob("*")} == untouched
-    assert all((root / p).is_symlink() for p in ("folder", "snapshot/main/000001.safetensors", "record/conversation.json", "loaded"))
+    assert all((root / p).is_symlink() for p in ("folder", "snapshot/main/000001.json", "record/conversation.json", "loaded"))
     assert "symbolic link under the snapshot folder is never followed" in caplog.text
 
 
@@ -160,7 +161,7 @@ def test_snapshot_routes_and_client(checkpoint_dir, tmp_path):
         listed = snaps.list_conversation("c")
         assert [s["turn_number"] for s in listed] == [2]
         info = snaps.get_info("c")
-        assert info["fill_ids"] == listed[0]["fill_ids"] and info["manifest"]["format"] == "engram-state/1"
+        assert info["fill_ids"] == listed[0]["fill_ids"] and info["manifest"]["format"] == "engram-state/2"
         assert len(info["fill_ids"]) == info["token_count"] == info["state_len"] + 1
 
         # save by the rid of the request that made a turn
@@ -278,18 +279,18 @@ def test_snapshot_of_another_model_or_damaged_file_is_refused(checkpoint_dir, tm
     recomputes the history instead, and the file is quarantined."""
     with serving(checkpoint_dir("nemotron"), tmp_path) as (srv, http):
         chat(http, "x", "hello")
-    snapshot = tmp_path / "x" / "main" / "000001.safetensors"
+    snapshot = store_file(tmp_path / "x" / "main" / "000001.json", piece=0)  # one KV piece of turn 1
     data = bytearray(snapshot.read_bytes())
     data[-5] ^= 0xFF
     snapshot.write_bytes(bytes(data))
     with serving(checkpoint_dir("nemotron"), tmp_path) as (srv, http):
         r = http.post("/restore_snapshot", json={"conversation_id": "x", "turn_number": 1})
         message = r.json()["error"]["message"]
-        assert r.status_code == 409 and message.startswith("x/main/000001.safetensors: checksum mismatch"), message
+        assert r.status_code == 409 and message.startswith("x/main/000001.json: store file") and "checksum mismatch" in message, message
         assert str(tmp_path) not in message  # the server's own paths are not for its clients
         assert chat(http, "x", "x")["turn"] == 2
         held = srv.app.state.serving.conversations.manager.quarantine.list("x")
-        assert [q["ref"] for q in held] == ["main/000001"] and "checksum mismatch" in held[0]["reason"]
+        assert [q["ref"] for q in held] == ["main/000001"] and "damaged" in held[0]["reason"]  # set aside by the restore
     snapshot.write_bytes(bytes(data[:-5]) + bytes([data[-5] ^ 0xFF]) + bytes(data[-4:]))  # repaired
     with serving(checkpoint_dir("mamba2"), tmp_path) as (srv, http):  # another model, same folder
         r = http.post("/restore_snapshot", json={"conversation_id": "x", "turn_number": 1})

@@ -20,8 +20,10 @@ from enum import Enum
 from pathlib import Path
 
 from engram.models.spec import ModelSpec
+from engram.state.chunks import DEFAULT_CHUNK_TOKENS, ORPHAN_GRACE_S, ChunkStore, StoredState
 from engram.state.health import HealthMonitor, Quarantine
 from engram.state.identity import ModelIdentity
+from engram.state.manifest import load_turn, save_turn, stored_state, turn_file, turn_tokens
 from engram.state.sequence_state import SequenceState, StateDtypes
 from engram.state.snapshot import (
     QUARANTINE_NAME,
@@ -35,16 +37,13 @@ from engram.state.snapshot import (
     check_no_links,
     check_no_links_under,
     delete_snapshot,
+    dtype_names,
     is_stale_temp_file,
     list_snapshots,
-    load_snapshot,
     read_manifest,
     read_no_follow,
-    read_tokens,
     reason_without_paths,
-    save_snapshot,
     snapshot_label,
-    snapshot_path,
     validate_id,
 )
 from engram.state.store import Clock, SnapshotWriter, TierStats, WarmCache
@@ -251,10 +250,18 @@ class ConversationManager:
         tiers: TierConfig = TierConfig(),
         clock: Clock = time.time,
         health: HealthMonitor | None = None,
+        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     ):
         self.spec, self.dtypes, self.model, self.tokenizer_sha256 = spec, dtypes, model, tokenizer_sha256
         self.policy = policy
         self.root = Path(snapshot_dir) if snapshot_dir is not None else None
+        identity = json.dumps({"model": asdict(model), "tokenizer": tokenizer_sha256, "layout": spec.layout(), "dtypes": dtype_names(dtypes)},
+                              sort_keys=True).encode()
+        self.store = ChunkStore(self.root, spec, dtypes, identity, chunk_tokens) if self.root is not None else None
+        self._stored: dict[tuple[str, str], StoredState] = {}  # (conversation, ref) -> its snapshot's store references
+        self.orphan_grace_s = ORPHAN_GRACE_S  # store files younger than this are never swept (a save may still reference them)
+        # Due at start (a crash may have left unreferenced files), but not at once: startup reads no record.
+        self._sweep_due, self._next_sweep = True, clock() + 60.0
         self.tiers = tiers
         self.clock = clock
         self.warm = warm
@@ -313,11 +320,12 @@ class ConversationManager:
         """Delete snapshot files the record does not point at: a crash between a snapshot's commit
         and its record's leaves one, for a turn that was never recorded (so never answered under
         sync durability)."""
-        recorded = {snapshot_path(self.root, conv.conversation_id, t.branch, t.turn) for t in conv.turns.values() if t.snapshot}
+        recorded = {turn_file(self.root, conv.conversation_id, t.branch, t.turn) for t in conv.turns.values() if t.snapshot}
         for entry in list_snapshots(self.root, conv.conversation_id):
             if Path(entry["path"]) not in recorded:
                 log.warning("removing snapshot %s: its conversation record does not list it (left by a crash)", entry["path"])
                 delete_snapshot(entry["path"])
+                self._sweep_due = True
         for path in self._record_path(conv.conversation_id).parent.rglob(".*.tmp-*"):
             if is_stale_temp_file(path):
                 log.warning("removing %s: the temp file of a write that never finished", path)
@@ -575,10 +583,11 @@ class ConversationManager:
         with self._lock:
             if conv.turns.get(turn.ref) is not turn:  # forgotten meanwhile (regenerated or deleted)
                 return
+            base = self._stored_base(conv, turn) if state is not None else None
         written = False
         if state is not None:
             try:
-                self._save_file(conv, turn, state)
+                self._save_file(conv, turn, state, base)
                 written = True
             except (SnapshotError, OSError) as e:
                 log.warning("snapshot of conversation %r turn %s not written, the turn is recorded without it: %s",
@@ -613,20 +622,40 @@ class ConversationManager:
     # ---- snapshots ------------------------------------------------------------------------------
 
     def _write_snapshot(self, conv: Conversation, turn: Turn, state: SequenceState) -> None:
-        self._save_file(conv, turn, state)
+        self._save_file(conv, turn, state, self._stored_base(conv, turn))
         turn.snapshot = True
 
-    def _save_file(self, conv: Conversation, turn: Turn, state: SequenceState) -> None:
-        """Write the turn's snapshot file (counted and timed); the record does not point at it yet."""
+    def _stored_base(self, conv: Conversation, turn: Turn) -> StoredState | None:
+        """The store references of the nearest earlier turn in `turn`'s chain that has a v2
+        snapshot: its pieces are the new snapshot's too, so only what follows them is written.
+        Called under the lock."""
+        for t in reversed(conv.chain(turn)[:-1]):
+            if not t.snapshot:
+                continue
+            stored = self._stored.get((conv.conversation_id, t.ref))
+            if stored is None:
+                path = turn_file(self.root, conv.conversation_id, t.branch, t.turn)
+                try:
+                    stored = stored_state(read_manifest(path), snapshot_label(path))
+                except SnapshotError as e:
+                    log.warning("conversation %r turn %s: %s; its snapshot lends nothing to the next", conv.conversation_id, t.ref, e)
+                    return None
+            return stored
+        return None
+
+    def _save_file(self, conv: Conversation, turn: Turn, state: SequenceState, base: StoredState | None) -> None:
+        """Write the turn's snapshot (counted and timed): the store files its base lacks, then its
+        manifest; the record does not point at it yet."""
         meta = SnapshotMeta(conversation_id=conv.conversation_id, branch=turn.branch, turn=turn.turn, parent=turn.parent)
         started = time.perf_counter()
         try:
-            save_snapshot(self.root, state, meta, self.spec, self.dtypes, self.model, self.tokenizer_sha256)
+            _, stored = save_turn(self.store, state, meta, self.model, self.tokenizer_sha256, base)
         except Exception:
             with self._lock:
                 self.stats.snapshot_write_failures += 1
             raise
         with self._lock:
+            self._stored[(conv.conversation_id, turn.ref)] = stored
             self.stats.snapshot_write_seconds.observe(time.perf_counter() - started)
 
     def _beyond_retention(self, conv: Conversation, branch: str, extra: Turn | None = None) -> list[Turn]:
@@ -650,11 +679,19 @@ class ConversationManager:
             raise
         for t in dropped:
             try:
-                delete_snapshot(snapshot_path(self.root, conv.conversation_id, t.branch, t.turn))
-            except SnapshotNotFoundError:
-                pass
+                self._delete_turn_file(conv.conversation_id, t)
             except OSError as e:  # the record no longer lists it: an orphan, removed on the next load
                 log.warning("snapshot %s beyond the retention count not deleted: %s", t.ref, e)
+
+    def _delete_turn_file(self, conversation_id: str, turn: Turn) -> None:
+        """Delete a turn's snapshot (its manifest; the store files it shares with other turns stay
+        until a sweep finds nothing referencing them)."""
+        self._stored.pop((conversation_id, turn.ref), None)
+        self._sweep_due = True
+        try:
+            delete_snapshot(turn_file(self.root, conversation_id, turn.branch, turn.turn))
+        except SnapshotNotFoundError:
+            pass
 
     def save(self, conversation_id: str, branch: str = "main", turn: int | None = None) -> Turn:
         """Write a snapshot of a turn whose state is still held (the manual trigger)."""
@@ -691,9 +728,13 @@ class ConversationManager:
         """Load and verify the turn's snapshot, which must hold its recorded history's tokens."""
         self._require_persistence()
         conv = self.require(conversation_id)
-        path = snapshot_path(self.root, conversation_id, turn.branch, turn.turn)
-        state, manifest = load_snapshot(path, self.spec, self.dtypes, self.model, self.tokenizer_sha256)
+        path = turn_file(self.root, conversation_id, turn.branch, turn.turn)
+        state, manifest = load_turn(self.store, path, self.spec, self.dtypes, self.model, self.tokenizer_sha256)
         self._check_belongs(manifest, path, conv, turn)
+        stored = stored_state(manifest, snapshot_label(path))
+        if stored is not None:
+            with self._lock:
+                self._stored[(conversation_id, turn.ref)] = stored
         if list(state.tokens[: state.state_len]) != conv.tokens(turn)[: state.state_len]:
             raise SnapshotCorruptError(f"{snapshot_label(path)}: its tokens are not the recorded history of turn {turn.ref}")
         return state
@@ -721,17 +762,16 @@ class ConversationManager:
 
     def snapshot_manifest(self, conversation_id: str, turn: Turn) -> dict:
         self._require_persistence()
-        path = snapshot_path(self.root, conversation_id, turn.branch, turn.turn)
+        path = turn_file(self.root, conversation_id, turn.branch, turn.turn)
         if not turn.snapshot or not path.is_file():
             raise SnapshotNotFoundError(f"turn {turn.ref} of conversation {conversation_id!r} has no snapshot")
         manifest = read_manifest(path)
         self._check_belongs(manifest, path, self.require(conversation_id), turn)
         return {**manifest, "path": str(path)}
 
-    @staticmethod
-    def snapshot_tokens(manifest: dict) -> list[int]:
+    def snapshot_tokens(self, manifest: dict) -> list[int]:
         """The token ids a snapshot covers (its `fill_ids`), read without the state tensors."""
-        return read_tokens(manifest["path"])
+        return turn_tokens(self.store, Path(manifest["path"]), manifest)
 
     def load_into_warm(self, conversation_id: str, turn: Turn) -> SequenceState:
         """The turn's state, from the warm cache or its verified snapshot file (then kept warm).
@@ -752,7 +792,9 @@ class ConversationManager:
     def delete_snapshot(self, conversation_id: str, branch: str, turn: int) -> None:
         self._require_persistence()
         with self._lock:
-            delete_snapshot(snapshot_path(self.root, conversation_id, branch, turn))
+            delete_snapshot(turn_file(self.root, conversation_id, branch, turn))
+            self._stored.pop((conversation_id, ref_name(branch, turn)), None)
+            self._sweep_due = True
             conv = self.get(conversation_id)
             target = conv.turns.get(ref_name(branch, turn)) if conv else None
             if target is not None:
@@ -789,6 +831,7 @@ class ConversationManager:
                 if folder.is_dir() and not any(folder.iterdir()):
                     folder.rmdir()
             self._conversations.pop(conversation_id, None)
+            self._sweep_due = True
             self.health.forget(conversation_id)
             self.last_used.pop(conversation_id, None)
 
@@ -799,10 +842,7 @@ class ConversationManager:
         self._unsaved_by_health.discard((conv.conversation_id, turn.ref))
         self.quarantine.release(conv.conversation_id, turn.ref)
         if turn.snapshot and self.persistent:
-            try:
-                delete_snapshot(snapshot_path(self.root, conv.conversation_id, turn.branch, turn.turn))
-            except SnapshotNotFoundError:
-                pass
+            self._delete_turn_file(conv.conversation_id, turn)
         del conv.turns[turn.ref]
 
     # ---- lifecycle -----------------------------------------------------------------------------
@@ -837,7 +877,45 @@ class ConversationManager:
                             continue
                         self.stats.expired_conversations += 1
             release, self._pending_release = self._pending_release, []
-            return release
+            sweep = self.store is not None and self._sweep_due and now >= self._next_sweep
+            if sweep:
+                self._sweep_due, self._next_sweep = False, now + 60.0
+        if sweep:
+            self.sweep_store()
+        return release
+
+    def sweep_store(self) -> int:
+        """Delete the store files that no snapshot of any conversation references (left by deleted
+        turns and conversations, retention, or a crash), sparing those written in the last
+        `orphan_grace_s` seconds. Returns how many went. A snapshot whose references cannot be read
+        for now (an I/O error) stops the sweep: nothing is deleted that it might reference."""
+        referenced: set[str] = set()
+        for cid in self.list_ids():
+            with self._lock:
+                try:
+                    conv = self.get(cid)
+                except UNUSABLE_CONVERSATION as e:
+                    log.warning("store sweep: %s", e)
+                    conv = None
+                for t in [t for t in conv.turns.values() if t.snapshot] if conv is not None else ():
+                    stored = self._stored.get((cid, t.ref))
+                    if stored is None:
+                        path = turn_file(self.root, cid, t.branch, t.turn)
+                        try:
+                            stored = stored_state(read_manifest(path), snapshot_label(path))
+                        except SnapshotCorruptError as e:
+                            if isinstance(e.__cause__, OSError):
+                                log.warning("store sweep skipped: %s", e)
+                                return 0
+                            continue  # damaged: it cannot be loaded, what it names is no one's
+                        except SnapshotNotFoundError:
+                            continue
+                    if stored is not None:
+                        referenced |= stored.keys
+        removed = self.store.sweep(referenced, self.orphan_grace_s)
+        if removed:
+            log.info("store sweep: %d unreferenced files removed", removed)
+        return removed
 
     def _evicted(self, conversation_id: str, ref: str, state: SequenceState) -> None:
         """A state pushed out of the warm cache by pressure goes to disk first, as an idle one does
@@ -929,6 +1007,7 @@ class ConversationManager:
                 "restore_seconds": {tier: h.summary() for tier, h in st.restore_seconds.items()},
                 "snapshot_write_seconds": st.snapshot_write_seconds.summary(),
                 "snapshot_write_failures": st.snapshot_write_failures,
+                "store": asdict(self.store.stats) if self.store is not None else None,
                 "health": asdict(self.health.stats),
                 "quarantined": self.quarantine.list(),
             }

@@ -36,7 +36,7 @@ MAX_TURN = 999_999  # turns are six digits in file names
 # No leading dot: names that begin with one (temp files) are the folder's own.
 _ID_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}")
 _PARENT_RE = re.compile(_ID_RE.pattern + r"/[0-9]{6}")
-_SNAPSHOT_NAME_RE = re.compile(r"[0-9]{6}\.safetensors")
+_SNAPSHOT_NAME_RE = re.compile(r"[0-9]{6}\.(safetensors|json)")  # v1 files, v2 manifests (state/manifest.py)
 # atomic_write's temp files are named .<name>.tmp-<writer>-<hex>, <writer> unique to this process
 # (a PID is not: a container's server is PID 1 after every restart).
 _WRITER = secrets.token_hex(6)
@@ -179,7 +179,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _dtype_names(dtypes: StateDtypes) -> dict[str, str]:
+def dtype_names(dtypes: StateDtypes) -> dict[str, str]:
     return {f.name: _dtype_name(getattr(dtypes, f.name)) for f in fields(dtypes)}
 
 
@@ -190,15 +190,18 @@ def _tensor_digest(name: str, t: torch.Tensor) -> bytes:
     return h.digest()
 
 
-def tensor_checksum(tensors: Mapping[str, torch.Tensor]) -> str:
+def tensor_checksum(tensors: Mapping[str, torch.Tensor], threads: int = 8) -> str:
     """sha256 over the per-tensor sha256 digests in sorted name order. A tensor's digest covers the
     UTF-8 bytes of `f"{name}\\0{dtype}\\0{comma-joined shape}\\0"` (dtype as torch names it, e.g.
     "bfloat16") followed by its raw little-endian element bytes in row-major order, exactly as
     stored on disk. Tensors are hashed in parallel threads (hashlib releases the GIL), so a
     long history's gigabyte of KV is verified at several times one core's hashing speed.
-    Tensors must be on the CPU."""
+    Tensors must be on the CPU. `threads`: at most this many (1: in the caller's thread, for
+    callers that already hash several files in parallel)."""
     names = sorted(tensors)
-    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+    if threads <= 1:
+        return hashlib.sha256(b"".join(_tensor_digest(name, tensors[name]) for name in names)).hexdigest()
+    with ThreadPoolExecutor(max_workers=min(threads, os.cpu_count() or 1)) as pool:
         digests = pool.map(lambda name: _tensor_digest(name, tensors[name]), names)
         return hashlib.sha256(b"".join(digests)).hexdigest()
 
@@ -284,7 +287,7 @@ def save_snapshot(
         "model": asdict(model),
         "tokenizer": {"sha256": tokenizer_sha256},
         "layout": spec.layout(),
-        "dtypes": _dtype_names(dtypes),
+        "dtypes": dtype_names(dtypes),
         "conversation_id": meta.conversation_id,
         "branch": meta.branch,
         "turn": meta.turn,
@@ -335,10 +338,18 @@ def _parse_manifest(metadata: Any, where: str) -> dict:
 
 
 def read_manifest(path: str | Path) -> dict:
-    """The manifest, read from the header alone (no tensor data), for fast listing."""
+    """The manifest: a v2 manifest file (JSON, state/manifest.py) or, for a v1 file, its header
+    alone (no tensor data), for fast listing."""
     path = Path(path)
     where = snapshot_label(path)
-    return _parse_manifest(_read_header(path, where).get("__metadata__"), where)
+    if path.suffix != ".json":
+        return _parse_manifest(_read_header(path, where).get("__metadata__"), where)
+    try:
+        return _parse_manifest({"engram": read_no_follow(path).decode()}, where)
+    except FileNotFoundError:
+        raise SnapshotNotFoundError(f"no snapshot at {where}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise SnapshotCorruptError(f"{where}: unreadable: {reason_without_paths(e)}") from e
 
 
 def _section(manifest: dict, key: str) -> dict:
@@ -346,12 +357,14 @@ def _section(manifest: dict, key: str) -> dict:
     return value if isinstance(value, dict) else {}
 
 
-def _check_compatible(
-    manifest: dict, where: str, spec: ModelSpec, dtypes: StateDtypes, model: ModelIdentity, tokenizer_sha256: str
+def check_compatible(
+    manifest: dict, where: str, spec: ModelSpec, dtypes: StateDtypes, model: ModelIdentity, tokenizer_sha256: str, fmt: str = FORMAT
 ) -> None:
-    if manifest.get("format") != FORMAT:
+    """Raise SnapshotIncompatibleError unless the manifest is of format `fmt` and was made by this
+    model, tokenizer, layout and state dtypes."""
+    if manifest.get("format") != fmt:
         raise SnapshotIncompatibleError(
-            f"{where}: format {manifest.get('format')!r} is not supported (this build reads {FORMAT!r})"
+            f"{where}: format {manifest.get('format')!r} is not supported here (expected {fmt!r})"
         )
     saved_model = _section(manifest, "model")
     for key, ours in asdict(model).items():
@@ -370,7 +383,7 @@ def _check_compatible(
             f"{where}: layer layout differs: {manifest.get('layout')} in the snapshot, {spec.layout()} here"
         )
     saved_dtypes = _section(manifest, "dtypes")
-    for key, ours in _dtype_names(dtypes).items():
+    for key, ours in dtype_names(dtypes).items():
         if saved_dtypes.get(key) != ours:
             raise SnapshotIncompatibleError(
                 f"{where}: state dtype differs: {key} is {saved_dtypes.get(key)!r} in the snapshot, {ours!r} here"
@@ -400,7 +413,7 @@ def load_snapshot(
         raise SnapshotCorruptError(f"{where}: unreadable: {reason_without_paths(e)}") from e
     with f:
         manifest = _parse_manifest(f.metadata(), where)
-        _check_compatible(manifest, where, spec, dtypes, model, tokenizer_sha256)
+        check_compatible(manifest, where, spec, dtypes, model, tokenizer_sha256)
         try:
             tensors = {name: f.get_tensor(name) for name in f.keys()}
         except Exception as e:

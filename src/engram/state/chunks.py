@@ -1,0 +1,377 @@
+"""State store v2 (DESIGN.md): content-addressed KV pieces and recurrent checkpoints.
+
+    <snapshot-dir>/.store/kv/<ab>/<key>.safetensors    the KV of tokens [start, end) of every attention layer, and those tokens
+    <snapshot-dir>/.store/ckpt/<ab>/<key>.safetensors  the recurrent tensors after a prefix
+
+Addresses come from prefix hashes: the hash of position p covers the store's identity (model,
+tokenizer, layout, dtypes) and every token before p, chained through the multiples of
+`chunk_tokens` so that any position's hash costs at most one chunk of hashing past the chain. A
+token's KV depends only on its prefix, so a piece's key is its start and its end's prefix hash,
+and a checkpoint's key is its position's prefix hash: equal prefixes share their files, whichever
+conversation or branch wrote them. Files are immutable; a save writes only the pieces missing
+from the store, cut at multiples of `chunk_tokens` and where the stored state it continues ends.
+What references a file is the caller's (turn manifests); `sweep` removes what nothing references.
+"""
+
+from __future__ import annotations
+
+import array
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import safetensors.torch
+import torch
+
+from engram.models.spec import ModelSpec
+from engram.state.sequence_state import SequenceState, StateDtypes, check_state
+from engram.state.snapshot import (
+    SnapshotCorruptError,
+    SnapshotIncompatibleError,
+    atomic_write,
+    check_no_links,
+    read_no_follow,
+    reason_without_paths,
+    tensor_checksum,
+)
+
+STORE_NAME = ".store"  # a leading dot: no conversation id can take it
+PIECE_FORMAT = "engram-kv/2"
+CHECKPOINT_FORMAT = "engram-checkpoint/2"
+DEFAULT_CHUNK_TOKENS = 256
+ORPHAN_GRACE_S = 600.0  # a file younger than this may belong to a save whose manifest is not written yet
+
+log = logging.getLogger(__name__)
+
+
+def _token_bytes(tokens: Sequence[int]) -> bytes:
+    return array.array("i", tokens).tobytes()
+
+
+class PrefixHasher:
+    """Prefix hashes of token sequences under one store identity (see the module docstring)."""
+
+    def __init__(self, identity: bytes, chunk_tokens: int):
+        if chunk_tokens <= 0:
+            raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
+        self.chunk_tokens = chunk_tokens
+        self.seed = hashlib.sha256(b"engram-prefix/2\0" + identity + f"\0{chunk_tokens}".encode()).digest()
+
+    def chain(self, tokens: Sequence[int], upto: int) -> list[bytes]:
+        """The hashes of positions 0, C, 2C, ... up to `upto` (C: `chunk_tokens`)."""
+        c = self.chunk_tokens
+        out = [self.seed]
+        for k in range(upto // c):
+            out.append(hashlib.sha256(out[-1] + _token_bytes(tokens[k * c : (k + 1) * c])).digest())
+        return out
+
+    def at(self, tokens: Sequence[int], position: int, chain: list[bytes]) -> bytes:
+        """The hash of `position`, from `chain` (which must reach position // C)."""
+        k, rest = divmod(position, self.chunk_tokens)
+        if not rest:
+            return chain[k]
+        return hashlib.sha256(chain[k] + b"\1" + _token_bytes(tokens[k * self.chunk_tokens : position])).digest()
+
+    def piece_key(self, tokens: Sequence[int], start: int, end: int, chain: list[bytes]) -> str:
+        return hashlib.sha256(self.at(tokens, end, chain) + start.to_bytes(8, "little")).hexdigest()
+
+
+@dataclass(frozen=True)
+class PieceRef:
+    start: int
+    end: int
+    key: str
+    checksum: str
+
+
+@dataclass(frozen=True)
+class StoredState:
+    """Where a state lives in the store: the pieces of KV [0, state_len), in order, and the
+    checkpoint of the recurrent tensors at state_len."""
+
+    state_len: int
+    pieces: tuple[PieceRef, ...]
+    checkpoint: str
+    checkpoint_checksum: str
+
+    def to_json(self) -> dict:
+        return {
+            "state_len": self.state_len,
+            "pieces": [[p.start, p.end, p.key, p.checksum] for p in self.pieces],
+            "checkpoint": [self.checkpoint, self.checkpoint_checksum],
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> StoredState:
+        try:
+            pieces = tuple(PieceRef(int(a), int(b), str(k), str(c)) for a, b, k, c in data["pieces"])
+            key, checksum = data["checkpoint"]
+            return cls(int(data["state_len"]), pieces, str(key), str(checksum))
+        except (KeyError, TypeError, ValueError) as e:
+            raise SnapshotCorruptError(f"malformed store references: {e!r}") from e
+
+    @property
+    def keys(self) -> set[str]:
+        return {p.key for p in self.pieces} | {self.checkpoint}
+
+    @property
+    def digest(self) -> str:
+        """One checksum over every file's checksum, in order (the manifest's `checksum`)."""
+        parts = [p.checksum for p in self.pieces] + [self.checkpoint_checksum]
+        return hashlib.sha256("\0".join(parts).encode()).hexdigest()
+
+
+@dataclass
+class StoreStats:
+    bytes_written: int = 0
+    files_written: int = 0
+    files_reused: int = 0  # a piece or checkpoint already stored (another turn, branch or conversation wrote it)
+    files_swept: int = 0
+
+
+def _kv_names(spec: ModelSpec) -> list[tuple[str, str]]:
+    return [(f"layers.{i}.k", f"layers.{i}.v") for i in spec.attention_layers] if spec.attention is not None else []
+
+
+class ChunkStore:
+    """The files of state store v2 under `<root>/.store` (thread-safe: files are immutable)."""
+
+    def __init__(self, root: Path, spec: ModelSpec, dtypes: StateDtypes, identity: bytes, chunk_tokens: int = DEFAULT_CHUNK_TOKENS):
+        self.root = root
+        self.dir = root / STORE_NAME
+        self.spec, self.dtypes = spec, dtypes
+        self.hasher = PrefixHasher(identity, chunk_tokens)
+        self.identity = self.hasher.seed.hex()
+        self.stats = StoreStats()
+        self._kv = [name for pair in _kv_names(spec) for name in pair]
+
+    # ---- paths -------------------------------------------------------------------------------
+
+    def _path(self, kind: str, key: str) -> Path:
+        if len(key) != 64 or any(ch not in "0123456789abcdef" for ch in key):
+            raise SnapshotCorruptError(f"malformed store key {key!r:.80}")
+        return check_no_links(self.root, self.dir / kind / key[:2] / f"{key}.safetensors")
+
+    def piece_path(self, key: str) -> Path:
+        return self._path("kv", key)
+
+    def checkpoint_path(self, key: str) -> Path:
+        return self._path("ckpt", key)
+
+    # ---- save --------------------------------------------------------------------------------
+
+    def save(self, state: SequenceState, base: StoredState | None = None) -> StoredState:
+        """Store `state` (KV of its whole history and its recurrent tensors), writing only the
+        pieces and checkpoint not stored yet. `base`, a stored state whose tokens begin this one's,
+        lends its pieces; one that does not match these tokens is not used."""
+        state.wait()
+        tokens, n = state.tokens, state.state_len
+        chain = self.hasher.chain(tokens, n)
+        kept: list[PieceRef] = []
+        if base is not None and base.state_len <= n and all(
+            p.key == self.hasher.piece_key(tokens, p.start, p.end, chain) for p in base.pieces
+        ):
+            kept = [self._keep_piece(state, p) for p in base.pieces]
+        start = kept[-1].end if kept else 0
+        c = self.hasher.chunk_tokens
+        cuts = [start, *range((start // c + 1) * c, n, c), n] if start < n else [start]
+        new = [self._save_piece(state, a, b, self.hasher.piece_key(tokens, a, b, chain)) for a, b in zip(cuts, cuts[1:])]
+        key = self.hasher.at(tokens, n, chain).hex()
+        recurrent = {name: t for name, t in state.tensors.items() if name not in self._kv}
+        checksum = self._save_file(self.checkpoint_path(key), recurrent, {"format": CHECKPOINT_FORMAT, "position": n})
+        return StoredState(n, tuple(kept + new), key, checksum)
+
+    def _keep_piece(self, state: SequenceState, piece: PieceRef) -> PieceRef:
+        """A base's piece as stored now (touched, with the checksum its file names), or written
+        again from `state` if it is gone."""
+        checksum = self._stored_checksum(self.piece_path(piece.key))
+        if checksum is None:
+            return self._save_piece(state, piece.start, piece.end, piece.key)
+        return PieceRef(piece.start, piece.end, piece.key, checksum)
+
+    def _save_piece(self, state: SequenceState, start: int, end: int, key: str) -> PieceRef:
+        tensors = {name: state.tensors[name][start:end] for name in self._kv}
+        tensors["tokens"] = torch.tensor(state.tokens[start:end], dtype=torch.int32)
+        checksum = self._save_file(self.piece_path(key), tensors, {"format": PIECE_FORMAT, "start": start, "end": end})
+        return PieceRef(start, end, key, checksum)
+
+    def _save_file(self, path: Path, tensors: dict[str, torch.Tensor], meta: dict) -> str:
+        """Write one immutable file unless it is stored already (then refreshed, so that a sweep
+        running meanwhile keeps it); returns its checksum."""
+        stored = self._stored_checksum(path)
+        if stored is not None:
+            self.stats.files_reused += 1
+            return stored
+        tensors = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
+        checksum = tensor_checksum(tensors)
+        header = {**meta, "identity": self.identity, "checksum": checksum}
+        data = safetensors.torch.save(tensors, metadata={"engram": json.dumps(header, sort_keys=True)})
+        atomic_write(path, data)
+        self.stats.bytes_written += len(data)
+        self.stats.files_written += 1
+        return checksum
+
+    @staticmethod
+    def _refresh(path: Path) -> bool:
+        """Touch a stored file (a sweep spares what was used lately); False if it is not there
+        (swept, or set aside as damaged)."""
+        try:
+            os.utime(path, follow_symlinks=False)
+            return True
+        except FileNotFoundError:
+            return False
+
+    def _stored_checksum(self, path: Path) -> str | None:
+        """The checksum a stored file's header names, after touching it; None if it is not stored
+        (or unreadable: it is then written again, replacing it)."""
+        if not self._refresh(path):
+            return None
+        try:
+            with open(path, "rb", opener=lambda p, flags: os.open(p, flags | os.O_NOFOLLOW)) as f:
+                size = os.fstat(f.fileno()).st_size
+                head = f.read(8)
+                header = _parse_header(head + f.read(int.from_bytes(head, "little")), path.name, file_size=size)
+        except (OSError, SnapshotCorruptError):
+            return None
+        checksum = header.get("checksum")
+        return checksum if isinstance(checksum, str) and header.get("identity") == self.identity else None
+
+    # ---- load --------------------------------------------------------------------------------
+
+    def load(self, stored: StoredState, tail_tokens: Sequence[int] = ()) -> SequenceState:
+        """The state `stored` names, every file verified: complete, this store's identity, its
+        checksum, tokens whose prefix hashes are the keys, shapes and dtypes."""
+        pieces = stored.pieces
+        if [p.start for p in pieces] != [0, *(p.end for p in pieces[:-1])] or (pieces[-1].end if pieces else 0) != stored.state_len:
+            raise SnapshotCorruptError(f"the pieces {[(p.start, p.end) for p in pieces]} do not cover 0..{stored.state_len} in order")
+        with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+            read = list(pool.map(lambda p: self._read(self.piece_path(p.key), p.checksum, PIECE_FORMAT), pieces))
+            recurrent = self._read(self.checkpoint_path(stored.checkpoint), stored.checkpoint_checksum, CHECKPOINT_FORMAT)
+        tokens: list[int] = []
+        for p, tensors in zip(pieces, read):
+            piece_tokens = tensors.pop("tokens", None)
+            if piece_tokens is None or piece_tokens.dtype != torch.int32 or tuple(piece_tokens.shape) != (p.end - p.start,):
+                raise SnapshotCorruptError(f"store piece {p.key[:12]}: its tokens are not int32 [{p.end - p.start}]")
+            tokens += piece_tokens.tolist()
+        chain = self.hasher.chain(tokens, stored.state_len)
+        for p in pieces:
+            if self.hasher.piece_key(tokens, p.start, p.end, chain) != p.key:
+                raise SnapshotCorruptError(f"store piece {p.key[:12]}: its tokens are not the prefix its key names")
+        if self.hasher.at(tokens, stored.state_len, chain).hex() != stored.checkpoint:
+            raise SnapshotCorruptError(f"store checkpoint {stored.checkpoint[:12]}: not the checkpoint of these tokens")
+        tensors = dict(recurrent)
+        for name in self._kv:
+            parts = [t[name] for t in read if name in t]
+            if len(parts) != len(pieces):
+                raise SnapshotCorruptError(f"a store piece lacks tensor {name}")
+            tensors[name] = torch.cat(parts) if parts else self._empty_kv(name)
+        state = SequenceState(tokens + list(tail_tokens), stored.state_len, tensors)
+        try:
+            check_state(self.spec, self.dtypes, state)
+        except ValueError as e:
+            raise SnapshotCorruptError(f"stored state: {e}") from e
+        return state
+
+    def _empty_kv(self, name: str) -> torch.Tensor:
+        attention = self.spec.attention
+        assert attention is not None
+        return torch.empty(0, attention.num_kv_heads, attention.head_dim, dtype=self.dtypes.kv)
+
+    def _read(self, path: Path, checksum: str, fmt: str) -> dict[str, torch.Tensor]:
+        where = f"store file {path.name[:12]}"
+        try:
+            data = read_no_follow(path)
+        except FileNotFoundError:  # a referenced file is gone: damage, not a turn without a snapshot
+            found = "was found damaged and set aside" if (self.dir / "damaged" / path.name).exists() else "is missing"
+            raise SnapshotCorruptError(f"{where} {found}") from None
+        except OSError as e:
+            raise SnapshotCorruptError(f"{where}: unreadable: {reason_without_paths(e)}") from e
+        try:
+            header = _parse_header(data, where, file_size=len(data))
+        except SnapshotCorruptError:
+            self._set_aside(path)
+            raise
+        if header.get("format") != fmt:
+            raise SnapshotIncompatibleError(f"{where}: format {header.get('format')!r}, expected {fmt!r}")
+        if header.get("identity") != self.identity:
+            raise SnapshotIncompatibleError(f"{where}: made by another model, tokenizer, layout or state dtype")
+        try:
+            tensors = safetensors.torch.load(data)
+        except Exception as e:
+            raise SnapshotCorruptError(f"{where}: unreadable tensor data: {e}") from e
+        if tensor_checksum(tensors, threads=1) != checksum:
+            self._set_aside(path)
+            raise SnapshotCorruptError(f"{where}: checksum mismatch: the data is not what was saved")
+        return tensors
+
+    def _set_aside(self, path: Path) -> None:
+        """Move a damaged file out of the way (to `.store/damaged/`), so that the next save of the
+        same prefix writes it again instead of reusing it."""
+        target = self.dir / "damaged" / path.name
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(path, target)
+        except OSError as e:
+            log.warning("damaged store file %s could not be set aside: %s", path.name, e)
+        else:
+            log.warning("store file %s is damaged: moved to %s", path.name, target.relative_to(self.root))
+
+    def read_tokens(self, stored: StoredState) -> list[int]:
+        """The tokens of the pieces (unverified beyond their files' completeness: for listings)."""
+        out: list[int] = []
+        for p in stored.pieces:
+            data = read_no_follow(self.piece_path(p.key))
+            _parse_header(data, p.key[:12], file_size=len(data))
+            out += safetensors.torch.load(data)["tokens"].tolist()
+        return out
+
+    # ---- garbage -----------------------------------------------------------------------------
+
+    def sweep(self, referenced: Iterable[str], grace_s: float = ORPHAN_GRACE_S) -> int:
+        """Delete every file that no key in `referenced` names and that was not written or reused in
+        the last `grace_s` seconds (a save whose manifest is not committed yet). Returns the count."""
+        keep = set(referenced)
+        cutoff = time.time() - grace_s
+        removed = 0
+        for kind in ("kv", "ckpt"):
+            folder = self.dir / kind
+            if not folder.is_dir():
+                continue
+            for path in folder.glob("*/*"):
+                key = path.name.split(".")[0]
+                if key in keep:
+                    continue
+                try:
+                    info = os.lstat(path)
+                    if info.st_mtime < cutoff:
+                        path.unlink()
+                        removed += 1
+                except FileNotFoundError:
+                    continue
+        self.stats.files_swept += removed
+        return removed
+
+
+def _parse_header(data: bytes, where: str, file_size: int) -> dict:
+    """The "engram" metadata of a safetensors file from its first bytes (`data`, the header at
+    least), after checking that the file's `file_size` is what its header describes."""
+    try:
+        length = int.from_bytes(data[:8], "little")
+        if len(data) < 8 + length:
+            raise ValueError("truncated header")
+        header = json.loads(data[8 : 8 + length])
+        data_len = max((e["data_offsets"][1] for k, e in header.items() if k != "__metadata__"), default=0)
+        meta = json.loads(header["__metadata__"]["engram"])
+        if not isinstance(meta, dict):
+            raise ValueError("the manifest is not an object")
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+        raise SnapshotCorruptError(f"{where}: malformed header: {e}") from e
+    if file_size != 8 + length + data_len:
+        raise SnapshotCorruptError(f"{where}: truncated or incomplete: {file_size} bytes, its header describes {8 + length + data_len}")
+    return meta

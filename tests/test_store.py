@@ -1,0 +1,179 @@
+"""State store v2 with a real engine: a turn writes only what is new, forks and conversations share
+their prefixes' files, damage is refused where it is, sweeps remove only what nothing references,
+v1 files still load."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from engine_utils import make_engine, random_prompt, store_file
+from test_conversations import full_generation, take_turn
+
+from engram.state import chunks, manifest
+from engram.state.chunks import STORE_NAME
+from engram.state.conversations import ConversationManager, SnapshotPolicy
+from engram.state.identity import ModelIdentity, tokenizer_fingerprint
+from engram.state.sequence_state import expected_tensors
+from engram.state.snapshot import SnapshotMeta, save_snapshot
+from engram.state.store import WarmCache
+
+CHUNK = 64
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint_dir):
+    return make_engine(checkpoint_dir("nemotron"))
+
+
+def store_manager(engine, root, policy=SnapshotPolicy()) -> ConversationManager:
+    return ConversationManager(
+        engine.spec, engine.state_dtypes, ModelIdentity.of(engine.spec, engine.model_path), tokenizer_fingerprint(engine.model_path),
+        policy, root, WarmCache(64, 1 << 30), chunk_tokens=CHUNK,
+    )
+
+
+def _bytes(engine, state_len: int, kv: bool) -> int:
+    return sum(
+        dtype.itemsize * _numel(shape)
+        for name, (shape, dtype) in expected_tensors(engine.spec, engine.state_dtypes, state_len).items()
+        if name.endswith((".k", ".v")) == kv
+    )
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def store_files(root) -> dict[str, int]:
+    return {p.name: p.stat().st_size for p in (root / STORE_NAME).glob("*/*/*")}
+
+
+def manifest_of(root, cid, turn, branch="main") -> dict:
+    return json.loads((root / cid / branch / f"{turn:06d}.json").read_text())
+
+
+@pytest.fixture
+def written(monkeypatch):
+    """Bytes each turn writes: store files and manifests (the conversation record is counted apart)."""
+    counts = {"snapshot": 0}
+    for module in (chunks, manifest):
+        real = module.atomic_write
+
+        def counting(path, data, real=real):
+            counts["snapshot"] += len(data)
+            real(path, data)
+
+        monkeypatch.setattr(module, "atomic_write", counting)
+    return counts
+
+
+def test_a_turn_writes_only_its_new_tokens_kv_and_its_checkpoint(engine, tmp_path, written):
+    manager = store_manager(engine, tmp_path)
+    kv_per_token, recurrent = _bytes(engine, 1, kv=True), _bytes(engine, 0, kv=False)
+    assert kv_per_token > 0 and recurrent > 0
+    previous = 0
+    for i in range(8):
+        before = written["snapshot"]
+        turn = take_turn(engine, manager, "w", random_prompt(66, 100 + i), max_tokens=4)[0]
+        new = turn.state_len - previous
+        bound = 1.2 * (new * kv_per_token + recurrent)
+        assert written["snapshot"] - before <= bound, (i, written["snapshot"] - before, bound)
+        previous = turn.state_len
+    assert previous > 8 * CHUNK  # the history spans many chunks: a whole-history write would break the bound
+
+
+def test_a_conversation_occupies_one_copy_of_its_kv_and_its_checkpoints(engine, tmp_path):
+    manager = store_manager(engine, tmp_path)
+    for i in range(10):
+        turn = take_turn(engine, manager, "c", random_prompt(13, 200 + i), max_tokens=3)[0]
+    on_disk = sum(store_files(tmp_path).values())
+    assert on_disk <= 1.2 * (_bytes(engine, turn.state_len, kv=True) + 10 * _bytes(engine, 0, kv=False))
+
+
+def test_a_fork_shares_every_piece_before_the_fork_point(engine, tmp_path):
+    manager = store_manager(engine, tmp_path)
+    for i in range(3):
+        take_turn(engine, manager, "f", random_prompt(70, 300 + i), max_tokens=3)
+    before = store_files(tmp_path)
+    fork = take_turn(engine, manager, "f", random_prompt(5, 310), branch="alt", from_turn=2, max_tokens=3)[0]
+    at_two = manifest_of(tmp_path, "f", 2)["store"]["pieces"]
+    forked = manifest_of(tmp_path, "f", fork.turn, branch="alt")["store"]["pieces"]
+    assert forked[: len(at_two)] == at_two  # the same files, checksums and all
+    added = set(store_files(tmp_path)) - set(before)
+    assert len(added) == len(forked) - len(at_two) + 1  # its own pieces and its checkpoint, nothing before the fork
+
+
+def test_two_conversations_with_one_long_system_prompt_share_its_pieces(engine, tmp_path):
+    manager = store_manager(engine, tmp_path)
+    system = random_prompt(4 * CHUNK + 3, 400)
+    take_turn(engine, manager, "a", system + random_prompt(7, 401), max_tokens=3)
+    reused = manager.store.stats.files_reused
+    take_turn(engine, manager, "b", system + random_prompt(9, 402), max_tokens=3)
+    a, b = (manifest_of(tmp_path, cid, 1)["store"]["pieces"] for cid in ("a", "b"))
+    assert a[:4] == b[:4] and a[4] != b[4]  # the system prompt's four whole chunks, then their own
+    assert manager.store.stats.files_reused - reused == 4
+
+
+def test_a_damaged_piece_is_refused_and_only_the_turns_holding_it_lose_their_state(engine, tmp_path):
+    manager = store_manager(engine, tmp_path)
+    for i in range(3):
+        take_turn(engine, manager, "d", random_prompt(2 * CHUNK, 500 + i), max_tokens=3)
+    one, three = manifest_of(tmp_path, "d", 1), manifest_of(tmp_path, "d", 3)
+    second_turns = next(i for i, p in enumerate(three["store"]["pieces"]) if p[0] >= one["state_len"])
+    path = store_file(tmp_path / "d" / "main" / "000003.json", piece=second_turns)  # turns 2 and 3 hold it
+    data = bytearray(path.read_bytes())
+    data[-2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    restarted = store_manager(engine, tmp_path)
+    conv = restarted.require("d")
+    history, new = conv.tokens(conv.latest("main")), random_prompt(6, 510)
+    turn, out, computed, plan = take_turn(engine, restarted, "d", new, max_tokens=3)
+    assert plan.state_tier == "cold" and plan.state.state_len == one["state_len"]  # turn 1's state: it lacks the piece
+    assert out.token_ids == full_generation(engine, history + new, max_tokens=3)
+    assert sorted(q["ref"] for q in restarted.quarantine.list("d")) == ["main/000002", "main/000003"]
+    assert restarted.load_into_warm("d", turn).state_len == turn.state_len  # the new turn wrote the piece again
+
+
+def test_a_sweep_removes_only_what_no_snapshot_references(engine, tmp_path):
+    manager = store_manager(engine, tmp_path)
+    system = random_prompt(3 * CHUNK, 600)
+    for cid in ("keep", "gone"):
+        for i in range(2):
+            take_turn(engine, manager, cid, (system if i == 0 else []) + random_prompt(11, hash(cid) % 1000 + i), max_tokens=3)
+    referenced = {p[2] for t in (1, 2) for p in manifest_of(tmp_path, "keep", t)["store"]["pieces"]}
+    manager.delete_conversation("gone")
+    manager.orphan_grace_s = 3600.0
+    assert manager.sweep_store() == 0  # every file is recent: a save in flight may reference it
+    manager.orphan_grace_s = 0.0
+    assert manager.sweep_store() > 0
+    left = {name.split(".")[0] for name in store_files(tmp_path)}
+    assert referenced <= left
+    assert left == {p[2] for t in (1, 2) for p in manifest_of(tmp_path, "keep", t)["store"]["pieces"]} | {
+        manifest_of(tmp_path, "keep", t)["store"]["checkpoint"][0] for t in (1, 2)
+    }
+    restarted = store_manager(engine, tmp_path)
+    conv = restarted.require("keep")
+    history, new = conv.tokens(conv.latest("main")), random_prompt(5, 610)
+    out, plan = take_turn(engine, restarted, "keep", new, max_tokens=3)[1::2]
+    assert plan.state_tier == "cold" and out.token_ids == full_generation(engine, history + new, max_tokens=3)
+
+
+def test_a_v1_snapshot_still_loads_and_the_next_turn_writes_v2(engine, tmp_path):
+    manager = store_manager(engine, tmp_path)
+    take_turn(engine, manager, "v1", random_prompt(20, 700), max_tokens=3)
+    state = manager.warm.peek("v1", "main/000001")
+    (tmp_path / "v1" / "main" / "000001.json").unlink()
+    save_snapshot(tmp_path, state, SnapshotMeta(conversation_id="v1", turn=1), engine.spec, engine.state_dtypes,
+                  manager.model, manager.tokenizer_sha256)
+    restarted = store_manager(engine, tmp_path)
+    conv = restarted.require("v1")
+    history, new = conv.tokens(conv.latest("main")), random_prompt(6, 701)
+    turn, out, computed, plan = take_turn(engine, restarted, "v1", new, max_tokens=3)
+    assert plan.state_tier == "cold" and plan.state.state_len == len(history) - 1
+    assert out.token_ids == full_generation(engine, history + new, max_tokens=3)
+    assert manifest_of(tmp_path, "v1", 2)["format"] == "engram-state/2"
+    assert [s["format"] for s in restarted.snapshots("v1")] == ["engram-state/1", "engram-state/2"]
