@@ -84,6 +84,15 @@ class ServerArgs:
     snapshot_every_n_turns: int = field(default=1, metadata={"help": "with --snapshot-trigger-policy every_n_turns: snapshot turns n, 2n, ..."})
     max_warm_conversations: int = field(default=256, metadata={"help": "conversations whose states are kept in host memory (a conversation may hold several turns' states; --max-warm-memory-gb bounds their bytes)"})
     max_warm_memory_gb: float = field(default=4.0, metadata={"help": "host memory for conversation states"})
+    enable_prefix_caching: bool = field(
+        default=True,
+        metadata={"help": "a request of no conversation starts from the state of the longest earlier prompt it begins with "
+                          "(a client that resends its history); its own prompt's state is kept for the next"},
+    )
+    prefix_cache_memory_gb: float = field(default=2.0, metadata={"help": "host memory for the prefix cache's states"})
+    state_chunk_tokens: int = field(
+        default=256, metadata={"help": "tokens per KV piece in the snapshot store (pieces are shared by every prefix that holds them)"}
+    )
     enable_memory_tiers: bool = field(default=True, metadata={"help": "keep finished conversations' states in engine slots (ACTIVE) and host memory (WARM); off: every continuation restores its snapshot file"})
     conversation_active_timeout: float = field(default=60.0, metadata={"help": "seconds idle before a conversation's engine slot is released (ACTIVE -> WARM)"})
     conversation_warm_timeout: float = field(default=1800.0, metadata={"help": "seconds idle before its host copy is dropped (WARM -> COLD, snapshot kept)"})

@@ -146,6 +146,7 @@ class LLMEngine:
         *,
         initial_state: SequenceState | None = None,
         capture_state: bool = False,
+        capture_prompt_state: bool = False,
         retain_key: str | None = None,
         resume_key: str | None = None,
         internal: bool = False,
@@ -153,7 +154,9 @@ class LLMEngine:
         """Queue a request. `initial_state` covers a prefix of the prompt (restored, not computed);
         `resume_key` names a retained slot holding such a state (adopted without a copy when it is
         still there, else `initial_state` is used). `capture_state` returns the final state in
-        the output; `retain_key` keeps the final state in its slot under that key. An `internal`
+        the output; `capture_prompt_state` returns the state after the prompt (`prompt_state`: a
+        prefix-cache entry; its recurrent part is copied when the prefill ends, its KV at finish);
+        `retain_key` keeps the final state in its slot under that key. An `internal`
         request (the server's own, such as a prefill shared by several choices) is left out of
         the received, cached and generated token counts."""
         if request_id in self._requests:
@@ -172,6 +175,7 @@ class LLMEngine:
             self.scheduler.drop_retained(resume_key)
         generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         seq = Sequence(request_id, prompt, params, generator, initial_state, capture_state, retain_key, internal)
+        seq.capture_prompt = capture_prompt_state
         seq.adopted = self.scheduler.adopt(resume_key) if adoptable else None
         seq.num_cached_tokens = seq.adopted.state_len if seq.adopted else (initial_state.state_len if initial_state else 0)
         self._requests[request_id] = seq
@@ -249,6 +253,8 @@ class LLMEngine:
                 seq = chunk.seq
                 self._counters["prefill_computed"] += max(0, min(chunk.start + chunk.length, seq.num_prompt_tokens) - chunk.start)
                 seq.num_computed += chunk.length
+                if seq.capture_prompt and seq.num_computed == seq.num_prompt_tokens and chunk.length:
+                    seq.prompt_recurrent = self._copy_recurrent(seq.slot)
             completing = [c.seq for c in chunks if c.completes]  # one logits row each, sampled unless finished
             outputs += [self._finish_prefill_only(seq) for seq in completing if seq.params.max_tokens == 0]
             if all(seq.is_finished for seq in completing):
@@ -263,6 +269,11 @@ class LLMEngine:
         elif completing:
             outputs += self._sample_and_append(logits, completing)
         return outputs
+
+    def _copy_recurrent(self, slot: int) -> dict[str, torch.Tensor]:
+        """A host copy (in flight on CUDA) of a slot's recurrent state as it is now: cloned on the
+        compute stream first, so that the next step's in-place updates cannot race the copy."""
+        return self.copier.copy({name: t.clone() for name, t in self.state_pool.views(slot).items()})[0]  # the KV copy's event covers it
 
     def _finish_prefill_only(self, seq: Sequence) -> RequestOutput:
         """Finish a sequence that samples nothing (max_tokens 0): its state covers the whole prompt."""
@@ -367,6 +378,11 @@ class LLMEngine:
                 seq.captured_state = capture_state(
                     self.state_pool, self.kv_pool, self.copier, seq.slot, seq.blocks, seq.token_ids, seq.num_computed
                 )
+            if seq.prompt_recurrent is not None:  # the prompt's KV is still in its pages, unchanged
+                kv, ready = self.copier.copy(self.kv_pool.gather(seq.blocks, seq.num_prompt_tokens))
+                if ready is not None:
+                    self.kv_pool.pending.mark(seq.blocks, ready)
+                seq.prompt_state = SequenceState(list(seq.prompt_token_ids), seq.num_prompt_tokens, {**seq.prompt_recurrent, **kv}, ready)
             if seq.retain_key is not None:
                 self.scheduler.retain(seq.retain_key, seq)
         seq.status = SequenceStatus.FINISHED
@@ -390,6 +406,7 @@ class LLMEngine:
             num_cached_tokens=seq.num_cached_tokens,
             restore_seconds=seq.restore_seconds,
             state=seq.captured_state,
+            prompt_state=seq.prompt_state,
         )
         seq.emitted_tokens += len(new_ids)
         seq.emitted_chars = text_end

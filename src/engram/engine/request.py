@@ -111,3 +111,4 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens restored from state rather than computed
     restore_seconds: float = 0.0  # time spent loading a restored state into the engine's pools
     state: SequenceState | None = None  # captured at finish when the request asked for it
+    prompt_state: SequenceState | None = None  # the state after the prompt, when the request asked for it

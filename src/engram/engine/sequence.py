@@ -36,6 +36,9 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens whose state was restored or adopted, not computed
     restore_seconds: float = 0.0  # time to copy the restored state into the pools
     captured_state: SequenceState | None = None  # taken at finish when capture_state is set
+    capture_prompt: bool = False  # also return the state after the prompt (a prefix-cache entry)
+    prompt_recurrent: dict[str, torch.Tensor] | None = None  # its recurrent part, copied when the prefill ended
+    prompt_state: SequenceState | None = None  # and with the prompt's KV, at finish
     prompt_mask: torch.Tensor | None = None  # the prompt's tokens over the vocabulary, for the repetition penalty
     output_counts: torch.Tensor | None = None  # each token's count in the output, for the penalties (once one needs it)
     status: SequenceStatus = SequenceStatus.WAITING

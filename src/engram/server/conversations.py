@@ -72,6 +72,8 @@ def build_manager(engine: LLMEngine, args: ServerArgs) -> ConversationManager:
         WarmCache(warm_entries, int(args.max_warm_memory_gb * (1 << 30))),
         tiers,
         health=health,
+        chunk_tokens=args.state_chunk_tokens,
+        prefix_cache_bytes=int(args.prefix_cache_memory_gb * (1 << 30)) if args.enable_prefix_caching else 0,
     )
 
 

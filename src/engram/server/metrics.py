@@ -113,6 +113,23 @@ class _StateCollector(Collector):
         failures = CounterMetricFamily("engram:snapshot_write_failures", "snapshot writes that failed", labels=["model_name"])
         failures.add_metric([m], st["snapshot_write_failures"])
         yield failures
+        if st["store"] is not None:
+            written = CounterMetricFamily("engram:snapshot_bytes_written", "bytes of store files written (KV pieces, checkpoints)",
+                                          labels=["model_name"])
+            written.add_metric([m], st["store"]["bytes_written"])
+            yield written
+            reused = CounterMetricFamily("engram:snapshot_files_reused", "store files a save found stored already (shared prefixes)",
+                                         labels=["model_name"])
+            reused.add_metric([m], st["store"]["files_reused"])
+            yield reused
+        if st["prefix_cache"] is not None:
+            lookups = CounterMetricFamily("engram:prefix_cache_queries", "prefix cache lookups, and those that hit", labels=["model_name", "result"])
+            lookups.add_metric([m, "hit"], st["prefix_cache"]["hits"])
+            lookups.add_metric([m, "miss"], st["prefix_cache"]["lookups"] - st["prefix_cache"]["hits"])
+            yield lookups
+            held = GaugeMetricFamily("engram:prefix_cache_bytes", "bytes of states in the prefix cache", labels=["model_name"])
+            held.add_metric([m], st["prefix_cache"]["bytes"])
+            yield held
         health = CounterMetricFamily("engram:state_health_events", "state health checks and failures", labels=["model_name", "event"])
         for event, n in st["health"].items():
             health.add_metric([m, event], n)

@@ -38,7 +38,7 @@ async def generate(request: GenerateRequest, raw_request: Request):
     params = s.sampling_params(request.sampling_fields())
     rid = request.rid or uuid.uuid4().hex
     start = time.perf_counter()
-    outputs = await s.generate(rid, prompt_ids, params, initial_state=s.take_staged_state(rid))
+    outputs = await s.generate(rid, prompt_ids, params, initial_state=s.take_staged_state(rid), cache_prefix=True)
     if request.stream:
         return sse_response(generate_events(rid, request.return_logprob, start, outputs))
     out, logprobs = await collect(outputs)

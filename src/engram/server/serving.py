@@ -25,6 +25,7 @@ from engram.server.conversations import ConversationTurns
 from engram.server.errors import APIError
 from engram.server.metrics import Metrics, RequestTimer
 from engram.server.tokens import encode
+from engram.state.prefix_cache import PrefixCache
 
 MAX_STAGED_STATES = 64
 # From this many prompt tokens, the n choices of a request share one prefill: the state one token
@@ -110,17 +111,25 @@ class Serving:
             return SamplingParams(**{k: v for k, v in fields.items() if v is not None or k == "max_tokens"})
 
     async def generate(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, timer: RequestTimer | None = None, **kwargs: Any
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, timer: RequestTimer | None = None,
+        cache_prefix: bool = False, **kwargs: Any,
     ) -> AsyncIterator[RequestOutput]:
         """Start a request and wait for its first output, so that bad input (the engine raises
         ValueError) is answered with 400 before a response, streaming or not, has begun. `timer`:
-        when the request arrived, if before now. `kwargs` go to the engine (a state to restore,
-        whether to capture the final state)."""
+        when the request arrived, if before now. `cache_prefix`: a request of no conversation,
+        which starts from the prefix cache's longest match and leaves its prompt's state there
+        (with prefix caching on). `kwargs` go to the engine (a state to restore, whether to capture
+        the final state)."""
         timer = timer or self.metrics.timer()
+        cache = self.conversations.manager.prefix_cache if cache_prefix and kwargs.get("initial_state") is None else None
+        if cache is not None:
+            state = await asyncio.to_thread(cache.lookup, prompt_ids)
+            kwargs = {**kwargs, "initial_state": state, "capture_prompt_state": True}
         outputs = self.engine.generate(request_id, prompt_ids, params, **kwargs)
         with _bad_input_is_400():
             first = await anext(outputs)
-        return _timed(outputs, first, timer)
+        timed = _timed(outputs, first, timer)
+        return _admitting(timed, cache) if cache is not None else timed
 
     async def generate_choices(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, n: int
@@ -131,7 +140,7 @@ class Serving:
         engine slots still wait for one. With a seed, choice i draws from seed + i (the same choices
         for the same seed)."""
         if n == 1:
-            return [await self.generate(request_id, prompt_ids, params)]
+            return [await self.generate(request_id, prompt_ids, params, cache_prefix=True)]
         timers = [self.metrics.timer() for _ in range(n)]
         state = None
         if len(prompt_ids) >= SHARED_PREFILL_MIN_TOKENS:
@@ -217,6 +226,15 @@ async def _timed(outputs: AsyncIterator[RequestOutput], first: RequestOutput, ti
             if out.finished:
                 return
             out = await anext(outputs)
+
+
+async def _admitting(outputs: AsyncIterator[RequestOutput], cache: PrefixCache) -> AsyncIterator[RequestOutput]:
+    """The outputs as they come; the prompt's state goes into the prefix cache once it is there."""
+    async with aclosing(outputs):
+        async for out in outputs:
+            if out.prompt_state is not None:
+                await asyncio.to_thread(cache.admit, out.prompt_state)
+            yield out
 
 
 async def collect(outputs: AsyncIterator[RequestOutput]) -> tuple[RequestOutput, list[TokenLogprob]]:

@@ -142,12 +142,12 @@ def _kv_names(spec: ModelSpec) -> list[tuple[str, str]]:
 class ChunkStore:
     """The files of state store v2 under `<root>/.store` (thread-safe: files are immutable)."""
 
-    def __init__(self, root: Path, spec: ModelSpec, dtypes: StateDtypes, identity: bytes, chunk_tokens: int = DEFAULT_CHUNK_TOKENS):
+    def __init__(self, root: Path, spec: ModelSpec, dtypes: StateDtypes, hasher: PrefixHasher):
         self.root = root
         self.dir = root / STORE_NAME
         self.spec, self.dtypes = spec, dtypes
-        self.hasher = PrefixHasher(identity, chunk_tokens)
-        self.identity = self.hasher.seed.hex()
+        self.hasher = hasher
+        self.identity = hasher.seed.hex()
         self.stats = StoreStats()
         self._kv = [name for pair in _kv_names(spec) for name in pair]
 

@@ -20,10 +20,11 @@ from enum import Enum
 from pathlib import Path
 
 from engram.models.spec import ModelSpec
-from engram.state.chunks import DEFAULT_CHUNK_TOKENS, ORPHAN_GRACE_S, ChunkStore, StoredState
+from engram.state.chunks import DEFAULT_CHUNK_TOKENS, ORPHAN_GRACE_S, ChunkStore, PrefixHasher, StoredState
 from engram.state.health import HealthMonitor, Quarantine
 from engram.state.identity import ModelIdentity
 from engram.state.manifest import load_turn, save_turn, stored_state, turn_file, turn_tokens
+from engram.state.prefix_cache import PrefixCache
 from engram.state.sequence_state import SequenceState, StateDtypes
 from engram.state.snapshot import (
     QUARANTINE_NAME,
@@ -251,13 +252,17 @@ class ConversationManager:
         clock: Clock = time.time,
         health: HealthMonitor | None = None,
         chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+        prefix_cache_bytes: int = 0,
     ):
         self.spec, self.dtypes, self.model, self.tokenizer_sha256 = spec, dtypes, model, tokenizer_sha256
         self.policy = policy
         self.root = Path(snapshot_dir) if snapshot_dir is not None else None
         identity = json.dumps({"model": asdict(model), "tokenizer": tokenizer_sha256, "layout": spec.layout(), "dtypes": dtype_names(dtypes)},
                               sort_keys=True).encode()
-        self.store = ChunkStore(self.root, spec, dtypes, identity, chunk_tokens) if self.root is not None else None
+        hasher = PrefixHasher(identity, chunk_tokens)
+        self.store = ChunkStore(self.root, spec, dtypes, hasher) if self.root is not None else None
+        # States after whole prompts, for requests of no conversation (0 bytes: prefix caching off).
+        self.prefix_cache = PrefixCache(hasher, prefix_cache_bytes) if prefix_cache_bytes > 0 else None
         self._stored: dict[tuple[str, str], StoredState] = {}  # (conversation, ref) -> its snapshot's store references
         self.orphan_grace_s = ORPHAN_GRACE_S  # store files younger than this are never swept (a save may still reference them)
         # Due at start (a crash may have left unreferenced files), but not at once: startup reads no record.
@@ -1008,9 +1013,14 @@ class ConversationManager:
                 "snapshot_write_seconds": st.snapshot_write_seconds.summary(),
                 "snapshot_write_failures": st.snapshot_write_failures,
                 "store": asdict(self.store.stats) if self.store is not None else None,
+                "prefix_cache": self._prefix_cache_stats(),
                 "health": asdict(self.health.stats),
                 "quarantined": self.quarantine.list(),
             }
+
+    def _prefix_cache_stats(self) -> dict | None:
+        cache = self.prefix_cache
+        return None if cache is None else {"entries": len(cache), "bytes": cache.nbytes, **asdict(cache.stats)}
 
     def close(self, snapshot_budget_s: float = 0.0) -> None:
         """Graceful shutdown: finish every write still queued, then write the states only memory
