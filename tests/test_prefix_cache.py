@@ -87,7 +87,7 @@ def _resend_history_dialogue(srv, turns: int = 3) -> tuple[list[str], list[int],
 
 def test_a_client_that_resends_its_history_restores_its_previous_prompt(checkpoint_dir, tmp_path):
     path = checkpoint_dir("nemotron")
-    with running_server(path, MODEL, snapshot_dir=str(tmp_path / "on")) as srv:
+    with running_server(path, MODEL, snapshot_dir=str(tmp_path / "on"), enable_prefix_caching=True) as srv:
         replies, cached, prompts = _resend_history_dialogue(srv)
     with running_server(path, MODEL, snapshot_dir=str(tmp_path / "off"), enable_prefix_caching=False) as srv:
         without = _resend_history_dialogue(srv)

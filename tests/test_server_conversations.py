@@ -601,3 +601,35 @@ def test_a_turn_preempted_while_its_last_token_is_in_flight_is_recorded(checkpoi
     fresh = make_engine(path)
     fresh.add_request("full", history + new, greedy(4))
     assert run_to_end(engine)["next"].token_ids == run_to_end(fresh)["full"].token_ids
+
+
+def test_a_conversation_exported_and_imported_elsewhere_continues_exactly(checkpoint_dir, tmp_path):
+    """An export is one file that another server imports (under a new id), verifies, and continues
+    from the stored state as the first server would have; damaged or foreign files are refused whole."""
+    path = checkpoint_dir("nemotron")
+    with serving(path, tmp_path / "a") as (_, http):
+        for text in USER_TURNS[:2]:
+            chat(http, "src", text)
+        exported = http.get("/v1/conversations/src/export")
+        assert exported.status_code == 200 and exported.headers["content-type"] == "application/x-tar"
+        assert http.get("/v1/conversations/none/export").status_code == 404
+    data = exported.content
+    with serving(checkpoint_dir("mamba2"), tmp_path / "other") as (_, http):  # another model: refused, nothing listed
+        r = http.post("/v1/conversations/import", content=data)
+        assert r.status_code == 409 and "model" in r.json()["error"]["message"], r.text
+        assert http.get("/v1/conversations/src").status_code == 404
+    with serving(path, tmp_path / "b") as (srv, http):
+        damaged = bytearray(data)
+        damaged[len(damaged) // 2] ^= 0xFF  # somewhere in the store files' tensors
+        assert http.post("/v1/conversations/import", params={"conversation_id": "bad"}, content=bytes(damaged)).status_code == 409
+        assert http.get("/v1/conversations/bad").status_code == 404
+        r = http.post("/v1/conversations/import", params={"conversation_id": "moved"}, content=data)
+        assert r.status_code == 200 and r.json()["latest_turns"] == {"main": 2} and r.json()["snapshots"] == 2, r.text
+        assert http.post("/v1/conversations/import", params={"conversation_id": "moved"}, content=data).status_code == 409
+        history = snapshot_info(http, "moved", 2)["fill_ids"]
+        third = chat(http, "moved", USER_TURNS[2])
+        assert third["turn"] == 3 and third["usage"]["prompt_tokens_details"]["cached_tokens"] == len(history) - 1
+        fill3 = snapshot_info(http, "moved", 3)["fill_ids"]
+        prompt3 = fill3[: len(fill3) - third["usage"]["completion_tokens"]]
+        full = http.post("/generate", json={"input_ids": prompt3, "sampling_params": {"temperature": 0, "max_new_tokens": 10}}).json()
+        assert prompt3[: len(history)] == history and full["output_ids"] == fill3[len(prompt3):]

@@ -76,6 +76,7 @@ class ServerArgs:
     admin_api_key: str | None = field(default=None, metadata={"help": "key for admin routes (cache flush, request aborts, snapshots); without it they take --api-key"})
     enable_warmup: bool = field(default=True, metadata={"help": "capture every CUDA graph and compile the kernels before /health answers 200 (nothing to do on the CPU)"})
     max_request_bytes: int = field(default=16 << 20, metadata={"help": "largest request body; a larger one gets 413 before it is parsed"})
+    max_import_bytes: int = field(default=64 << 30, metadata={"help": "largest conversation file POST /v1/conversations/import takes"})
     log_level: str = field(default="info", metadata={"help": "logging level", "choices": ["critical", "error", "warning", "info", "debug"]})
     enable_snapshot_persistence: bool = field(default=True, metadata={"help": "write conversation snapshots to --snapshot-dir so they survive restarts"})
     snapshot_dir: str | None = field(default=None, metadata={"help": "snapshot folder (default: $ENGRAM_CACHE_DIR/snapshots or ~/.cache/engram/snapshots)"})

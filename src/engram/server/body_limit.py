@@ -1,6 +1,6 @@
-"""A cap on request bodies, as ASGI middleware: a body over `--max-request-bytes` is answered 413
-before it is parsed, whether its size is declared (Content-Length) or only counted as it streams
-in (chunked)."""
+"""A cap on request bodies, as ASGI middleware: a body over `--max-request-bytes` (or a route's own
+larger cap: an import) is answered 413 before it is parsed, whether its size is declared
+(Content-Length) or only counted as it streams in (chunked)."""
 
 from __future__ import annotations
 
@@ -11,16 +11,18 @@ from engram.server.errors import APIError, error_response
 
 
 class BodyLimitMiddleware:
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, larger: dict[str, int] | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.larger = larger or {}  # path -> its own cap
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if _content_length(scope) > self.max_bytes:
-            await error_response(APIError(413, self._message(), code="request_too_large"))(scope, receive, send)
+        cap = self.larger.get(scope["path"], self.max_bytes)
+        if _content_length(scope) > cap:
+            await error_response(APIError(413, self._message(cap), code="request_too_large"))(scope, receive, send)
             return
         received = 0
 
@@ -29,14 +31,15 @@ class BodyLimitMiddleware:
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.max_bytes:  # raised where the body is read: answered by the error handlers
-                    raise HTTPException(413, self._message())
+                if received > cap:  # raised where the body is read: answered by the error handlers
+                    raise HTTPException(413, self._message(cap))
             return message
 
         await self.app(scope, counted, send)
 
-    def _message(self) -> str:
-        return f"the request body is larger than {self.max_bytes} bytes, the server's --max-request-bytes"
+    def _message(self, cap: int) -> str:
+        flag = "--max-request-bytes" if cap == self.max_bytes else "--max-import-bytes"
+        return f"the request body is larger than {cap} bytes, the server's {flag}"
 
 
 def _content_length(scope: Scope) -> int:

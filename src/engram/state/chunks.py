@@ -25,6 +25,7 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 import safetensors.torch
 import torch
@@ -241,6 +242,13 @@ class ChunkStore:
             return None
         checksum = header.get("checksum")
         return checksum if isinstance(checksum, str) and header.get("identity") == self.identity else None
+
+    def adopt_file(self, kind: str, key: str, stream: IO[bytes]) -> None:
+        """Store a file brought from elsewhere (an import) under its key, unless it is stored
+        already; it is verified when a manifest that names it is loaded."""
+        path = self._path(kind, key)
+        if not path.exists():
+            atomic_write(path, stream.read())
 
     # ---- load --------------------------------------------------------------------------------
 

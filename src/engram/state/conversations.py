@@ -18,6 +18,7 @@ from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from pathlib import Path
+from typing import IO
 
 from engram.models.spec import ModelSpec
 from engram.state.chunks import DEFAULT_CHUNK_TOKENS, ORPHAN_GRACE_S, ChunkStore, PrefixHasher, StoredState
@@ -48,6 +49,7 @@ from engram.state.snapshot import (
     validate_id,
 )
 from engram.state.store import Clock, SnapshotWriter, TierStats, WarmCache
+from engram.state.transfer import Export, read_export, write_export
 
 log = logging.getLogger(__name__)
 
@@ -1055,6 +1057,85 @@ class ConversationManager:
         if unwritten:
             log.info("shutdown: %d of %d states held only in memory written as snapshots (the rest: the shutdown budget "
                      "ran out or the write failed; their turns are recomputed from their tokens)", written, len(unwritten))
+
+    # ---- export and import ----------------------------------------------------------------------
+
+    def export_conversation(self, conversation_id: str, tenant: str | None, out: IO[bytes]) -> None:
+        """Write the conversation as one file (state/transfer.py): its record, every snapshot and
+        the store files they name."""
+        self._require_persistence()
+        with self._lock:
+            conv = self.require(conversation_id, tenant)
+            export = Export(record=conv.to_json())
+            for t in (t for t in conv.turns.values() if t.snapshot):
+                path = turn_file(self.root, conversation_id, t.branch, t.turn)
+                try:
+                    data = read_no_follow(path)
+                except FileNotFoundError:
+                    continue
+                export.turns[f"turns/{t.branch}/{t.turn:06d}{path.suffix}"] = data
+                stored = stored_state(json.loads(data), snapshot_label(path)) if path.suffix == ".json" else None
+                for p in stored.pieces if stored is not None else ():
+                    export.store_files[f"store/kv/{p.key}.safetensors"] = str(self.store.piece_path(p.key))
+                if stored is not None:
+                    export.store_files[f"store/ckpt/{stored.checkpoint}.safetensors"] = str(self.store.checkpoint_path(stored.checkpoint))
+        write_export(export, out)
+
+    def import_conversation(self, src: IO[bytes], tenant: str | None, conversation_id: str | None = None) -> Conversation:
+        """Add the conversation an export holds, as `conversation_id` (default: its own id),
+        belonging to `tenant`. Every snapshot must load and verify here (this model, tokenizer,
+        layout, dtypes, checksums); otherwise nothing of it is listed. An id in use is a conflict."""
+        self._require_persistence()
+        record, snapshots = None, {}
+        for kind, item in read_export(src):
+            if kind == "index":
+                record = item
+            elif kind == "turn":
+                branch, number, suffix, data = item
+                snapshots[ref_name(validate_id(branch, "branch"), number)] = (suffix, data)
+            else:
+                store_kind, key, stream = item
+                self.store.adopt_file(store_kind, key, stream)
+        try:
+            conv = Conversation.from_json(record)
+        except (TypeError, KeyError, ValueError, AttributeError) as e:
+            raise SnapshotCorruptError(f"the export's conversation record is unreadable: {e!r}") from e
+        cid = validate_id(conversation_id or conv.conversation_id, "conversation_id")
+        renamed = cid != conv.conversation_id
+        conv.conversation_id, conv.owner = cid, tenant
+        for t in conv.turns.values():
+            validate_id(t.branch, "branch")
+            t.snapshot = t.ref in snapshots and not (renamed and snapshots[t.ref][0] == "safetensors")  # v1 names its conversation inside
+        with self._lock:
+            if cid in self._busy or self.get(cid) is not None:
+                raise ConversationConflictError(f"conversation {cid!r} exists already; import it under another conversation_id")
+            self._busy[cid] = None
+            self._conversations[cid] = conv
+        written: list[Path] = []
+        try:
+            for t in (t for t in conv.turns.values() if t.snapshot):
+                suffix, data = snapshots[t.ref]
+                if suffix == "json":
+                    manifest = json.loads(data)
+                    manifest["conversation_id"] = cid
+                    data = json.dumps(manifest, sort_keys=True).encode()
+                path = turn_file(self.root, cid, t.branch, t.turn).with_suffix("." + suffix)
+                atomic_write(path, data)
+                written.append(path)
+                self._load_turn(cid, t)  # checked like any snapshot; refused whole otherwise
+            with self._lock:
+                self._persist(conv)
+        except BaseException:
+            with self._lock:
+                self._conversations.pop(cid, None)
+                for path in written:
+                    path.unlink(missing_ok=True)
+                    self._stored.pop((cid, ref_name(path.parent.name, int(path.stem))), None)
+                self._sweep_due = True
+            raise
+        finally:
+            self.release(cid)
+        return conv
 
     def _require_persistence(self) -> None:
         if not self.persistent:
