@@ -177,3 +177,53 @@ def test_a_v1_snapshot_still_loads_and_the_next_turn_writes_v2(engine, tmp_path)
     assert out.token_ids == full_generation(engine, history + new, max_tokens=3)
     assert manifest_of(tmp_path, "v1", 2)["format"] == "engram-state/2"
     assert [s["format"] for s in restarted.snapshots("v1")] == ["engram-state/1", "engram-state/2"]
+
+
+_KILLED_WRITER = """
+import random, sys
+sys.path[:0] = {paths!r}
+from engine_utils import make_engine, random_prompt
+from test_conversations import take_turn
+from test_store import store_manager
+engine = make_engine({model!r})
+manager = store_manager(engine, {root!r})
+manager.orphan_grace_s = 0.0  # sweep everything unreferenced, at once, while turns are written
+rng = random.Random({seed})
+system = random_prompt(2 * 64, 900)  # shared by every conversation: its pieces are reused and swept around
+for i in range(10_000):
+    cid = f"c{{rng.randrange(4)}}"
+    if rng.random() < 0.2 and manager.get(cid) is not None:
+        manager.delete_conversation(cid)
+    else:
+        take_turn(engine, manager, cid, (system if manager.get(cid) is None else []) + random_prompt(9, i), max_tokens=2)
+    manager.sweep_store()
+    print(i, flush=True)
+"""
+
+
+def test_kill_9_during_writes_and_sweeps_leaves_every_listed_turn_loadable(engine, tmp_path, seed=1):
+    import os
+    import random
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = str(Path(__file__).parent)
+    script = _KILLED_WRITER.format(paths=[tests, str(Path(tests).parent / "src")], model=str(engine.model_path),
+                                   root=str(tmp_path), seed=seed)
+    rng = random.Random(seed)
+    for _ in range(3):
+        child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+        target = rng.randrange(3, 12)  # iterations done before the kill lands, somewhere inside the next one
+        for line in child.stdout:
+            if int(line.split()[0]) >= target:
+                break
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait()
+    restarted = store_manager(engine, tmp_path)
+    listed = restarted.snapshots()
+    assert listed
+    for entry in listed:
+        turn = restarted.require(entry["conversation_id"]).turns[f"{entry['branch']}/{entry['turn']:06d}"]
+        restarted.load_into_warm(entry["conversation_id"], turn)  # raises if a piece it names is missing or damaged
