@@ -59,6 +59,13 @@ def test_layer_norms_are_rms_in_float64_and_skip_empty_tensors():
     assert long["layers.1.k"] == pytest.approx(short["layers.1.k"], rel=0.05)
 
 
+def test_layer_norms_read_only_the_kv_rows_a_turn_added():
+    kv = torch.cat([torch.full((6, 2), 100.0), torch.full((2, 2), 3.0)])
+    state = SequenceState(list(range(8)), 8, {"layers.1.k": kv, "layers.0.ssm": torch.full((4,), 100.0)})
+    assert layer_norms(state, kv_from=6) == {"layers.1.k": 3.0, "layers.0.ssm": 100.0}
+    assert layer_norms(state)["layers.1.k"] > 50
+
+
 def test_warmup_observations_are_never_flagged():
     for warmup, expect in ((3, []), (2, [3])):
         monitor = HealthMonitor(HealthConfig(warmup=warmup))

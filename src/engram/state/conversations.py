@@ -536,7 +536,8 @@ class ConversationManager:
                 now = self.clock()
                 self.last_used[plan.conversation_id] = now
                 wanted = state is not None and self.persistent and self.policy.wants_snapshot(turn.turn, tool_calls)
-                if state is not None and not self._healthy(plan.conversation_id, turn, state):
+                parent = conv.turns.get(plan.parent) if plan.parent else None
+                if state is not None and not self._healthy(plan.conversation_id, turn, state, parent.state_len if parent else 0):
                     wanted = False
                     self._unsaved_by_health.add((plan.conversation_id, turn.ref))
                 if state is not None and self.tiers.enabled:
@@ -553,10 +554,11 @@ class ConversationManager:
         finally:
             self.release(plan.conversation_id)
 
-    def _healthy(self, conversation_id: str, turn: Turn, state: SequenceState) -> bool:
-        """Check the state's norms against the conversation's history; quarantine per the policy.
-        Returns whether the state may be written as a snapshot."""
-        report = self.health.check(conversation_id, turn.turn, state.wait())
+    def _healthy(self, conversation_id: str, turn: Turn, state: SequenceState, kv_from: int) -> bool:
+        """Check the state's norms (its KV from `kv_from`: what the turn added) against the
+        conversation's history; quarantine per the policy. Returns whether the state may be
+        written as a snapshot."""
+        report = self.health.check(conversation_id, turn.turn, state.wait(), kv_from)
         decision = self.health.decide(report)
         if decision.quarantine:
             self.quarantine.add(conversation_id, turn.ref, report.describe())

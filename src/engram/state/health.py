@@ -61,13 +61,16 @@ class HealthConfig:
             raise ValueError(f"ema must be in (0, 1], got {self.ema}")
 
 
-def layer_norms(state: SequenceState) -> dict[str, float]:
-    """RMS of each non-empty tensor, computed in float64 with one device sync.
+def layer_norms(state: SequenceState, kv_from: int = 0) -> dict[str, float]:
+    """RMS of each non-empty tensor, computed in float64 with one device sync; attention KV
+    (`.k`, `.v`) only over its rows from position `kv_from` (what a turn added: a check costs
+    the new tokens, not the history).
 
-    RMS rather than the plain norm so that attention KV, which grows with every turn, stays
+    RMS rather than the plain norm so that attention KV, whose rows per turn vary, stays
     comparable across turns.
     """
-    named = [(name, t) for name, t in state.tensors.items() if t.numel()]
+    named = [(name, t[kv_from:] if name.endswith((".k", ".v")) else t) for name, t in state.tensors.items()]
+    named = [(name, t) for name, t in named if t.numel()]
     if not named:
         return {}
     device = named[0][1].device
@@ -158,12 +161,13 @@ class HealthMonitor:
         self._baselines: dict[str, dict[str, _Baseline]] = {}
         self._lock = threading.Lock()
 
-    def check(self, conversation_id: str, turn: int, state: SequenceState) -> HealthReport:
-        """Compare the state's norms with the conversation's history, then add them to it."""
+    def check(self, conversation_id: str, turn: int, state: SequenceState, kv_from: int = 0) -> HealthReport:
+        """Compare the state's norms (its KV from `kv_from`, see `layer_norms`) with the
+        conversation's history, then add them to it."""
         interval = self.config.check_interval
         if interval <= 0 or turn % interval:
             return HealthReport(conversation_id, turn, False, [], self._clock())
-        norms = layer_norms(state)
+        norms = layer_norms(state, kv_from)
         anomalies = []
         with self._lock:
             baselines = self._baselines.setdefault(conversation_id, {})
