@@ -250,7 +250,9 @@ def chat_row(t: Timing) -> dict:
 
 
 def snapshot_writes(server: Server) -> dict:
-    return httpx.get(server.url + "/v1/state/stats").json()["snapshot_write_seconds"]
+    """Snapshot writes so far: count and seconds, and the bytes the store wrote."""
+    stats = httpx.get(server.url + "/v1/state/stats").json()
+    return {**stats["snapshot_write_seconds"], "bytes": (stats["store"] or {}).get("bytes_written", 0)}
 
 
 async def run_http(a, server: Server, vocab: int) -> dict:
@@ -272,6 +274,7 @@ async def run_http(a, server: Server, vocab: int) -> dict:
     out["chat_first"], out["chat_resumed"] = chat_row(first), chat_row(later)
     n = writes["count"] - writes_before["count"]
     out["snapshot_write_s_per_turn"] = (writes["sum"] - writes_before["sum"]) / n if n else None
+    out["snapshot_bytes_per_turn"] = (writes["bytes"] - writes_before["bytes"]) / n if n else None
     _, resent, _ = await http_chats(client, a, "r", resend=True)
     out["chat_resend_history"] = chat_row(resent)
     log(f"http chats: resumed TTFT p50 {out['chat_resumed']['ttft_p50'] * 1e3:.1f} ms, resend-history {out['chat_resend_history']['ttft_p50'] * 1e3:.1f} ms")
@@ -383,7 +386,8 @@ def print_tables(res: dict) -> None:
         h, e = H[key], E.get(key if key != "chat_resend_history" else "chat_first", {})  # resend = a whole-history prefill
         print(f"| {key[5:]} | {ms(h['ttft_p50'])} / {ms(h['ttft_p99'])} | {ms(e.get('ttft_p50'))} | {ratio(h['ttft_p50'], e.get('ttft_p50'))} | "
               f"{ms(h['e2e_p50'])} / {ms(h['e2e_p99'])} |")
-    print(f"\nserver snapshot write per turn: {ms(H['snapshot_write_s_per_turn'])} ms (sync durability: inside the turn's E2E); "
+    print(f"\nserver snapshot write per turn: {ms(H['snapshot_write_s_per_turn'])} ms, {(H['snapshot_bytes_per_turn'] or 0) / 1e6:.1f} MB "
+          "(sync durability: inside the turn's E2E); "
           f"ready after {H['ready_s']:.1f} s, {H['restart_ready_s']:.1f} s after the restart; "
           f"compilations after ready: {H['compilations_after_ready']:g}; preemptions: {H['preemptions']:g}")
 
