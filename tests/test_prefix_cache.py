@@ -55,6 +55,8 @@ def test_lookup_finds_the_longest_stored_prefix_that_leaves_a_token_to_compute()
     assert cache.lookup(base[:5] + [7, 7, 7, 7, 7]) is short
     assert cache.lookup([1] + base) is None
     assert cache.stats.hits == 3 and cache.stats.tokens_reused == 9 + 3 + 3
+    assert cache.lookup([-(1 << 60), *base]) is None  # not token ids: the engine refuses them
+    assert cache.lookup([*base[:5], 1 << 40, 0]) is short  # the engine refuses what follows the restored prefix
 
 
 def test_the_least_recently_used_states_leave_first_under_the_budget():

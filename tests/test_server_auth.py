@@ -78,7 +78,7 @@ def test_server_paths_go_to_the_admin_only(server, tmp_path_factory):
         r = httpx.post(server.url + route, headers=bearer(ADMIN), json={"conversation_id": "paths"})
         assert r.status_code == 200 and base not in r.text
         entries = r.json()["snapshots"] if route == "/list_snapshots" else [r.json()]
-        assert [e["manifest"]["path"] for e in entries] == ["paths/main/000001.safetensors"]
+        assert [e["manifest"]["path"] for e in entries] == ["paths/main/000001.json"]
 
 
 def test_openai_client(server):

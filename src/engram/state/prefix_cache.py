@@ -49,16 +49,19 @@ class PrefixCache:
         usable = len(tokens) - 1
         if usable <= 0 or not self._entries:
             return None
-        chain = self.hasher.chain(tokens, usable)
-        with self._lock:
-            self.stats.lookups += 1
-            for boundary in reversed(chain):
-                for position, key in sorted(self._by_chunk.get(boundary, {}).items(), reverse=True):
-                    if position <= usable and self.hasher.at(tokens, position, chain) == key:
-                        self._entries.move_to_end(key)
-                        self.stats.hits += 1
-                        self.stats.tokens_reused += position
-                        return self._entries[key][0]
+        try:
+            chain = self.hasher.chain(tokens, usable)
+            with self._lock:
+                self.stats.lookups += 1
+                for boundary in reversed(chain):
+                    for position, key in sorted(self._by_chunk.get(boundary, {}).items(), reverse=True):
+                        if position <= usable and self.hasher.at(tokens, position, chain) == key:
+                            self._entries.move_to_end(key)
+                            self.stats.hits += 1
+                            self.stats.tokens_reused += position
+                            return self._entries[key][0]
+        except (OverflowError, TypeError):  # not token ids at all: the engine refuses the request with its reason
+            return None
         return None
 
     def admit(self, state: SequenceState) -> None:
