@@ -168,7 +168,8 @@ async def metrics(raw_request: Request) -> Response:
     return Response(get_serving(raw_request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
-@admin_router.api_route("/flush_cache", methods=["GET", "POST"])
+@admin_router.get("/flush_cache", operation_id="flush_cache_get")  # SGLang answers both methods
+@admin_router.post("/flush_cache", operation_id="flush_cache_post")
 async def flush_cache(raw_request: Request) -> dict[str, Any]:
     if not await get_serving(raw_request).engine.flush_cache():
         raise APIError(409, "the cache was not flushed: requests are running; retry when idle")
