@@ -23,10 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -41,7 +38,8 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from checkpoints import write_checkpoint
-from test_crash_recovery import MODEL, free_port, start_server
+from server_utils import ServerProcess
+from test_crash_recovery import MODEL, serve_args
 
 MAX_TOKENS = 8
 TURNS_PER_CONVERSATION = 6  # keeps every history far below the context length
@@ -78,28 +76,6 @@ class Tally:
     def answered(self) -> int:
         with self.lock:
             return len(self.answers)
-
-
-@dataclass
-class Server:
-    """`python -m engram serve` on one port and snapshot folder, killed and restarted at will."""
-
-    model_path: str
-    snapshot_dir: Path
-    port: int = field(default_factory=free_port)
-    proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        self.proc = start_server(self.model_path, self.snapshot_dir, self.port)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
 
 
 def _chat_body(conversation_id: str, text: str, stream: bool) -> dict[str, Any]:
@@ -143,7 +119,7 @@ def _stream_answer(conversation_id: str, finished: dict[str, Any] | None, parts:
     return None if finished is None else Answer(conversation_id, finished["turn"], "".join(parts), streamed=True, done=done)
 
 
-def client(index: int, server: Server, tally: Tally, stop: threading.Event) -> None:
+def client(index: int, server: ServerProcess, tally: Tally, stop: threading.Event) -> None:
     """Hold turns until told to stop; a new conversation every few turns or after a refusal."""
     turn = streamed_turn if index % 2 == 1 else chat_turn
     n_conversation, turns_here, attempt = 0, 0, 0
@@ -164,7 +140,7 @@ def client(index: int, server: Server, tally: Tally, stop: threading.Event) -> N
                 n_conversation, turns_here = n_conversation + 1, 0
 
 
-def run_load(server: Server, clients: int, turns: int, kills: int, rng: random.Random) -> Tally:
+def run_load(server: ServerProcess, clients: int, turns: int, kills: int, rng: random.Random) -> Tally:
     """Clients hold turns; the server is killed after each share of `turns` (a random moment
     later) and restarted, `kills` times; the load stops once `turns` turns were answered."""
     tally, stop = Tally(), threading.Event()
@@ -275,7 +251,7 @@ class Results:
         return "\n".join(lines)
 
 
-def check(server: Server, tally: Tally, kills: int) -> Results:
+def check(server: ServerProcess, tally: Tally, kills: int) -> Results:
     with httpx.Client(base_url=server.url, timeout=TIMEOUT_S) as http:
         lost = lost_answers(http, tally.answers)
         inexact = {c: why for c in sorted(tally.conversations) if (why := continues_exactly(http, c)) is not None}
@@ -290,13 +266,18 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--kills", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0, help="seeds the kill moments")
     parser.add_argument("--checkpoint", default="nemotron", help="kind of tiny random checkpoint (tests/checkpoints.py)")
+    parser.add_argument("--work-dir", type=Path, help="keep the checkpoint, the snapshot folder and server.log (every start's output) "
+                        "here; default: a temporary folder, removed")
     return parser.parse_args()
 
 
 def main() -> int:
     args = parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        server = Server(str(write_checkpoint(args.checkpoint, Path(tmp) / "model")), Path(tmp) / "snapshots")
+        work = args.work_dir or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        model_path = write_checkpoint(args.checkpoint, work / "model")
+        server = ServerProcess(serve_args(model_path, work / "snapshots"), work / "server.log")
         server.start()
         try:
             tally = run_load(server, args.clients, args.turns, args.kills, random.Random(args.seed))

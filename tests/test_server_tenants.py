@@ -6,14 +6,12 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
-from server_utils import running_server
-from test_crash_recovery import free_port
+from server_utils import ServerProcess, running_server
+from test_crash_recovery import serve_args
 
 from engram.server.auth import key_name, read_keys_file
 
@@ -133,36 +131,18 @@ def test_a_malformed_keys_file_is_refused_naming_the_line(tmp_path, text, says):
     assert "s3cr3t" not in str(e.value)  # never the key
 
 
-def start_server(model_path: str, snapshot_dir, port: int, keys_file, log) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "engram", "serve", "--model-path", model_path, "--port", str(port), "--served-model-name", MODEL,
-           "--snapshot-dir", str(snapshot_dir), "--api-keys-file", str(keys_file), "--max-total-tokens", "4096",
-           "--context-length", "1024", "--log-level", "warning"]
-    with open(log, "wb") as stderr:
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=stderr)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(log.read_text())
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("server did not start")
-
-
 @pytest.mark.skipif(not hasattr(signal, "SIGHUP"), reason="needs POSIX signals")
 def test_sighup_reloads_the_keys_file(checkpoint_dir, tmp_path):
     keys_file, log = tmp_path / "keys", tmp_path / "log"
     keys_file.write_text("alice: alice-secret\n")
-    port = free_port()
-    proc = start_server(checkpoint_dir("nemotron"), tmp_path / "snaps", port, keys_file, log)
+    server = ServerProcess(serve_args(checkpoint_dir("nemotron"), tmp_path / "snaps", "--api-keys-file", str(keys_file)), log)
+    server.start()
     try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as http:
+        with httpx.Client(base_url=server.url, timeout=60) as http:
             chat(http, "alice-secret", "a1")
             assert http.get("/v1/models", headers=bearer("bob-secret")).status_code == 401
             keys_file.write_text("bob: bob-secret\n")
-            os.kill(proc.pid, signal.SIGHUP)
+            os.kill(server.pid, signal.SIGHUP)
             for _ in range(100):  # the handler runs on the server's loop, soon after the signal
                 if http.get("/v1/models", headers=bearer("bob-secret")).status_code == 200:
                     break
@@ -171,7 +151,7 @@ def test_sighup_reloads_the_keys_file(checkpoint_dir, tmp_path):
             assert http.get("/v1/models", headers=bearer("alice-secret")).status_code == 401
             assert http.get("/v1/conversations/a1", headers=bearer("bob-secret")).status_code == 404
             keys_file.write_text("bob\n")  # malformed: the keys in force stay
-            os.kill(proc.pid, signal.SIGHUP)
+            os.kill(server.pid, signal.SIGHUP)
             for _ in range(100):
                 if "API keys not reloaded" in log.read_text():
                     break
@@ -180,5 +160,4 @@ def test_sighup_reloads_the_keys_file(checkpoint_dir, tmp_path):
             assert http.get("/v1/models", headers=bearer("bob-secret")).status_code == 200
             assert http.get("/v1/models").status_code == 401
     finally:
-        proc.kill()
-        proc.wait()
+        server.kill()
