@@ -105,6 +105,26 @@ def test_without_an_admin_key_the_snapshot_routes_are_scoped_to_the_tenant(check
         assert http.post("/save_snapshot", json={"rid": rid}, headers=bearer(ALICE)).status_code == 200
 
 
+def test_a_state_staged_for_a_rid_is_taken_only_by_its_tenants_generate(checkpoint_dir, tmp_path):
+    """/restore_snapshot with a rid stages a state for the /generate of that rid: another tenant's
+    /generate of the same rid neither takes it nor learns of it (a staged state that does not start
+    a prompt is refused with its length)."""
+    with serving(checkpoint_dir("nemotron"), tmp_path, api_key=[ALICE, BOB]) as (_, http):
+        chat(http, ALICE, "a1")
+        info = http.post("/get_snapshot_info", json={"conversation_id": "a1"}, headers=bearer(ALICE)).json()
+        staged = http.post("/restore_snapshot", json={"conversation_id": "a1", "rid": "r"}, headers=bearer(ALICE))
+        assert staged.status_code == 200, staged.text
+
+        def generate(key, input_ids):
+            body = {"input_ids": input_ids, "rid": "r", "sampling_params": {"temperature": 0, "max_new_tokens": 2}}
+            r = http.post("/generate", json=body, headers=bearer(key))
+            assert r.status_code == 200, r.text
+            return r.json()["meta_info"]["cached_tokens"]
+
+        assert generate(BOB, [5, 6, 7]) == 0  # not refused, not restored from alice's state
+        assert generate(ALICE, info["fill_ids"] + [5, 6, 7]) == info["state_len"]  # still staged for her
+
+
 def test_conversations_made_without_keys_are_seen_only_by_the_admin_key(checkpoint_dir, tmp_path):
     path = checkpoint_dir("nemotron")
     with serving(path, tmp_path) as (_, http):  # no keys: open, as before tenants

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from engram.engine.request import FinishReason, RequestOutput, SamplingParams, TokenLogprob
-from engram.server.auth import caller_is_admin
+from engram.server.auth import caller_is_admin, caller_of
 from engram.server.errors import APIError
 from engram.server.protocol import AbortRequest, GenerateRequest, GenerateResponse, MetaInfo
 from engram.server.serving import collect, get_serving
@@ -38,7 +38,7 @@ async def generate(request: GenerateRequest, raw_request: Request):
     params = s.sampling_params(request.sampling_fields())
     rid = request.rid or uuid.uuid4().hex
     start = time.perf_counter()
-    outputs = await s.generate(rid, prompt_ids, params, initial_state=s.take_staged_state(rid))
+    outputs = await s.generate(rid, prompt_ids, params, initial_state=s.take_staged_state(caller_of(raw_request).tenant, rid))
     if request.stream:
         return sse_response(generate_events(rid, request.return_logprob, start, outputs))
     out, logprobs = await collect(outputs)

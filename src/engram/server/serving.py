@@ -48,19 +48,22 @@ class Serving:
         self.tokenizer = engine.engine.tokenizer
         self.max_prompt_chars = engine.engine.max_context_length * _longest_token(self.tokenizer)
         self.conversations = conversations
-        self.staged_states: OrderedDict[str, Any] = OrderedDict()  # rid -> state from /restore_snapshot
+        self.staged_states: OrderedDict[tuple[str | None, str], Any] = OrderedDict()  # (tenant, rid) -> state from /restore_snapshot
         self.created = int(time.time())
         self.startup = Startup()
         self.epoch = secrets.token_hex(8)  # new at every start: a client that sees it change knows the server restarted
 
-    def stage_state(self, rid: str, state: Any) -> None:
-        """Hold a restored state for the `/generate` request that will carry this rid."""
-        self.staged_states[rid] = state
+    def stage_state(self, tenant: str | None, rid: str, state: Any) -> None:
+        """Hold a restored state for the `/generate` request of `tenant` (None: the admin or an open
+        server) that will carry this rid. Per tenant: another's request of the same rid neither
+        takes it nor learns of it (a state that does not start its prompt would be refused, naming
+        its length)."""
+        self.staged_states[tenant, rid] = state
         while len(self.staged_states) > MAX_STAGED_STATES:
             self.staged_states.popitem(last=False)
 
-    def take_staged_state(self, rid: str) -> Any:
-        return self.staged_states.pop(rid, None)
+    def take_staged_state(self, tenant: str | None, rid: str) -> Any:
+        return self.staged_states.pop((tenant, rid), None)
 
     def check_model(self, name: str) -> None:
         if name != self.model_name:

@@ -137,7 +137,7 @@ async def restore_snapshot(body: RestoreSnapshotRequest, raw_request: Request):
     state = await asyncio.to_thread(manager.load_into_warm, body.conversation_id, turn)
     if not body.create_new_request:
         if body.rid is not None:
-            s.stage_state(body.rid, state)
+            s.stage_state(caller_of(raw_request).tenant, body.rid, state)
         return {"success": True, "conversation_id": body.conversation_id, "branch_name": turn.branch,
                 "turn_number": turn.turn, "state_len": state.state_len, "token_count": len(state.tokens),
                 "rid": body.rid, "message": f"state of turn {turn.ref} restored"}
