@@ -11,9 +11,14 @@ reason ([DONE] after it or not). After the load the server is killed once more, 
 restarted, and then:
 
   (a) every answered turn is in GET /v1/conversations/{id}, with the reply its client got;
-  (c) every conversation continues exactly: the next turn keeps the history's token ids, resumes
-      from the stored state (cached tokens == state_len) and its reply equals /generate's over
-      the full token history plus the new prompt (greedy);
+  (c) every conversation the server has continues exactly: the next turn keeps the history's
+      token ids, resumes from the stored state (cached tokens == state_len) and its reply equals
+      /generate's over the full token history plus the new prompt (greedy). The stored state is
+      the latest turn's snapshot or, where that turn has none (it finished without a captured
+      state, preempted at its end: its record's state_len is 0; or its snapshot write failed,
+      logged in server.log), the nearest earlier turn's; how many resumed from an earlier one is counted. A conversation none of whose
+      attempts was answered (each cut by a kill) may have no turn to continue: counted, and (a)
+      checks that none was answered;
   (b) every snapshot /list_snapshots lists restores (/restore_snapshot): none corrupt.
 
 Prints a summary; exits 1 on any answered turn lost, corrupt snapshot or inexact continuation.
@@ -185,21 +190,59 @@ def lost_answers(http: httpx.Client, answers: list[Answer]) -> dict[Answer, str]
     return lost
 
 
-def continues_exactly(http: httpx.Client, conversation_id: str) -> str | None:
-    """None if the conversation's next turn is exact, else what differed."""
-    before = http.post("/get_snapshot_info", json={"conversation_id": conversation_id})
-    if before.status_code != 200:
-        return f"latest snapshot: {before.status_code}"
+@dataclass(frozen=True)
+class Resume:
+    """Where a conversation's next turn resumes: the latest turn's snapshot or, where that turn has
+    none, the nearest earlier one's (recomputing the rest)."""
+
+    latest_turn: int
+    from_turn: int  # 0: no turn of the chain has a snapshot, the whole history is recomputed
+    state_len: int  # of from_turn's state
+    token_count: int  # of the whole history
+    why_earlier: str | None  # why the latest turn has no snapshot (None: it has one)
+
+
+def resume_point(http: httpx.Client, conversation_id: str) -> Resume | None:
+    """From the record (GET /v1/conversations); None if the server has no turn of it."""
+    r = http.get(f"/v1/conversations/{conversation_id}")
+    if r.status_code == 404:
+        return None
+    record = r.json()
+    main = record["branches"]["main"]
+    turns = {t["turn"]: t for t in record["turns"] if t["branch"] == "main"}
+    latest = turns[main["latest_turn"]]
+    saved = [t for n, t in sorted(turns.items()) if t["snapshot"]]
+    why = None
+    if not latest["snapshot"]:  # state_len 0: the turn finished without a captured state (preempted at its end)
+        why = "recorded without a captured state" if latest["state_len"] == 0 else "its snapshot was not written"
+    start = saved[-1] if saved else {"turn": 0, "state_len": 0}
+    return Resume(latest["turn"], start["turn"], start["state_len"], main["token_count"], why)
+
+
+def continues_exactly(http: httpx.Client, conversation_id: str, resume: Resume) -> str | None:
+    """None if the conversation's next turn is exact, else what differed: the next turn keeps the
+    history (its prompt extends the tokens of the state it resumes from and is longer than the
+    history), resumes from that state (cached tokens == its state_len) and its reply equals
+    /generate's over the same prompt."""
+    before = None
+    if resume.from_turn:
+        r = http.post("/get_snapshot_info", json={"conversation_id": conversation_id, "turn_number": resume.from_turn})
+        if r.status_code != 200:
+            return f"snapshot of turn {resume.from_turn}: {r.status_code} {r.text[:200]}"
+        before = r.json()
     r = http.post("/v1/chat/completions", json=_chat_body(conversation_id, "after the crashes", False))
     if r.status_code != 200:
         return f"next turn: {r.status_code} {r.text[:200]}"
-    reply, info = r.json(), http.post("/get_snapshot_info", json={"conversation_id": conversation_id}).json()
-    fill, history = info["fill_ids"], before.json()
+    reply = r.json()
+    r = http.post("/get_snapshot_info", json={"conversation_id": conversation_id, "turn_number": reply["turn"]})
+    if r.status_code != 200:
+        return f"snapshot of the next turn: {r.status_code} {r.text[:200]}"
+    fill = r.json()["fill_ids"]
     prompt = fill[: len(fill) - reply["usage"]["completion_tokens"]]
-    if prompt[: len(history["fill_ids"])] != history["fill_ids"]:
-        return "the next turn's prompt does not start with the history's tokens"
-    if reply["usage"]["prompt_tokens_details"]["cached_tokens"] != history["state_len"]:
-        return "the next turn did not resume from the stored state"
+    if before is not None and prompt[: len(before["fill_ids"])] != before["fill_ids"] or len(prompt) <= resume.token_count:
+        return "the next turn's prompt does not extend the history's tokens"
+    if reply["usage"]["prompt_tokens_details"]["cached_tokens"] != resume.state_len:
+        return f"the next turn resumed from {reply['usage']['prompt_tokens_details']['cached_tokens']} cached tokens, not {resume.state_len}"
     full = http.post("/generate", json={"input_ids": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": MAX_TOKENS}}).json()
     if full["output_ids"] != fill[len(prompt):] or full["text"] != reply["choices"][0]["message"]["content"]:
         return "the reply differs from /generate over the full history"
@@ -227,6 +270,7 @@ class Results:
     tally: Tally
     kills: int
     lost: dict[Answer, str]
+    resumes: dict[str, Resume | None]  # None: the server has no turn of it
     inexact: dict[str, str]
     snapshots: int
     unloadable: list[str]
@@ -244,8 +288,14 @@ class Results:
         lines.append(f"kills -9 under load: {self.kills} (and one idle before the checks)")
         lines.append("unanswered attempts: " + (", ".join(f"{why}: {n}" for why, n in self.tally.unanswered.most_common()) or "none"))
         lines.append(f"snapshots listed: {self.snapshots}, not restorable: {len(self.unloadable)}")
-        conversations = len(self.tally.conversations)
-        lines.append(f"conversations continued: {conversations}, exactly: {conversations - len(self.inexact)}")
+        held = {c: r for c, r in self.resumes.items() if r is not None}
+        lines.append(f"conversations tried: {len(self.resumes)}, with no turn recorded (none of their attempts answered): "
+                     f"{len(self.resumes) - len(held)}")
+        lines.append(f"conversations continued: {len(held)}, exactly: {len(held) - len(self.inexact)}")
+        earlier = Counter(r.why_earlier for r in held.values() if r.why_earlier)
+        lines.append("  resumed from an earlier turn's snapshot, the latest turn " +
+                     (", ".join(f"{why}: {n}" for why, n in earlier.items()) if earlier else "having one in every conversation"))
+        lines += [f"    {c}: turn {r.latest_turn} {r.why_earlier}, resumed from turn {r.from_turn}" for c, r in held.items() if r.why_earlier]
         lines += [f"  LOST {a}: {why}" for a, why in self.lost.items()] + [f"  INEXACT {c}: {why}" for c, why in self.inexact.items()]
         lines += [f"  NOT RESTORABLE {why}" for why in self.unloadable]
         return "\n".join(lines)
@@ -254,9 +304,10 @@ class Results:
 def check(server: ServerProcess, tally: Tally, kills: int) -> Results:
     with httpx.Client(base_url=server.url, timeout=TIMEOUT_S) as http:
         lost = lost_answers(http, tally.answers)
-        inexact = {c: why for c in sorted(tally.conversations) if (why := continues_exactly(http, c)) is not None}
+        resumes = {c: resume_point(http, c) for c in sorted(tally.conversations)}
+        inexact = {c: why for c, r in resumes.items() if r is not None and (why := continues_exactly(http, c, r)) is not None}
         snapshots, unloadable = unloadable_snapshots(http)
-    return Results(tally, kills, lost, inexact, snapshots, unloadable)
+    return Results(tally, kills, lost, resumes, inexact, snapshots, unloadable)
 
 
 def parse_args() -> argparse.Namespace:
