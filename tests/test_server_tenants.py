@@ -4,6 +4,7 @@ route), the admin key sees all, `--api-keys-file` is re-read on SIGHUP."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import time
@@ -123,6 +124,27 @@ def test_a_state_staged_for_a_rid_is_taken_only_by_its_tenants_generate(checkpoi
 
         assert generate(BOB, [5, 6, 7]) == 0  # not refused, not restored from alice's state
         assert generate(ALICE, info["fill_ids"] + [5, 6, 7]) == info["state_len"]  # still staged for her
+
+
+def test_a_tenants_request_ids_are_its_own(checkpoint_dir, tmp_path):
+    """Without an admin key the user keys open /abort_request: each reaches only its own requests,
+    by rid or all; a rid another tenant's running request carries is free (not "already in use")."""
+    with serving(checkpoint_dir("nemotron"), tmp_path, api_key=[ALICE, BOB]) as (srv, http):
+        engine = srv.app.state.serving.engine.engine
+        long = {"input_ids": [5, 6, 7], "rid": "x", "stream": True,
+                "sampling_params": {"max_new_tokens": 900, "temperature": 0, "ignore_eos": True}}
+        with http.stream("POST", "/generate", json=long, headers=bearer(ALICE)) as alice:
+            events = (json.loads(line[6:]) for line in alice.iter_lines() if line.startswith("data: {"))
+            assert next(events)["meta_info"]["finish_reason"] is None  # running
+            short = {"input_ids": [5, 6], "rid": "x", "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+            r = http.post("/generate", json=short, headers=bearer(BOB))
+            assert r.status_code == 200, r.text
+            for body in ({"rid": "x"}, {"abort_all": True}):
+                assert http.post("/abort_request", json=body, headers=bearer(BOB)).json() == {"success": True}
+            assert engine.stats().num_running == 1  # alice's request goes on
+            assert http.post("/abort_request", json={"rid": "x"}, headers=bearer(ALICE)).json() == {"success": True}
+            last = list(events)[-1]["meta_info"]
+        assert last["finish_reason"]["type"] == "abort" and last["completion_tokens"] < 900
 
 
 def test_conversations_made_without_keys_are_seen_only_by_the_admin_key(checkpoint_dir, tmp_path):

@@ -40,6 +40,14 @@ class Startup:
     stage: str = "starting"
 
 
+def engine_request_id(tenant: str | None, rid: str) -> str:
+    """The engine's id of `tenant`'s request `rid`. A tenant's ids are its own: one cannot collide
+    with another's (refused as "already in use", which would tell it that the other's request is
+    running) nor abort it. The admin's, and every caller's of a server without keys, are as given,
+    so the admin reaches a tenant's request as "<tenant>:<rid>"."""
+    return rid if tenant is None else f"{tenant}:{rid}"
+
+
 class Serving:
     def __init__(self, engine: AsyncEngine, model_name: str, conversations: ConversationTurns) -> None:
         self.engine = engine

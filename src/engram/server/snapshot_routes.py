@@ -22,7 +22,7 @@ from engram.server.protocol import (
     SaveSnapshotRequest,
     SnapshotSelector,
 )
-from engram.server.serving import Serving, collect, get_serving
+from engram.server.serving import Serving, collect, engine_request_id, get_serving
 from engram.server.streaming import cancel_on_disconnect, sse_response
 from engram.state.conversations import (
     Conversation,
@@ -145,7 +145,7 @@ async def restore_snapshot(body: RestoreSnapshotRequest, raw_request: Request):
     params = s.sampling_params(body.sampling_fields())
     rid = body.rid or uuid.uuid4().hex
     start = time.perf_counter()
-    outputs = await s.generate(rid, prompt, params, initial_state=state)
+    outputs = await s.generate(engine_request_id(caller_of(raw_request).tenant, rid), prompt, params, initial_state=state)
     if body.stream:
         return sse_response(native_routes.generate_events(rid, False, start, outputs))
     out, _ = await collect(outputs)
