@@ -29,8 +29,6 @@ import json
 import os
 import platform
 import random
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -42,6 +40,9 @@ import httpx
 import torch
 from bench_speed import find_config, rand_tokens
 from restore_latency import CPU_SCALE
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from server_utils import ServerProcess
 
 from engram.args import EngineArgs
 from engram.engine.engine import LLMEngine
@@ -88,47 +89,12 @@ def build_checkpoint(config: dict, device: str, cache: Path) -> Path:
 # ---- the server ----------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+READY_TIMEOUT_S = 1800  # compiling and capturing on a GPU take minutes
 
 
-@dataclass
-class Server:
-    args: list[str]
-    log_path: Path
-    port: int = field(default_factory=free_port)
-    proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self, timeout: float = 1800) -> float:
-        """Start `engram serve`; seconds until /health answers 200 (503 while it warms up)."""
-        started = time.perf_counter()
-        cmd = [sys.executable, "-m", "engram", "serve", "--port", str(self.port), "--served-model-name", MODEL, *self.args]
-        with open(self.log_path, "a") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-        while time.perf_counter() - started < timeout:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited ({self.proc.returncode}); see {self.log_path}")
-            try:
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
-                    return time.perf_counter() - started
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"the server was not ready within {timeout} s")
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGINT)  # uvicorn's graceful shutdown: snapshots flushed
-        self.proc.wait(timeout=120)
-
-    def metric(self, name: str) -> float:
-        text = httpx.get(self.url + "/metrics").text
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+def metric(server: ServerProcess, name: str) -> float:
+    text = httpx.get(server.url + "/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
 
 
 # ---- statistics ----------------------------------------------------------------------------------
@@ -220,7 +186,7 @@ async def chat_turn(client, messages: list[dict], reply_len: int, conversation_i
     return "".join(text)
 
 
-async def http_chats(client, a, prefix: str, resend: bool, server: Server) -> tuple[Timing, Timing, list[float]]:
+async def http_chats(client, a, prefix: str, resend: bool, server: ServerProcess) -> tuple[Timing, Timing, list[float]]:
     """users x turns, one user at a time as `engine_chats` runs them (so that the ratio compares one
     workload, not a turn queued behind another user's history prefill); the first turn carries the
     history. Returns (first turns, later turns, the snapshot bytes each later turn wrote)."""
@@ -251,16 +217,16 @@ def chat_row(t: Timing) -> dict:
     return summary(t.ttft, t.itl, t.e2e, t.tokens, max(sum(t.e2e), 1e-9))
 
 
-def snapshot_writes(server: Server) -> dict:
+def snapshot_writes(server: ServerProcess) -> dict:
     """Snapshot writes so far: count and seconds, and the bytes the store wrote."""
     stats = httpx.get(server.url + "/v1/state/stats").json()
     return {**stats["snapshot_write_seconds"], "bytes": (stats["store"] or {}).get("bytes_written", 0)}
 
 
-async def run_http(a, server: Server, vocab: int) -> dict:
+async def run_http(a, server: ServerProcess, vocab: int) -> dict:
     from openai import AsyncOpenAI
 
-    out: dict = {"ready_s": server.start()}
+    out: dict = {"ready_s": server.start(READY_TIMEOUT_S)}
     log(f"server ready in {out['ready_s']:.1f} s")
     client = AsyncOpenAI(base_url=server.url + "/v1", api_key="none", timeout=3600, max_retries=0)
     for c in a.concurrency:
@@ -280,14 +246,14 @@ async def run_http(a, server: Server, vocab: int) -> dict:
     _, resent, _ = await http_chats(client, a, "r", resend=True, server=server)
     out["chat_resend_history"] = chat_row(resent)
     log(f"http chats: resumed TTFT p50 {out['chat_resumed']['ttft_p50'] * 1e3:.1f} ms, resend-history {out['chat_resend_history']['ttft_p50'] * 1e3:.1f} ms")
-    out["compilations_after_ready"] = server.metric("engram:compilations_after_ready_total")
-    out["preemptions"] = server.metric("engram:num_preemptions_total")
+    out["compilations_after_ready"] = metric(server, "engram:compilations_after_ready_total")
+    out["preemptions"] = metric(server, "engram:num_preemptions_total")
     await client.close()
-    server.stop()
-    out["restart_ready_s"] = server.start()
+    server.stop()  # SIGINT: uvicorn's graceful shutdown, snapshots flushed
+    out["restart_ready_s"] = server.start(READY_TIMEOUT_S)
     client = AsyncOpenAI(base_url=server.url + "/v1", api_key="none", timeout=3600, max_retries=0)
     out["chat_after_restart"] = chat_row(await http_after_restart(client, a, "u"))
-    out["compilations_after_ready"] += server.metric("engram:compilations_after_ready_total")
+    out["compilations_after_ready"] += metric(server, "engram:compilations_after_ready_total")
     await client.close()
     server.stop()
     return out
@@ -449,12 +415,12 @@ def main() -> int:
                    "--snapshot-dir", str(snapshots), *a.server_args.split()]
     res = {"machine": machine(), "commit": commit(), "command": " ".join(sys.argv), "config": config_path.name, "tiny": a.tiny,
            "args": vars(a), "server_args": server_args}
-    server = Server(server_args, work / "server.log")
+    server = ServerProcess(["--served-model-name", MODEL, *server_args], work / "server.log")
     try:
         res["http"] = asyncio.run(run_http(a, server, config["vocab_size"]))
     finally:
-        if server.proc is not None and server.proc.poll() is None:
-            server.proc.kill()
+        if server.proc is not None:
+            server.kill()
     res["engine"] = run_engine(a, engine_args, config["vocab_size"])
     if a.out:
         out = Path(a.out) if os.sep in a.out else ROOT / "benchmarks" / "results" / a.out

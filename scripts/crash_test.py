@@ -11,9 +11,14 @@ reason ([DONE] after it or not). After the load the server is killed once more, 
 restarted, and then:
 
   (a) every answered turn is in GET /v1/conversations/{id}, with the reply its client got;
-  (c) every conversation continues exactly: the next turn keeps the history's token ids, resumes
-      from the stored state (cached tokens == state_len) and its reply equals /generate's over
-      the full token history plus the new prompt (greedy);
+  (c) every conversation the server has continues exactly: the next turn keeps the history's
+      token ids, resumes from the stored state (cached tokens == state_len) and its reply equals
+      /generate's over the full token history plus the new prompt (greedy). The stored state is
+      the latest turn's snapshot or, where that turn has none (it finished without a captured
+      state, preempted at its end: its record's state_len is 0; or its snapshot write failed,
+      logged in server.log), the nearest earlier turn's; how many resumed from an earlier one is counted. A conversation none of whose
+      attempts was answered (each cut by a kill) may have no turn to continue: counted, and (a)
+      checks that none was answered;
   (b) every snapshot /list_snapshots lists restores (/restore_snapshot): none corrupt.
 
 Prints a summary; exits 1 on any answered turn lost, corrupt snapshot or inexact continuation.
@@ -23,10 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -41,7 +43,8 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from checkpoints import write_checkpoint
-from test_crash_recovery import MODEL, free_port, start_server
+from server_utils import ServerProcess
+from test_crash_recovery import MODEL, serve_args
 
 MAX_TOKENS = 8
 TURNS_PER_CONVERSATION = 6  # keeps every history far below the context length
@@ -78,28 +81,6 @@ class Tally:
     def answered(self) -> int:
         with self.lock:
             return len(self.answers)
-
-
-@dataclass
-class Server:
-    """`python -m engram serve` on one port and snapshot folder, killed and restarted at will."""
-
-    model_path: str
-    snapshot_dir: Path
-    port: int = field(default_factory=free_port)
-    proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        self.proc = start_server(self.model_path, self.snapshot_dir, self.port)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
 
 
 def _chat_body(conversation_id: str, text: str, stream: bool) -> dict[str, Any]:
@@ -143,7 +124,7 @@ def _stream_answer(conversation_id: str, finished: dict[str, Any] | None, parts:
     return None if finished is None else Answer(conversation_id, finished["turn"], "".join(parts), streamed=True, done=done)
 
 
-def client(index: int, server: Server, tally: Tally, stop: threading.Event) -> None:
+def client(index: int, server: ServerProcess, tally: Tally, stop: threading.Event) -> None:
     """Hold turns until told to stop; a new conversation every few turns or after a refusal."""
     turn = streamed_turn if index % 2 == 1 else chat_turn
     n_conversation, turns_here, attempt = 0, 0, 0
@@ -164,7 +145,7 @@ def client(index: int, server: Server, tally: Tally, stop: threading.Event) -> N
                 n_conversation, turns_here = n_conversation + 1, 0
 
 
-def run_load(server: Server, clients: int, turns: int, kills: int, rng: random.Random) -> Tally:
+def run_load(server: ServerProcess, clients: int, turns: int, kills: int, rng: random.Random) -> Tally:
     """Clients hold turns; the server is killed after each share of `turns` (a random moment
     later) and restarted, `kills` times; the load stops once `turns` turns were answered."""
     tally, stop = Tally(), threading.Event()
@@ -209,21 +190,59 @@ def lost_answers(http: httpx.Client, answers: list[Answer]) -> dict[Answer, str]
     return lost
 
 
-def continues_exactly(http: httpx.Client, conversation_id: str) -> str | None:
-    """None if the conversation's next turn is exact, else what differed."""
-    before = http.post("/get_snapshot_info", json={"conversation_id": conversation_id})
-    if before.status_code != 200:
-        return f"latest snapshot: {before.status_code}"
+@dataclass(frozen=True)
+class Resume:
+    """Where a conversation's next turn resumes: the latest turn's snapshot or, where that turn has
+    none, the nearest earlier one's (recomputing the rest)."""
+
+    latest_turn: int
+    from_turn: int  # 0: no turn of the chain has a snapshot, the whole history is recomputed
+    state_len: int  # of from_turn's state
+    token_count: int  # of the whole history
+    why_earlier: str | None  # why the latest turn has no snapshot (None: it has one)
+
+
+def resume_point(http: httpx.Client, conversation_id: str) -> Resume | None:
+    """From the record (GET /v1/conversations); None if the server has no turn of it."""
+    r = http.get(f"/v1/conversations/{conversation_id}")
+    if r.status_code == 404:
+        return None
+    record = r.json()
+    main = record["branches"]["main"]
+    turns = {t["turn"]: t for t in record["turns"] if t["branch"] == "main"}
+    latest = turns[main["latest_turn"]]
+    saved = [t for n, t in sorted(turns.items()) if t["snapshot"]]
+    why = None
+    if not latest["snapshot"]:  # state_len 0: the turn finished without a captured state (preempted at its end)
+        why = "recorded without a captured state" if latest["state_len"] == 0 else "its snapshot was not written"
+    start = saved[-1] if saved else {"turn": 0, "state_len": 0}
+    return Resume(latest["turn"], start["turn"], start["state_len"], main["token_count"], why)
+
+
+def continues_exactly(http: httpx.Client, conversation_id: str, resume: Resume) -> str | None:
+    """None if the conversation's next turn is exact, else what differed: the next turn keeps the
+    history (its prompt extends the tokens of the state it resumes from and is longer than the
+    history), resumes from that state (cached tokens == its state_len) and its reply equals
+    /generate's over the same prompt."""
+    before = None
+    if resume.from_turn:
+        r = http.post("/get_snapshot_info", json={"conversation_id": conversation_id, "turn_number": resume.from_turn})
+        if r.status_code != 200:
+            return f"snapshot of turn {resume.from_turn}: {r.status_code} {r.text[:200]}"
+        before = r.json()
     r = http.post("/v1/chat/completions", json=_chat_body(conversation_id, "after the crashes", False))
     if r.status_code != 200:
         return f"next turn: {r.status_code} {r.text[:200]}"
-    reply, info = r.json(), http.post("/get_snapshot_info", json={"conversation_id": conversation_id}).json()
-    fill, history = info["fill_ids"], before.json()
+    reply = r.json()
+    r = http.post("/get_snapshot_info", json={"conversation_id": conversation_id, "turn_number": reply["turn"]})
+    if r.status_code != 200:
+        return f"snapshot of the next turn: {r.status_code} {r.text[:200]}"
+    fill = r.json()["fill_ids"]
     prompt = fill[: len(fill) - reply["usage"]["completion_tokens"]]
-    if prompt[: len(history["fill_ids"])] != history["fill_ids"]:
-        return "the next turn's prompt does not start with the history's tokens"
-    if reply["usage"]["prompt_tokens_details"]["cached_tokens"] != history["state_len"]:
-        return "the next turn did not resume from the stored state"
+    if before is not None and prompt[: len(before["fill_ids"])] != before["fill_ids"] or len(prompt) <= resume.token_count:
+        return "the next turn's prompt does not extend the history's tokens"
+    if reply["usage"]["prompt_tokens_details"]["cached_tokens"] != resume.state_len:
+        return f"the next turn resumed from {reply['usage']['prompt_tokens_details']['cached_tokens']} cached tokens, not {resume.state_len}"
     full = http.post("/generate", json={"input_ids": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": MAX_TOKENS}}).json()
     if full["output_ids"] != fill[len(prompt):] or full["text"] != reply["choices"][0]["message"]["content"]:
         return "the reply differs from /generate over the full history"
@@ -251,6 +270,7 @@ class Results:
     tally: Tally
     kills: int
     lost: dict[Answer, str]
+    resumes: dict[str, Resume | None]  # None: the server has no turn of it
     inexact: dict[str, str]
     snapshots: int
     unloadable: list[str]
@@ -268,19 +288,26 @@ class Results:
         lines.append(f"kills -9 under load: {self.kills} (and one idle before the checks)")
         lines.append("unanswered attempts: " + (", ".join(f"{why}: {n}" for why, n in self.tally.unanswered.most_common()) or "none"))
         lines.append(f"snapshots listed: {self.snapshots}, not restorable: {len(self.unloadable)}")
-        conversations = len(self.tally.conversations)
-        lines.append(f"conversations continued: {conversations}, exactly: {conversations - len(self.inexact)}")
+        held = {c: r for c, r in self.resumes.items() if r is not None}
+        lines.append(f"conversations tried: {len(self.resumes)}, with no turn recorded (none of their attempts answered): "
+                     f"{len(self.resumes) - len(held)}")
+        lines.append(f"conversations continued: {len(held)}, exactly: {len(held) - len(self.inexact)}")
+        earlier = Counter(r.why_earlier for r in held.values() if r.why_earlier)
+        lines.append("  resumed from an earlier turn's snapshot, the latest turn " +
+                     (", ".join(f"{why}: {n}" for why, n in earlier.items()) if earlier else "having one in every conversation"))
+        lines += [f"    {c}: turn {r.latest_turn} {r.why_earlier}, resumed from turn {r.from_turn}" for c, r in held.items() if r.why_earlier]
         lines += [f"  LOST {a}: {why}" for a, why in self.lost.items()] + [f"  INEXACT {c}: {why}" for c, why in self.inexact.items()]
         lines += [f"  NOT RESTORABLE {why}" for why in self.unloadable]
         return "\n".join(lines)
 
 
-def check(server: Server, tally: Tally, kills: int) -> Results:
+def check(server: ServerProcess, tally: Tally, kills: int) -> Results:
     with httpx.Client(base_url=server.url, timeout=TIMEOUT_S) as http:
         lost = lost_answers(http, tally.answers)
-        inexact = {c: why for c in sorted(tally.conversations) if (why := continues_exactly(http, c)) is not None}
+        resumes = {c: resume_point(http, c) for c in sorted(tally.conversations)}
+        inexact = {c: why for c, r in resumes.items() if r is not None and (why := continues_exactly(http, c, r)) is not None}
         snapshots, unloadable = unloadable_snapshots(http)
-    return Results(tally, kills, lost, inexact, snapshots, unloadable)
+    return Results(tally, kills, lost, resumes, inexact, snapshots, unloadable)
 
 
 def parse_args() -> argparse.Namespace:
@@ -290,13 +317,18 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--kills", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0, help="seeds the kill moments")
     parser.add_argument("--checkpoint", default="nemotron", help="kind of tiny random checkpoint (tests/checkpoints.py)")
+    parser.add_argument("--work-dir", type=Path, help="keep the checkpoint, the snapshot folder and server.log (every start's output) "
+                        "here; default: a temporary folder, removed")
     return parser.parse_args()
 
 
 def main() -> int:
     args = parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        server = Server(str(write_checkpoint(args.checkpoint, Path(tmp) / "model")), Path(tmp) / "snapshots")
+        work = args.work_dir or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        model_path = write_checkpoint(args.checkpoint, work / "model")
+        server = ServerProcess(serve_args(model_path, work / "snapshots"), work / "server.log")
         server.start()
         try:
             tally = run_load(server, args.clients, args.turns, args.kills, random.Random(args.seed))

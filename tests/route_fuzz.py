@@ -4,9 +4,11 @@ Each operation gets cases of three kinds: schemathesis' positive ones (what the 
 and negative ones (what it does not), and, for the routes with a body, `fuzz_bodies`' valid
 ones (past the checks the schema cannot state, so they reach the engine and the conversation
 store). A positive case may be steered towards the server's state: the served model's name in
-`model`, `conversation_id` one of a few shared ids (so later cases continue, snapshot, restore
-and delete conversations that earlier cases made). Every response is checked with
-schemathesis' `not_a_server_error`; a request that gets no answer is a failure too.
+`model`, `conversation_id` one of a few shared ids. Before each operation the shared
+conversations are made again where a case deleted them (two turns each, so each has snapshots),
+so that the snapshot and conversation routes also get cases that find what they name. Every
+response is checked with schemathesis' `not_a_server_error`; a request that gets no answer is a
+failure too.
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ import logging
 import time
 import traceback
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import httpx
 import hypothesis
 import requests
 import schemathesis
@@ -183,10 +186,26 @@ def fuzz_operation(operation: APIOperation, kind: str, *, base_url: str, model: 
         pass
 
 
-def fuzz_round(base_url: str, model: str, cases_per_kind: int, seed: int, report: FuzzReport) -> None:
-    """One pass over every operation, each kind of case capped at `cases_per_kind`."""
+def ensure_conversations(base_url: str, model: str, conversations: Sequence[str]) -> None:
+    """Make each of `conversations` that is gone (a case deleted it, or it never was) again: two
+    short turns, each with a snapshot."""
+    with httpx.Client(base_url=base_url, timeout=REQUEST_TIMEOUT_S) as http:
+        for conversation_id in conversations:
+            if http.get(f"/v1/conversations/{conversation_id}").status_code == 200:
+                continue
+            for text in ("one", "two"):
+                body = {"model": model, "conversation_id": conversation_id, "messages": [{"role": "user", "content": text}],
+                        "max_tokens": 2, "temperature": 0}
+                http.post("/v1/chat/completions", json=body).raise_for_status()
+
+
+def fuzz_round(base_url: str, model: str, cases_per_kind: int, seed: int, report: FuzzReport,
+               conversations: Sequence[str] = CONVERSATIONS) -> None:
+    """One pass over every operation, each kind of case capped at `cases_per_kind`; the shared
+    `conversations` exist when each operation's cases start."""
     with server_tracebacks() as recorder:
         for operation in operations(base_url):
+            ensure_conversations(base_url, model, conversations)
             for kind in KINDS:
                 fuzz_operation(operation, kind, base_url=base_url, model=model, cases=cases_per_kind, seed=seed,
                                recorder=recorder, report=report)

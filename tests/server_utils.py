@@ -1,10 +1,21 @@
-"""A real server on a free loopback port, for the HTTP tests."""
+"""A real server on a free loopback port: in this process (`running_server`) or as a child
+process of `python -m engram serve` (`ServerProcess`), for the HTTP tests, scripts and benchmarks."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import re
-from collections.abc import Iterator
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
 
 from engram.args import EngineArgs, ServerArgs
 from engram.launch_server import build_app
@@ -25,3 +36,60 @@ def metric_value(text: str, name: str, **labels: str) -> float:
     """The value of one series of a /metrics page, by its name and labels."""
     series = name + "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}"
     return float(re.search(rf"^{re.escape(series)} (\S+)$", text, re.MULTILINE).group(1))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    """`python -m engram serve <args>` on a free port, its stdout and stderr appended to `log_path`
+    (a file, not a pipe: a pipe nobody reads fills up and stalls the server's logging)."""
+
+    args: Sequence[str]
+    log_path: Path
+    env: Mapping[str, str] | None = None  # added to this process's environment
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def start(self, timeout_s: float = 120.0) -> float:
+        """Start it and wait until /health answers 200 (503 while it warms up); the seconds that
+        took. RuntimeError with the log's tail if it exits first or is not ready in time."""
+        started = time.monotonic()
+        cmd = [sys.executable, "-m", "engram", "serve", "--port", str(self.port), *self.args]
+        with open(self.log_path, "ab") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(self.env or {})})
+        while time.monotonic() - started < timeout_s:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited ({self.proc.returncode}):\n{self.log_tail()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    return time.monotonic() - started
+            time.sleep(0.2)
+        self.kill()
+        raise RuntimeError(f"the server was not ready within {timeout_s} s:\n{self.log_tail()}")
+
+    def log_tail(self, chars: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+    def kill(self) -> None:
+        """SIGKILL (if still running), and reap it."""
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self, sig: signal.Signals = signal.SIGINT, timeout_s: float = 120.0) -> int:
+        """Send `sig` (SIGINT: uvicorn's graceful shutdown) and wait; its exit status."""
+        self.proc.send_signal(sig)
+        return self.proc.wait(timeout=timeout_s)

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import io
-import os
 import re
 import signal
-import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
+from server_utils import ServerProcess, free_port
 
 from engram import cli, launch_server
 from engram.models.embedded import EMBEDDED_MODEL_NAME, ensure_embedded_model
@@ -31,36 +29,16 @@ def test_serve_flags(main, capsys):
         assert flag in out, flag
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """`python -m engram serve` without --model-path, as a separate process."""
     cache = tmp_path_factory.getbasetemp() / "engram-cache"
     ensure_embedded_model(cache)  # shared with the other server tests: generated once
-    port = free_port()
-    env = {**os.environ, "ENGRAM_CACHE_DIR": str(cache)}
-    cmd = [sys.executable, "-m", "engram", "serve", "--port", str(port), "--max-total-tokens", "4096",
-           "--context-length", "512", "--max-running-requests", "2", "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None, proc.stdout.read()
-        assert time.monotonic() < deadline, "the server did not come up"
-        try:
-            if httpx.get(url + "/health").status_code == 200:
-                break
-        except httpx.TransportError:
-            time.sleep(0.2)
-    yield url, proc
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+    server = ServerProcess(["--max-total-tokens", "4096", "--context-length", "512", "--max-running-requests", "2", "--log-level", "warning"],
+                           tmp_path_factory.mktemp("served") / "server.log", env={"ENGRAM_CACHE_DIR": str(cache)})
+    server.start()
+    yield server.url, server.proc
+    server.kill()
 
 
 def test_serve_embedded_model(served):

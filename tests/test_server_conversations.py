@@ -633,3 +633,61 @@ def test_a_conversation_exported_and_imported_elsewhere_continues_exactly(checkp
         prompt3 = fill3[: len(fill3) - third["usage"]["completion_tokens"]]
         full = http.post("/generate", json={"input_ids": prompt3, "sampling_params": {"temperature": 0, "max_new_tokens": 10}}).json()
         assert prompt3[: len(history)] == history and full["output_ids"] == fill3[len(prompt3):]
+
+
+def test_a_turn_preempted_over_http_while_its_last_token_is_in_flight_is_recorded(checkpoint_dir, tmp_path):
+    """The engine-level test above, through HTTP with concurrent clients. Two slots and 23 KV
+    pages: two completion choices (started together, so they end in the same step) hold both
+    slots while `other` (20 pages of prompt) and then the turn (3 pages) queue; the choices end,
+    both are admitted in one step, and `other`'s next token needs a 24th page: the turn, admitted
+    last, is preempted with its one token in flight. It is answered, so it must be recorded; the
+    next turn recomputes its history and equals /generate over it."""
+    from engram.args import EngineArgs, ServerArgs
+    from engram.launch_server import build_app
+    from engram.server.background import BackgroundServer
+
+    path = checkpoint_dir("nemotron")
+    engine_args = EngineArgs(model_path=str(path), max_running_requests=2, max_total_tokens=23 * 16, kv_block_size=16, context_length=368)
+    with BackgroundServer(build_app(engine_args, ServerArgs(served_model_name=MODEL, snapshot_dir=str(tmp_path)))) as srv, \
+            httpx.Client(base_url=srv.url, timeout=120) as http:
+        text = "x" * 30
+        prompt = http.post("/tokenize", json={"messages": [{"role": "user", "content": text}], "add_generation_prompt": True}).json()
+        text += "x" * (40 - prompt["count"])  # the turn's prompt: 40 tokens, 3 pages
+        engine = srv.app.state.serving.engine.engine
+
+        def waiting(n: int) -> None:
+            deadline = time.monotonic() + 60
+            while engine.stats().num_waiting < n:
+                assert time.monotonic() < deadline and not results, f"the request did not queue: {results}"
+                time.sleep(0.005)
+
+        sampling = {"temperature": 0, "ignore_eos": True}
+        results: dict[str, httpx.Response] = {}
+
+        def send(name: str, route: str, body: dict) -> threading.Thread:
+            thread = threading.Thread(target=lambda: results.__setitem__(name, http.post(route, json=body)))
+            thread.start()
+            return thread
+
+        threads = [send("choices", "/v1/completions", {"model": MODEL, "prompt": [1], "n": 2, "max_tokens": 170, **sampling})]
+        while engine.stats().state_slots_used < 2:
+            time.sleep(0.005)
+        threads.append(send("other", "/generate", {"input_ids": [3 + i % 250 for i in range(320)],
+                                                   "sampling_params": {"max_new_tokens": 4, **sampling}}))
+        waiting(1)
+        threads.append(send("turn", "/v1/chat/completions", {"model": MODEL, "conversation_id": "pre", "max_tokens": 1,
+                                                              "messages": [{"role": "user", "content": text}], **sampling}))
+        waiting(2)
+        for thread in threads:
+            thread.join()
+        assert all(r.status_code == 200 for r in results.values()), {k: r.text for k, r in results.items()}
+        assert engine.stats().num_preemptions == 1 and results["turn"].json()["turn"] == 1
+        record = http.get("/v1/conversations/pre")
+        assert record.status_code == 200, record.text  # the answered turn was recorded
+        assert [(t["turn"], t["state_len"], t["snapshot"]) for t in record.json()["turns"]] == [(1, 0, False)]  # without a state
+        reply = chat(http, "pre", "and then")
+        assert reply["turn"] == 2 and reply["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # recomputed
+        fill = snapshot_info(http, "pre", 2)["fill_ids"]
+        prompt_ids = fill[: len(fill) - reply["usage"]["completion_tokens"]]
+        full = http.post("/generate", json={"input_ids": prompt_ids, "sampling_params": {"temperature": 0, "max_new_tokens": 10}}).json()
+        assert full["output_ids"] == fill[len(prompt_ids):] and full["text"] == reply["choices"][0]["message"]["content"]

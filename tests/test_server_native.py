@@ -123,6 +123,15 @@ def test_health_and_info(http, server):
     assert r.status_code == 200 and r.json()["success"]
 
 
+def test_every_operation_has_its_own_id_and_flush_cache_takes_both_methods(http):
+    """Generated clients name their methods by operation id: a repeated one is dropped or clashes."""
+    schema = http.get("/openapi.json").json()
+    ids = [op["operationId"] for path in schema["paths"].values() for op in path.values()]
+    assert len(ids) == len(set(ids)), sorted(i for i in ids if ids.count(i) > 1)
+    assert {"get", "post"} <= set(schema["paths"]["/flush_cache"])
+    assert http.get("/flush_cache").json()["success"] and http.post("/flush_cache").json()["success"]
+
+
 def test_version_and_server_info(http):
     version = http.get("/version").json()["version"]
     info = http.get("/get_server_info").json()

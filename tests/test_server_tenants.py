@@ -4,16 +4,15 @@ route), the admin key sees all, `--api-keys-file` is re-read on SIGHUP."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
-from server_utils import running_server
-from test_crash_recovery import free_port
+from server_utils import ServerProcess, running_server
+from test_crash_recovery import serve_args
 
 from engram.server.auth import key_name, read_keys_file
 
@@ -107,6 +106,47 @@ def test_without_an_admin_key_the_snapshot_routes_are_scoped_to_the_tenant(check
         assert http.post("/save_snapshot", json={"rid": rid}, headers=bearer(ALICE)).status_code == 200
 
 
+def test_a_state_staged_for_a_rid_is_taken_only_by_its_tenants_generate(checkpoint_dir, tmp_path):
+    """/restore_snapshot with a rid stages a state for the /generate of that rid: another tenant's
+    /generate of the same rid neither takes it nor learns of it (a staged state that does not start
+    a prompt is refused with its length)."""
+    with serving(checkpoint_dir("nemotron"), tmp_path, api_key=[ALICE, BOB]) as (_, http):
+        chat(http, ALICE, "a1")
+        info = http.post("/get_snapshot_info", json={"conversation_id": "a1"}, headers=bearer(ALICE)).json()
+        staged = http.post("/restore_snapshot", json={"conversation_id": "a1", "rid": "r"}, headers=bearer(ALICE))
+        assert staged.status_code == 200, staged.text
+
+        def generate(key, input_ids):
+            body = {"input_ids": input_ids, "rid": "r", "sampling_params": {"temperature": 0, "max_new_tokens": 2}}
+            r = http.post("/generate", json=body, headers=bearer(key))
+            assert r.status_code == 200, r.text
+            return r.json()["meta_info"]["cached_tokens"]
+
+        assert generate(BOB, [5, 6, 7]) == 0  # not refused, not restored from alice's state
+        assert generate(ALICE, info["fill_ids"] + [5, 6, 7]) == info["state_len"]  # still staged for her
+
+
+def test_a_tenants_request_ids_are_its_own(checkpoint_dir, tmp_path):
+    """Without an admin key the user keys open /abort_request: each reaches only its own requests,
+    by rid or all; a rid another tenant's running request carries is free (not "already in use")."""
+    with serving(checkpoint_dir("nemotron"), tmp_path, api_key=[ALICE, BOB]) as (srv, http):
+        engine = srv.app.state.serving.engine.engine
+        long = {"input_ids": [5, 6, 7], "rid": "x", "stream": True,
+                "sampling_params": {"max_new_tokens": 900, "temperature": 0, "ignore_eos": True}}
+        with http.stream("POST", "/generate", json=long, headers=bearer(ALICE)) as alice:
+            events = (json.loads(line[6:]) for line in alice.iter_lines() if line.startswith("data: {"))
+            assert next(events)["meta_info"]["finish_reason"] is None  # running
+            short = {"input_ids": [5, 6], "rid": "x", "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+            r = http.post("/generate", json=short, headers=bearer(BOB))
+            assert r.status_code == 200, r.text
+            for body in ({"rid": "x"}, {"abort_all": True}):
+                assert http.post("/abort_request", json=body, headers=bearer(BOB)).json() == {"success": True}
+            assert engine.stats().num_running == 1  # alice's request goes on
+            assert http.post("/abort_request", json={"rid": "x"}, headers=bearer(ALICE)).json() == {"success": True}
+            last = list(events)[-1]["meta_info"]
+        assert last["finish_reason"]["type"] == "abort" and last["completion_tokens"] < 900
+
+
 def test_conversations_made_without_keys_are_seen_only_by_the_admin_key(checkpoint_dir, tmp_path):
     path = checkpoint_dir("nemotron")
     with serving(path, tmp_path) as (_, http):  # no keys: open, as before tenants
@@ -133,36 +173,18 @@ def test_a_malformed_keys_file_is_refused_naming_the_line(tmp_path, text, says):
     assert "s3cr3t" not in str(e.value)  # never the key
 
 
-def start_server(model_path: str, snapshot_dir, port: int, keys_file, log) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "engram", "serve", "--model-path", model_path, "--port", str(port), "--served-model-name", MODEL,
-           "--snapshot-dir", str(snapshot_dir), "--api-keys-file", str(keys_file), "--max-total-tokens", "4096",
-           "--context-length", "1024", "--log-level", "warning"]
-    with open(log, "wb") as stderr:
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=stderr)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(log.read_text())
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("server did not start")
-
-
 @pytest.mark.skipif(not hasattr(signal, "SIGHUP"), reason="needs POSIX signals")
 def test_sighup_reloads_the_keys_file(checkpoint_dir, tmp_path):
     keys_file, log = tmp_path / "keys", tmp_path / "log"
     keys_file.write_text("alice: alice-secret\n")
-    port = free_port()
-    proc = start_server(checkpoint_dir("nemotron"), tmp_path / "snaps", port, keys_file, log)
+    server = ServerProcess(serve_args(checkpoint_dir("nemotron"), tmp_path / "snaps", "--api-keys-file", str(keys_file)), log)
+    server.start()
     try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as http:
+        with httpx.Client(base_url=server.url, timeout=60) as http:
             chat(http, "alice-secret", "a1")
             assert http.get("/v1/models", headers=bearer("bob-secret")).status_code == 401
             keys_file.write_text("bob: bob-secret\n")
-            os.kill(proc.pid, signal.SIGHUP)
+            os.kill(server.pid, signal.SIGHUP)
             for _ in range(100):  # the handler runs on the server's loop, soon after the signal
                 if http.get("/v1/models", headers=bearer("bob-secret")).status_code == 200:
                     break
@@ -171,7 +193,7 @@ def test_sighup_reloads_the_keys_file(checkpoint_dir, tmp_path):
             assert http.get("/v1/models", headers=bearer("alice-secret")).status_code == 401
             assert http.get("/v1/conversations/a1", headers=bearer("bob-secret")).status_code == 404
             keys_file.write_text("bob\n")  # malformed: the keys in force stay
-            os.kill(proc.pid, signal.SIGHUP)
+            os.kill(server.pid, signal.SIGHUP)
             for _ in range(100):
                 if "API keys not reloaded" in log.read_text():
                     break
@@ -180,5 +202,4 @@ def test_sighup_reloads_the_keys_file(checkpoint_dir, tmp_path):
             assert http.get("/v1/models", headers=bearer("bob-secret")).status_code == 200
             assert http.get("/v1/models").status_code == 401
     finally:
-        proc.kill()
-        proc.wait()
+        server.kill()

@@ -96,9 +96,9 @@ class AsyncEngine:
         """Abort a running request; its consumer receives a final output with reason ABORT."""
         await self._call(lambda: self._abort(request_id, None))
 
-    async def abort_all(self) -> None:
-        """Abort every running request."""
-        await self._call(lambda: [self._abort(request_id, None) for request_id in list(self._streams)])
+    async def abort_all(self, prefix: str = "") -> None:
+        """Abort every running request (whose id starts with `prefix`)."""
+        await self._call(lambda: [self._abort(request_id, None) for request_id in list(self._streams) if request_id.startswith(prefix)])
 
     async def flush_cache(self) -> bool:
         return await self._call(self.engine.flush_cache)

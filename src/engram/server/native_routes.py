@@ -16,10 +16,10 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from engram.engine.request import FinishReason, RequestOutput, SamplingParams, TokenLogprob
-from engram.server.auth import caller_is_admin
+from engram.server.auth import caller_is_admin, caller_of
 from engram.server.errors import APIError
 from engram.server.protocol import AbortRequest, GenerateRequest, GenerateResponse, MetaInfo
-from engram.server.serving import collect, get_serving
+from engram.server.serving import collect, engine_request_id, get_serving
 from engram.server.streaming import cancel_on_disconnect, sse, sse_response
 
 router = APIRouter()
@@ -38,7 +38,8 @@ async def generate(request: GenerateRequest, raw_request: Request):
     params = s.sampling_params(request.sampling_fields())
     rid = request.rid or uuid.uuid4().hex
     start = time.perf_counter()
-    outputs = await s.generate(rid, prompt_ids, params, initial_state=s.take_staged_state(rid), cache_prefix=True)
+    tenant = caller_of(raw_request).tenant
+    outputs = await s.generate(engine_request_id(tenant, rid), prompt_ids, params, initial_state=s.take_staged_state(tenant, rid), cache_prefix=True)
     if request.stream:
         return sse_response(generate_events(rid, request.return_logprob, start, outputs))
     out, logprobs = await collect(outputs)
@@ -154,12 +155,14 @@ def _redacted(args: dict[str, Any], hidden: tuple[str, ...]) -> dict[str, Any]:
 @admin_router.post("/abort_request")
 async def abort_request(request: AbortRequest, raw_request: Request) -> dict[str, Any]:
     """Abort a running request by its rid (or every one): its client gets what it has, finish reason
-    abort. An admin route: it acts on other clients' requests."""
+    abort. An admin route: it acts on other clients' requests; a tenant's key (which opens it on a
+    server without --admin-api-key) reaches only that tenant's requests."""
     engine = get_serving(raw_request).engine
+    tenant = caller_of(raw_request).tenant
     if request.abort_all:
-        await engine.abort_all()
+        await engine.abort_all(prefix="" if tenant is None else engine_request_id(tenant, ""))
     else:
-        await engine.abort(request.rid)
+        await engine.abort(engine_request_id(tenant, request.rid))
     return {"success": True}
 
 
@@ -168,7 +171,8 @@ async def metrics(raw_request: Request) -> Response:
     return Response(get_serving(raw_request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
-@admin_router.api_route("/flush_cache", methods=["GET", "POST"])
+@admin_router.get("/flush_cache", operation_id="flush_cache_get")  # SGLang answers both methods
+@admin_router.post("/flush_cache", operation_id="flush_cache_post")
 async def flush_cache(raw_request: Request) -> dict[str, Any]:
     if not await get_serving(raw_request).engine.flush_cache():
         raise APIError(409, "the cache was not flushed: requests are running; retry when idle")

@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from engram.engine.request import RequestOutput, SamplingParams, TokenLogprob
-from engram.server.auth import caller_is_admin, caller_of
+from engram.server.auth import Caller, caller_is_admin, caller_of
 from engram.server.conversations import new_messages
 from engram.server.errors import APIError
 from engram.server.protocol import (
@@ -45,6 +45,7 @@ from engram.server.protocol import (
 from engram.server.serving import (
     Serving,
     collect_choices,
+    engine_request_id,
     get_serving,
     interleave,
     message_chars,
@@ -95,9 +96,10 @@ async def chat_completions(request: ChatCompletionRequest, raw_request: Request)
     key = _idempotency_key(request, raw_request)
     if request.conversation_id is None:
         where = ConversationFields()
-        streams = await s.generate_choices(rid, await s.encode_chat(messages, request.template_options()), params, request.n)
+        prompt = await s.encode_chat(messages, request.template_options())
+        streams = await s.generate_choices(engine_request_id(caller_of(raw_request).tenant, rid), prompt, params, request.n)
     else:  # one choice (the protocol refuses n > 1 there)
-        where, outputs = await _conversation_turn(s, request, rid, messages, params, caller_of(raw_request).restricted_to, key)
+        where, outputs = await _conversation_turn(s, request, rid, messages, params, caller_of(raw_request), key)
         streams = [outputs]
     if request.stream:
         return sse_response(_chat_events(s, request, rid, streams, where))
@@ -116,7 +118,7 @@ async def chat_completions(request: ChatCompletionRequest, raw_request: Request)
 
 
 async def _conversation_turn(
-    s: Serving, request: ChatCompletionRequest, rid: str, messages: list[dict], params: SamplingParams, tenant: str | None,
+    s: Serving, request: ChatCompletionRequest, rid: str, messages: list[dict], params: SamplingParams, caller: Caller,
     idempotency_key: str | None,
 ) -> tuple[ConversationFields, AsyncIterator[RequestOutput]]:
     """Start the next turn of a server-side conversation: restore its state, feed only the new tokens.
@@ -124,7 +126,8 @@ async def _conversation_turn(
     turns = s.conversations
     s.check_prompt_chars(message_chars(messages), "messages")
     timer = s.metrics.timer(request.conversation_id)  # from arrival: the turn's planning and its prompt count
-    plan = await turns.begin(request.conversation_id, request.branch, request.from_turn, tenant, idempotency_key, request.expected_turn)
+    plan = await turns.begin(request.conversation_id, request.branch, request.from_turn, caller.restricted_to, idempotency_key,
+                             request.expected_turn)
     if isinstance(plan, Turn):
         where = ConversationFields(conversation_id=request.conversation_id, branch=plan.branch, turn=plan.turn, epoch=s.epoch)
         return where, _one(turns.replay(request.conversation_id, plan, messages))
@@ -132,7 +135,7 @@ async def _conversation_turn(
         messages = new_messages(plan.history_messages, messages)
         # the template and tokenizer, off the event loop
         prompt = await asyncio.to_thread(turns.prompt, plan, messages, params.max_tokens != 0)
-        outputs = await s.generate(rid, prompt, params, timer, **turns.engine_kwargs(plan))
+        outputs = await s.generate(engine_request_id(caller.tenant, rid), prompt, params, timer, **turns.engine_kwargs(plan))
     except BaseException:
         turns.manager.release(plan.conversation_id)
         raise
@@ -187,7 +190,7 @@ async def completions(request: CompletionRequest, raw_request: Request):
     prompt_ids = await s.encode_prompt(request.prompt)
     params = s.sampling_params(request.sampling_fields())
     rid = f"cmpl-{uuid.uuid4().hex}"
-    streams = await s.generate_choices(rid, prompt_ids, params, request.n)
+    streams = await s.generate_choices(engine_request_id(caller_of(raw_request).tenant, rid), prompt_ids, params, request.n)
     if request.stream:
         return sse_response(_completion_events(s, request, rid, streams))
     results = await collect_choices(streams)

@@ -41,6 +41,14 @@ class Startup:
     stage: str = "starting"
 
 
+def engine_request_id(tenant: str | None, rid: str) -> str:
+    """The engine's id of `tenant`'s request `rid`. A tenant's ids are its own: one cannot collide
+    with another's (refused as "already in use", which would tell it that the other's request is
+    running) nor abort it. The admin's, and every caller's of a server without keys, are as given,
+    so the admin reaches a tenant's request as "<tenant>:<rid>"."""
+    return rid if tenant is None else f"{tenant}:{rid}"
+
+
 class Serving:
     def __init__(self, engine: AsyncEngine, model_name: str, conversations: ConversationTurns) -> None:
         self.engine = engine
@@ -49,19 +57,22 @@ class Serving:
         self.tokenizer = engine.engine.tokenizer
         self.max_prompt_chars = engine.engine.max_context_length * _longest_token(self.tokenizer)
         self.conversations = conversations
-        self.staged_states: OrderedDict[str, Any] = OrderedDict()  # rid -> state from /restore_snapshot
+        self.staged_states: OrderedDict[tuple[str | None, str], Any] = OrderedDict()  # (tenant, rid) -> state from /restore_snapshot
         self.created = int(time.time())
         self.startup = Startup()
         self.epoch = secrets.token_hex(8)  # new at every start: a client that sees it change knows the server restarted
 
-    def stage_state(self, rid: str, state: Any) -> None:
-        """Hold a restored state for the `/generate` request that will carry this rid."""
-        self.staged_states[rid] = state
+    def stage_state(self, tenant: str | None, rid: str, state: Any) -> None:
+        """Hold a restored state for the `/generate` request of `tenant` (None: the admin or an open
+        server) that will carry this rid. Per tenant: another's request of the same rid neither
+        takes it nor learns of it (a state that does not start its prompt would be refused, naming
+        its length)."""
+        self.staged_states[tenant, rid] = state
         while len(self.staged_states) > MAX_STAGED_STATES:
             self.staged_states.popitem(last=False)
 
-    def take_staged_state(self, rid: str) -> Any:
-        return self.staged_states.pop(rid, None)
+    def take_staged_state(self, tenant: str | None, rid: str) -> Any:
+        return self.staged_states.pop((tenant, rid), None)
 
     def check_model(self, name: str) -> None:
         if name != self.model_name:

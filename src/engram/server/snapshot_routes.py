@@ -22,7 +22,7 @@ from engram.server.protocol import (
     SaveSnapshotRequest,
     SnapshotSelector,
 )
-from engram.server.serving import Serving, collect, get_serving
+from engram.server.serving import Serving, collect, engine_request_id, get_serving
 from engram.server.streaming import cancel_on_disconnect, sse_response
 from engram.state.conversations import (
     Conversation,
@@ -137,7 +137,7 @@ async def restore_snapshot(body: RestoreSnapshotRequest, raw_request: Request):
     state = await asyncio.to_thread(manager.load_into_warm, body.conversation_id, turn)
     if not body.create_new_request:
         if body.rid is not None:
-            s.stage_state(body.rid, state)
+            s.stage_state(caller_of(raw_request).tenant, body.rid, state)
         return {"success": True, "conversation_id": body.conversation_id, "branch_name": turn.branch,
                 "turn_number": turn.turn, "state_len": state.state_len, "token_count": len(state.tokens),
                 "rid": body.rid, "message": f"state of turn {turn.ref} restored"}
@@ -145,7 +145,7 @@ async def restore_snapshot(body: RestoreSnapshotRequest, raw_request: Request):
     params = s.sampling_params(body.sampling_fields())
     rid = body.rid or uuid.uuid4().hex
     start = time.perf_counter()
-    outputs = await s.generate(rid, prompt, params, initial_state=state)
+    outputs = await s.generate(engine_request_id(caller_of(raw_request).tenant, rid), prompt, params, initial_state=state)
     if body.stream:
         return sse_response(native_routes.generate_events(rid, False, start, outputs))
     out, _ = await collect(outputs)
