@@ -5,8 +5,10 @@ v1 files still load."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
+import torch
 from engine_utils import make_engine, random_prompt, store_file
 from test_conversations import full_generation, take_turn
 
@@ -14,7 +16,7 @@ from engram.state import chunks, manifest
 from engram.state.chunks import STORE_NAME
 from engram.state.conversations import ConversationManager, SnapshotPolicy
 from engram.state.identity import ModelIdentity, tokenizer_fingerprint
-from engram.state.sequence_state import expected_tensors
+from engram.state.sequence_state import SequenceState, expected_tensors, has_non_finite
 from engram.state.snapshot import SnapshotMeta, save_snapshot
 from engram.state.store import WarmCache
 
@@ -227,3 +229,24 @@ def test_kill_9_during_writes_and_sweeps_leaves_every_listed_turn_loadable(engin
     for entry in listed:
         turn = restarted.require(entry["conversation_id"]).turns[f"{entry['branch']}/{entry['turn']:06d}"]
         restarted.load_into_warm(entry["conversation_id"], turn)  # raises if a piece it names is missing or damaged
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_non_finite_values_are_found_in_every_float_dtype(dtype):
+    x = torch.randn(1000).to(dtype)
+    x[3], x[4], x[5] = torch.finfo(dtype).max, -torch.finfo(dtype).max, torch.finfo(dtype).tiny
+    assert not has_non_finite(x) and not has_non_finite(torch.arange(5))
+    for value in (math.inf, -math.inf, math.nan):
+        y = x.clone()
+        y[500] = value
+        assert has_non_finite(y) and has_non_finite(y[400:])
+
+
+def test_a_state_with_a_non_finite_value_is_not_stored(engine, tmp_path):
+    manager = store_manager(engine, tmp_path)
+    take_turn(engine, manager, "nan", random_prompt(20, 800), max_tokens=2)
+    state = manager.warm.peek("nan", "main/000001")
+    k = next(name for name in state.tensors if name.endswith(".k"))
+    bad = SequenceState(state.tokens, state.state_len, {**state.tensors, k: state.tensors[k].clone().index_fill_(0, torch.tensor([7]), math.nan)})
+    with pytest.raises(ValueError, match="non-finite"):
+        store_manager(engine, tmp_path / "empty").store.save(bad)  # a store without its pieces yet

@@ -31,7 +31,7 @@ import safetensors.torch
 import torch
 
 from engram.models.spec import ModelSpec
-from engram.state.sequence_state import SequenceState, StateDtypes, check_state
+from engram.state.sequence_state import SequenceState, StateDtypes, check_state, has_non_finite
 from engram.state.snapshot import (
     SnapshotCorruptError,
     SnapshotIncompatibleError,
@@ -172,6 +172,7 @@ class ChunkStore:
         pieces and checkpoint not stored yet. `base`, a stored state whose tokens begin this one's,
         lends its pieces; one that does not match these tokens is not used."""
         state.wait()
+        check_state(self.spec, self.dtypes, state, check_finite=False)  # values: each new file's, below
         tokens, n = state.tokens, state.state_len
         chain = self.hasher.chain(tokens, n)
         kept: list[PieceRef] = []
@@ -210,6 +211,9 @@ class ChunkStore:
             self.stats.files_reused += 1
             return stored
         tensors = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
+        for name, t in tensors.items():  # loads trust the values (the checksum proves them unchanged): checked here
+            if has_non_finite(t):
+                raise ValueError(f"tensor {name} holds non-finite values")
         checksum = tensor_checksum(tensors)
         header = {**meta, "identity": self.identity, "checksum": checksum}
         data = safetensors.torch.save(tensors, metadata={"engram": json.dumps(header, sort_keys=True)})
@@ -258,40 +262,51 @@ class ChunkStore:
         pieces = stored.pieces
         if [p.start for p in pieces] != [0, *(p.end for p in pieces[:-1])] or (pieces[-1].end if pieces else 0) != stored.state_len:
             raise SnapshotCorruptError(f"the pieces {[(p.start, p.end) for p in pieces]} do not cover 0..{stored.state_len} in order")
+        # The KV goes straight from each piece's file buffer into one tensor per layer (its rows
+        # [start, end)), in the readers' threads: one read, one hash, one copy per byte.
+        kv = {name: self._empty_kv(stored.state_len) for name in self._kv}
         with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-            read = list(pool.map(lambda p: self._read(self.piece_path(p.key), p.checksum, PIECE_FORMAT), pieces))
-            recurrent = self._read(self.checkpoint_path(stored.checkpoint), stored.checkpoint_checksum, CHECKPOINT_FORMAT)
-        tokens: list[int] = []
-        for p, tensors in zip(pieces, read):
-            piece_tokens = tensors.pop("tokens", None)
-            if piece_tokens is None or piece_tokens.dtype != torch.int32 or tuple(piece_tokens.shape) != (p.end - p.start,):
-                raise SnapshotCorruptError(f"store piece {p.key[:12]}: its tokens are not int32 [{p.end - p.start}]")
-            tokens += piece_tokens.tolist()
+            piece_tokens = list(pool.map(lambda p: self._read_piece(p, kv), pieces))
+            recurrent = {name: t.clone() for name, t in
+                         self._read(self.checkpoint_path(stored.checkpoint), stored.checkpoint_checksum, CHECKPOINT_FORMAT).items()}
+        tokens = [t for part in piece_tokens for t in part]
         chain = self.hasher.chain(tokens, stored.state_len)
         for p in pieces:
             if self.hasher.piece_key(tokens, p.start, p.end, chain) != p.key:
                 raise SnapshotCorruptError(f"store piece {p.key[:12]}: its tokens are not the prefix its key names")
         if self.hasher.at(tokens, stored.state_len, chain).hex() != stored.checkpoint:
             raise SnapshotCorruptError(f"store checkpoint {stored.checkpoint[:12]}: not the checkpoint of these tokens")
-        tensors = dict(recurrent)
-        for name in self._kv:
-            parts = [t[name] for t in read if name in t]
-            if len(parts) != len(pieces):
-                raise SnapshotCorruptError(f"a store piece lacks tensor {name}")
-            tensors[name] = torch.cat(parts) if parts else self._empty_kv(name)
-        state = SequenceState(tokens + list(tail_tokens), stored.state_len, tensors)
-        try:
-            check_state(self.spec, self.dtypes, state)
+        state = SequenceState(tokens + list(tail_tokens), stored.state_len, {**recurrent, **kv})
+        try:  # values were checked finite when saved, and the checksums say they are what was saved
+            check_state(self.spec, self.dtypes, state, check_finite=False)
         except ValueError as e:
             raise SnapshotCorruptError(f"stored state: {e}") from e
         return state
 
-    def _empty_kv(self, name: str) -> torch.Tensor:
+    def _empty_kv(self, rows: int) -> torch.Tensor:
         attention = self.spec.attention
         assert attention is not None
-        return torch.empty(0, attention.num_kv_heads, attention.head_dim, dtype=self.dtypes.kv)
+        return torch.empty(rows, attention.num_kv_heads, attention.head_dim, dtype=self.dtypes.kv)
+
+    def _read_piece(self, piece: PieceRef, kv: dict[str, torch.Tensor]) -> list[int]:
+        """Read and verify one piece, copy its KV into rows [start, end) of `kv`; its tokens."""
+        tensors = self._read(self.piece_path(piece.key), piece.checksum, PIECE_FORMAT)
+        rows = piece.end - piece.start
+        tokens = tensors.pop("tokens", None)
+        if tokens is None or tokens.dtype != torch.int32 or tuple(tokens.shape) != (rows,):
+            raise SnapshotCorruptError(f"store piece {piece.key[:12]}: its tokens are not int32 [{rows}]")
+        if set(tensors) != set(kv):
+            raise SnapshotCorruptError(f"store piece {piece.key[:12]}: holds {sorted(tensors)}, expected {sorted(kv)}")
+        for name, t in tensors.items():
+            target = kv[name][piece.start : piece.end]
+            if t.shape != target.shape or t.dtype != target.dtype:
+                raise SnapshotCorruptError(f"store piece {piece.key[:12]}: {name} is {t.dtype} {tuple(t.shape)}, "
+                                           f"expected {target.dtype} {tuple(target.shape)}")
+            target.copy_(t)
+        return tokens.tolist()
 
     def _read(self, path: Path, checksum: str, fmt: str) -> dict[str, torch.Tensor]:
+        """A stored file's tensors, after every check; views of the file's bytes (read once)."""
         where = f"store file {path.name[:12]}"
         try:
             data = read_no_follow(path)
@@ -310,8 +325,8 @@ class ChunkStore:
         if header.get("identity") != self.identity:
             raise SnapshotIncompatibleError(f"{where}: made by another model, tokenizer, layout or state dtype")
         try:
-            tensors = safetensors.torch.load(data)
-        except Exception as e:
+            tensors = _tensor_views(data)
+        except (ValueError, KeyError, TypeError, RuntimeError) as e:
             raise SnapshotCorruptError(f"{where}: unreadable tensor data: {e}") from e
         if tensor_checksum(tensors, threads=1) != checksum:
             self._set_aside(path)
@@ -366,7 +381,29 @@ class ChunkStore:
         return removed
 
 
-def _parse_header(data: bytes, where: str, file_size: int) -> dict:
+_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+           "I32": torch.int32, "I64": torch.int64, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+
+
+def _tensor_views(data: bytearray) -> dict[str, torch.Tensor]:
+    """The tensors of a complete safetensors file's bytes, as views of them (no copy)."""
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(bytes(data[8 : 8 + length]))
+    base, out = 8 + length, {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = entry["data_offsets"]
+        dtype, shape = _DTYPES[entry["dtype"]], entry["shape"]
+        if end > begin:
+            flat = torch.frombuffer(data, dtype=torch.uint8, count=end - begin, offset=base + begin)
+        else:
+            flat = torch.empty(0, dtype=torch.uint8)
+        out[name] = flat.view(dtype).view(shape)
+    return out
+
+
+def _parse_header(data: bytes | bytearray, where: str, file_size: int) -> dict:
     """The "engram" metadata of a safetensors file from its first bytes (`data`, the header at
     least), after checking that the file's `file_size` is what its header describes."""
     try:

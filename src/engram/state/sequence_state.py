@@ -69,6 +69,22 @@ def expected_tensors(spec: ModelSpec, dtypes: StateDtypes, state_len: int) -> di
     return out
 
 
+# A float is infinite or NaN exactly when its exponent bits are all set: testing them as integers
+# is many times faster on a CPU than torch.isfinite, which has no fast path for bfloat16.
+_EXPONENT_BITS = {torch.bfloat16: (torch.int16, 0x7F80), torch.float16: (torch.int16, 0x7C00), torch.float32: (torch.int32, 0x7F800000)}
+
+
+def has_non_finite(t: torch.Tensor) -> bool:
+    """Whether a tensor holds an infinite or NaN value (False for integer tensors)."""
+    if not t.is_floating_point() or not t.numel():
+        return False
+    if t.dtype not in _EXPONENT_BITS or not t.is_contiguous():
+        return not bool(torch.isfinite(t).all())
+    as_int, mask = _EXPONENT_BITS[t.dtype]
+    bits = torch.tensor(mask, dtype=as_int).item()  # the mask as this width's signed value
+    return bool((t.view(as_int) & bits).eq(bits).any())
+
+
 def check_state(spec: ModelSpec, dtypes: StateDtypes, state: SequenceState, check_finite: bool = True) -> None:
     """Raise ValueError naming the first missing, extra, misshapen, mistyped or non-finite tensor.
 
@@ -87,5 +103,5 @@ def check_state(spec: ModelSpec, dtypes: StateDtypes, state: SequenceState, chec
             raise ValueError(f"tensor {name} has shape {tuple(t.shape)}, expected {shape}")
         if t.dtype != dtype:
             raise ValueError(f"tensor {name} has dtype {t.dtype}, expected {dtype}")
-        if check_finite and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        if check_finite and has_non_finite(t):
             raise ValueError(f"tensor {name} holds non-finite values")

@@ -165,10 +165,14 @@ def _exists_not_a_link(root: Path, path: Path) -> bool:
     return True
 
 
-def read_no_follow(path: Path) -> bytes:
-    """The file's bytes, refusing (ELOOP) to open it through a symbolic link."""
+def read_no_follow(path: Path) -> bytearray:
+    """The file's bytes (writable, so tensors can view them), refusing (ELOOP) to open it through a
+    symbolic link."""
     with open(path, "rb", opener=_no_follow) as f:
-        return f.read()
+        data = bytearray(os.fstat(f.fileno()).st_size)
+        if f.readinto(data) != len(data):
+            raise OSError(5, "the file changed size while it was read")
+        return data
 
 
 def _no_follow(path: str, flags: int) -> int:
