@@ -351,7 +351,7 @@ class ChunkStore:
         for p in stored.pieces:
             data = read_no_follow(self.piece_path(p.key))
             _parse_header(data, p.key[:12], file_size=len(data))
-            out += safetensors.torch.load(data)["tokens"].tolist()
+            out += _tensor_views(data)["tokens"].tolist()
         return out
 
     # ---- garbage -----------------------------------------------------------------------------
