@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from server_utils import running_server
+from server_utils import openai_client, running_server
 
 from engram.models.embedded import ensure_embedded_model
 
@@ -21,7 +21,7 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    return openai_client(server.url)
 
 
 @pytest.fixture(scope="module")

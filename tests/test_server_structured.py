@@ -9,9 +9,8 @@ import re
 
 import httpx
 import jsonschema
-import openai
 import pytest
-from server_utils import running_server
+from server_utils import openai_client, running_server
 
 MODEL = "m"
 MESSAGES = [{"role": "user", "content": "Describe a user as JSON."}]
@@ -22,23 +21,14 @@ SCHEMA = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 
 
 
 @pytest.fixture(scope="module")
-def server(checkpoint_dir, tmp_path_factory):
-    with running_server(checkpoint_dir("granite"), MODEL, snapshot_dir=str(tmp_path_factory.mktemp("snapshots"))) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=120) as c:
+def http(checkpoint_dir, tmp_path_factory):
+    snapshots = str(tmp_path_factory.mktemp("snapshots"))
+    with running_server(checkpoint_dir("granite"), MODEL, snapshot_dir=snapshots) as srv, httpx.Client(base_url=srv.url, timeout=120) as c:
         yield c
 
 
-def test_response_format_json_schema_with_n_choices(client):
+def test_response_format_json_schema_with_n_choices(http):
+    client = openai_client(str(http.base_url))
     r = client.chat.completions.create(
         model=MODEL, messages=MESSAGES, max_tokens=200, n=3, seed=7,
         response_format={"type": "json_schema", "json_schema": {"name": "user", "schema": SCHEMA, "strict": True}})
@@ -48,7 +38,8 @@ def test_response_format_json_schema_with_n_choices(client):
         jsonschema.validate(json.loads(choice.message.content), SCHEMA)
 
 
-def test_a_streamed_constrained_answer_is_the_same_answer(client):
+def test_a_streamed_constrained_answer_is_the_same_answer(http):
+    client = openai_client(str(http.base_url))
     kw = dict(model=MODEL, messages=MESSAGES, max_tokens=200, temperature=0,
               extra_body={"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}})
     whole = client.chat.completions.create(**kw).choices[0].message.content
@@ -58,7 +49,8 @@ def test_a_streamed_constrained_answer_is_the_same_answer(client):
     jsonschema.validate(json.loads(whole), SCHEMA)
 
 
-def test_json_object(client):
+def test_json_object(http):
+    client = openai_client(str(http.base_url))
     r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=60, seed=1, response_format={"type": "json_object"})
     text, reason = r.choices[0].message.content, r.choices[0].finish_reason
     assert text.startswith("{") and (reason == "length" or isinstance(json.loads(text), dict))
