@@ -32,6 +32,13 @@ def running_server(model_path: str, model_name: str, **server_fields) -> Iterato
         yield srv
 
 
+def openai_client(url: str):
+    """The official client of the /v1 routes of the server at `url` (no retries: a test sees every failure)."""
+    import openai
+
+    return openai.OpenAI(base_url=url.rstrip("/") + "/v1", api_key="unused", max_retries=0)
+
+
 def metric_value(text: str, name: str, **labels: str) -> float:
     """The value of one series of a /metrics page, by its name and labels."""
     series = name + "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}"

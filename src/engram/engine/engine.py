@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -14,7 +16,7 @@ from engram.args import EngineArgs
 from engram.engine import memory_planner
 from engram.engine.detokenizer import detokenize_step, find_stop_string, stop_prefix_len
 from engram.engine.pools import HostCopier, KVPool, StatePool, capture_state, restore_state
-from engram.engine.request import FinishReason, RequestOutput, SamplingParams
+from engram.engine.request import FinishReason, RequestOutput, SamplingParams, StructuredOutputsParams
 from engram.engine.runner import ModelRunner
 from engram.engine.sampler import sample_batch, sample_on_device, samples_on_device, token_counts, token_logprob, token_mask
 from engram.engine.scheduler import Scheduler
@@ -24,6 +26,9 @@ from engram.models.loader import load_model, load_model_from_state_dict
 from engram.models.spec import load_model_spec
 from engram.ops.dispatch import select_kernels, use_kernels
 from engram.state.sequence_state import SequenceState, check_state
+
+if TYPE_CHECKING:
+    from engram.engine.grammar import Grammars
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +128,8 @@ class LLMEngine:
         self._default_generator = torch.Generator(self.device).manual_seed(args.seed)
         self._counters = {"prompt": 0, "generation": 0, "prefill_computed": 0, "cached": 0}
         self._inflight: InFlightTokens | None = None
+        self._grammars: Grammars | None = None  # made on the first structured request (xgrammar loads in seconds)
+        self._grammars_lock = threading.Lock()
         install_compile_counter()
         self._work_at_ready: int | None = None  # graph captures + compilations when ready was marked
 
@@ -150,6 +157,7 @@ class LLMEngine:
         retain_key: str | None = None,
         resume_key: str | None = None,
         internal: bool = False,
+        grammar: Any = None,
     ) -> None:
         """Queue a request. `initial_state` covers a prefix of the prompt (restored, not computed);
         `resume_key` names a retained slot holding such a state (adopted without a copy when it is
@@ -158,7 +166,8 @@ class LLMEngine:
         prefix-cache entry; its recurrent part is copied when the prefill ends, its KV at finish);
         `retain_key` keeps the final state in its slot under that key. An `internal`
         request (the server's own, such as a prefill shared by several choices) is left out of
-        the received, cached and generated token counts."""
+        the received, cached and generated token counts. `grammar`: `params.structured_outputs`
+        as `compile_grammar` made it (else it is compiled here, on the caller's thread)."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt = list(prompt_token_ids)  # the request's own copy (lists compare with the states' token lists)
@@ -171,12 +180,15 @@ class LLMEngine:
             # Structure only: values were checked where the state came from (a verified snapshot
             # load, or this engine's own capture, which the health monitor also watches).
             check_state(self.spec, self.state_dtypes, initial_state, check_finite=False)
+        if params.structured_outputs is not None and grammar is None:
+            grammar = self.compile_grammar(params.structured_outputs)
         if retained is not None and not adoptable:  # not this prompt's state
             self.scheduler.drop_retained(resume_key)
         generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         seq = Sequence(request_id, prompt, params, generator, initial_state, capture_state, retain_key, internal)
         seq.capture_prompt = capture_prompt_state
         seq.adopted = self.scheduler.adopt(resume_key) if adoptable else None
+        seq.matcher = self.grammars.matcher(grammar) if params.structured_outputs is not None else None
         seq.num_cached_tokens = seq.adopted.state_len if seq.adopted else (initial_state.state_len if initial_state else 0)
         self._requests[request_id] = seq
         self.scheduler.add(seq)
@@ -200,6 +212,22 @@ class LLMEngine:
             raise ValueError(
                 f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context length {limit}"
             )
+
+    @property
+    def grammars(self) -> Grammars:
+        """The structured-output compiler of this engine's vocabulary (thread-safe)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                from engram.engine.grammar import Grammars
+
+                self._grammars = Grammars(self.tokenizer, self.spec.vocab_size, sorted(self.eos_token_ids))
+            return self._grammars
+
+    def compile_grammar(self, params: StructuredOutputsParams) -> Any:
+        """The grammar of a request's structured outputs; any thread (compiling takes milliseconds to
+        seconds, so the server calls it off the engine thread). A bad one raises ValueError naming
+        `params.source`."""
+        return self.grammars.compile(params)
 
     def check_in_vocabulary(self, what: str, token_ids: Iterable[int]) -> None:
         bad = [t for t in token_ids if not 0 <= t < self.spec.vocab_size]
@@ -282,7 +310,8 @@ class LLMEngine:
 
     @staticmethod
     def _overlappable(p: SamplingParams) -> bool:
-        return samples_on_device(p) and p.logprobs is None
+        """A constrained row is not: its mask needs its previous token accepted first."""
+        return samples_on_device(p) and p.logprobs is None and p.structured_outputs is None
 
     def _sample_on_device(self, logits: torch.Tensor, seqs: list[Sequence]) -> InFlightTokens:
         params = [seq.params for seq in seqs]
@@ -318,6 +347,8 @@ class LLMEngine:
         if len(going) < len(completing):
             logits = logits[torch.tensor(going, device=logits.device)]
             completing = [completing[i] for i in going]
+        if any(seq.matcher is not None for seq in completing):
+            self.grammars.mask_logits(logits, [seq.matcher for seq in completing])
         tokens = sample_batch(
             logits,
             [seq.params for seq in completing],
@@ -363,6 +394,8 @@ class LLMEngine:
             self._counters["generation"] += 1
         chars_before = len(seq.text)
         stop_token = (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids
+        if seq.matcher is not None:
+            stop_token |= self._grammar_ends(seq, token)
         if not stop_token or p.include_stop_str_in_output:  # a stop token's text is left out, as in vLLM
             detokenize_step(self.tokenizer, seq)
         if stop_token:
@@ -371,6 +404,14 @@ class LLMEngine:
             self._finish(seq, FinishReason.STOP, stop)
         elif self._ends_by_length(seq, len(seq.token_ids)):
             self._finish(seq, FinishReason.LENGTH)
+
+    @staticmethod
+    def _grammar_ends(seq: Sequence, token: int) -> bool:
+        """Advance the sequence's grammar by its token; True once the grammar has ended (it accepts an
+        EOS token only where the output is complete, even under ignore_eos)."""
+        if not seq.matcher.accept_token(token):  # the mask allowed it: a bug, not the request's fault
+            raise RuntimeError(f"the grammar of request {seq.request_id} rejected token {token} that its mask allowed")
+        return seq.matcher.is_terminated()
 
     def _finish(self, seq: Sequence, reason: FinishReason, stop_reason: str | int | None = None) -> None:
         if reason != FinishReason.ABORT and seq.slot is not None:

@@ -5,12 +5,37 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from engram.state.sequence_state import SequenceState
 
 # Temperatures below this count as 0 (greedy), as in vLLM: dividing logits by them overflows.
 GREEDY_TEMPERATURE = 1e-5
 SEED_RANGE = 2**64  # seeds are -2^63 .. 2^64 - 1, what torch.Generator takes
+
+
+@dataclass
+class StructuredOutputsParams:
+    """vLLM's structured outputs: exactly one of a JSON schema (a dict or its JSON text), any JSON
+    object, a regex, a list of choices or an EBNF grammar (xgrammar's dialect of GBNF). The output
+    is held to it token by token and ends when it is complete (engine/grammar.py)."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False  # JSON: no whitespace beyond the separators
+    source: str = "structured_outputs"  # the request field it came from, named in errors
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(f"{self.source}: give exactly one of json, regex, choice, grammar, json_object"
+                             + (f" (got {', '.join(given)})" if given else ""))
+        if self.choice is not None and not self.choice:
+            raise ValueError(f"{self.source}: the list of choices is empty")
 
 
 @dataclass
@@ -34,6 +59,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False  # keep the text of the stop string, stop token or EOS that ended it
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
+    structured_outputs: StructuredOutputsParams | None = None  # the grammar the output must follow
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

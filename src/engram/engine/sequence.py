@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -41,6 +41,7 @@ class Sequence:
     prompt_state: SequenceState | None = None  # and with the prompt's KV, at finish
     prompt_mask: torch.Tensor | None = None  # the prompt's tokens over the vocabulary, for the repetition penalty
     output_counts: torch.Tensor | None = None  # each token's count in the output, for the penalties (once one needs it)
+    matcher: Any = None  # xgrammar's GrammarMatcher of a request with structured outputs (engine/grammar.py)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed: int = 0  # tokens[:num_computed] are in the recurrent state and the KV cache
     num_inflight: int = 0  # 1 while a token sampled on the device is not yet read back (overlapped steps)

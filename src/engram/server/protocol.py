@@ -12,9 +12,9 @@ import re
 import time
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, model_serializer, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, Strict, model_serializer, model_validator
 
-from engram.engine.request import RequestOutput
+from engram.engine.request import RequestOutput, StructuredOutputsParams
 
 
 def _only_one(n: int) -> int:
@@ -25,8 +25,10 @@ def _only_one(n: int) -> int:
 
 SingleChoice = Annotated[int, AfterValidator(_only_one)]
 MAX_CHOICES = 64  # OpenAI's `n`: each choice is its own engine request
-# vLLM's and SGLang's constrained decoding: named so that a request relying on it is refused, not ignored.
-GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs", "regex", "ebnf", "json_schema")
+# vLLM's older constrained-decoding fields and SGLang's (on OpenAI routes: regex, ebnf): the
+# structured-outputs key each one stands for.
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar",
+                 "regex": "regex", "ebnf": "grammar"}
 # Arguments of `apply_chat_template` that a request's chat_template_kwargs may not set (its own
 # template, other messages or tools, tokenization, or the fields that have names of their own).
 TEMPLATE_RESERVED_KWARGS = frozenset({"chat_template", "conversation", "messages", "tools", "documents", "tokenize", "return_dict",
@@ -45,6 +47,61 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+
+
+class StructuredOutputsRequest(_Request):
+    """vLLM's `structured_outputs` object (one key of json, regex, choice, grammar, json_object)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def params(self) -> StructuredOutputsParams:
+        keys = {"json": self.json_, "regex": self.regex, "choice": self.choice, "grammar": self.grammar,
+                "json_object": self.json_object or None}
+        given = [key for key, value in keys.items() if value is not None]
+        source = f"structured_outputs.{given[0]}" if len(given) == 1 else "structured_outputs"
+        return StructuredOutputsParams(**keys, disable_any_whitespace=self.disable_any_whitespace, source=source)
+
+
+class JsonSchemaFormat(_Request):
+    """OpenAI's `response_format.json_schema`."""
+
+    model_config = ConfigDict(strict=True, populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is given with type 'json_schema', and only then")
+        return self
+
+    def params(self) -> StructuredOutputsParams | None:
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True, source="response_format")
+        if self.json_schema is not None:
+            return StructuredOutputsParams(json=self.json_schema.schema_, source="response_format.json_schema.schema")
+        return None
+
+
+def only_one_constraint(found: list[StructuredOutputsParams]) -> StructuredOutputsParams | None:
+    if len(found) > 1:
+        raise ValueError(f"give at most one output constraint; got {', '.join(p.source for p in found)}")
+    return found[0] if found else None
 
 
 class _OpenAIRequest(_Request):
@@ -67,15 +124,17 @@ class _OpenAIRequest(_Request):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
-    # constrained decoding (GUIDED_FIELDS)
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    structured_outputs: Any = None
-    regex: Any = None
-    ebnf: Any = None
-    json_schema: Any = None
+    # structured outputs: OpenAI's, vLLM's, and the older fields (GUIDED_FIELDS)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    json_schema: Any = None  # SGLang's /generate name; refused here, where response_format says it
+    _structured: StructuredOutputsParams | None = PrivateAttr(default=None)
     # vLLM's features this server lacks, refused unless they ask for nothing (field: its no-op value)
     min_tokens: Any = None
     prompt_logprobs: Any = None
@@ -84,10 +143,19 @@ class _OpenAIRequest(_Request):
     _UNSUPPORTED: ClassVar[dict[str, Any]] = {"min_tokens": 0, "prompt_logprobs": None, "use_beam_search": False}
 
     @model_validator(mode="after")
+    def _one_output_constraint(self) -> _OpenAIRequest:
+        if self.json_schema is not None:
+            raise ValueError("json_schema: send response_format {'type': 'json_schema', 'json_schema': {'schema': ...}} "
+                             "or structured_outputs {'json': ...}")
+        found = [p for p in (self.response_format.params() if self.response_format else None,
+                             self.structured_outputs.params() if self.structured_outputs else None) if p is not None]
+        found += [StructuredOutputsParams(**{key: getattr(self, name)}, source=name)
+                  for name, key in GUIDED_FIELDS.items() if getattr(self, name) is not None]
+        self._structured = only_one_constraint(found)
+        return self
+
+    @model_validator(mode="after")
     def _no_unsupported_features(self) -> _OpenAIRequest:
-        guided = [name for name in GUIDED_FIELDS if getattr(self, name) is not None]
-        if guided:
-            raise ValueError(f"{', '.join(guided)}: constrained decoding is not supported")
         used = [name for name, no_op in self._UNSUPPORTED.items() if getattr(self, name) not in (None, no_op)]
         if self.best_of not in (None, self.n):
             used.append("best_of")
@@ -102,7 +170,7 @@ class _OpenAIRequest(_Request):
     def _common_fields(self) -> dict[str, Any]:
         names = ("temperature", "top_p", "stop", "seed", "frequency_penalty", "presence_penalty", "logit_bias", "top_k",
                  "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens", "include_stop_str_in_output")
-        return {name: getattr(self, name) for name in names}
+        return {**{name: getattr(self, name) for name in names}, "structured_outputs": self._structured}
 
 
 class TextPart(_Request):
@@ -122,11 +190,6 @@ class ChatMessage(_Request):
         if self.name is not None:
             message["name"] = self.name
         return message
-
-
-class ResponseFormat(_Request):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
 
 
 class _ChatTemplateOptions(_Request):
@@ -164,7 +227,6 @@ class ChatCompletionRequest(_OpenAIRequest, _ChatTemplateOptions):
     tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None  # the deprecated form of tools
     function_call: str | dict[str, Any] | None = None
-    response_format: ResponseFormat | None = None
     # Engram's extensions: continue a server-side conversation (send only the new messages).
     conversation_id: str | None = None
     branch: str | None = None
@@ -187,14 +249,11 @@ class ChatCompletionRequest(_OpenAIRequest, _ChatTemplateOptions):
         return self
 
     @model_validator(mode="after")
-    def _no_tool_calls_or_constrained_output(self) -> ChatCompletionRequest:
+    def _no_tool_calls(self) -> ChatCompletionRequest:
         for tools, choice in ((self.tools, self.tool_choice), (self.functions, self.function_call)):
             if choice not in (None, "none") or (tools and choice is None):
                 raise ValueError("tool calling is not supported; send tool_choice (or function_call) 'none' to have "
                                  "the tools ignored")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise ValueError(f"response_format {self.response_format.type!r} is not supported (no constrained decoding); "
-                             "only 'text'")
         return self
 
     @model_validator(mode="after")
@@ -411,6 +470,19 @@ class NativeSamplingParams(_Request):
     sampling_seed: int | None = None
     logit_bias: LogitBias | None = None
     n: SingleChoice = 1
+    # SGLang's structured outputs (at most one): a JSON schema (its JSON text), a regex, an EBNF grammar
+    json_schema: str | dict[str, Any] | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    _structured: StructuredOutputsParams | None = PrivateAttr(default=None)
+
+    @model_validator(mode="after")
+    def _one_output_constraint(self) -> NativeSamplingParams:
+        found = [StructuredOutputsParams(**{key: value}, source=f"sampling_params.{name}")
+                 for name, key, value in (("json_schema", "json", self.json_schema), ("regex", "regex", self.regex),
+                                          ("ebnf", "grammar", self.ebnf)) if value is not None]
+        self._structured = only_one_constraint(found)
+        return self
 
 
 class AbortRequest(_Request):
@@ -440,9 +512,11 @@ class GenerateRequest(_Request):
         return self
 
     def sampling_fields(self) -> dict[str, Any]:
-        fields = self.sampling_params.model_dump(exclude={"max_new_tokens", "sampling_seed", "no_stop_trim", "n"})
+        fields = self.sampling_params.model_dump(
+            exclude={"max_new_tokens", "sampling_seed", "no_stop_trim", "n", "json_schema", "regex", "ebnf"})
         return {
             **fields,
+            "structured_outputs": self.sampling_params._structured,
             "max_tokens": self.sampling_params.max_new_tokens,
             "seed": self.sampling_params.sampling_seed,
             "include_stop_str_in_output": self.sampling_params.no_stop_trim,

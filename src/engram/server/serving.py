@@ -20,7 +20,7 @@ import jinja2
 from fastapi import Request
 
 from engram.engine.async_engine import AsyncEngine
-from engram.engine.request import SEED_RANGE, RequestOutput, SamplingParams, TokenLogprob
+from engram.engine.request import SEED_RANGE, RequestOutput, SamplingParams, StructuredOutputsParams, TokenLogprob
 from engram.server.conversations import ConversationTurns
 from engram.server.errors import APIError
 from engram.server.metrics import Metrics, RequestTimer
@@ -130,8 +130,10 @@ class Serving:
         when the request arrived, if before now. `cache_prefix`: a request of no conversation,
         which starts from the prefix cache's longest match and leaves its prompt's state there
         (with prefix caching on). `kwargs` go to the engine (a state to restore, whether to capture
-        the final state)."""
+        the final state, the compiled grammar)."""
         timer = timer or self.metrics.timer()
+        if params.structured_outputs is not None and "grammar" not in kwargs:
+            kwargs["grammar"] = await self.compile_grammar(params.structured_outputs)
         cache = self.conversations.manager.prefix_cache if cache_prefix and kwargs.get("initial_state") is None else None
         if cache is not None:
             state = await asyncio.to_thread(cache.lookup, prompt_ids)
@@ -153,12 +155,14 @@ class Serving:
         if n == 1:
             return [await self.generate(request_id, prompt_ids, params, cache_prefix=True)]
         timers = [self.metrics.timer() for _ in range(n)]
+        grammar = await self.compile_grammar(params.structured_outputs) if params.structured_outputs is not None else None
         state = None
         if len(prompt_ids) >= SHARED_PREFILL_MIN_TOKENS:
             with _bad_input_is_400():  # before computing the prefix for nothing
                 self.engine.engine.check_request(prompt_ids, params)
             state = await self._prefill_state(f"{request_id}-prompt", prompt_ids[:-1])
         shared = {"initial_state": state} if state is not None else {}  # None: the prefill was cut short
+        shared |= {"grammar": grammar} if grammar is not None else {}
         starts = [
             asyncio.ensure_future(self.generate(f"{request_id}-{i}", prompt_ids, _nth_choice(params, i), timers[i], **shared))
             for i in range(n)
@@ -171,8 +175,16 @@ class Serving:
             for start in starts:
                 start.cancel()
             raise
-        shared_len = len(prompt_ids) - 1 if shared else 0
+        shared_len = len(prompt_ids) - 1 if state is not None else 0
         return [_started(start, shared_len) for start in starts]
+
+    async def compile_grammar(self, params: StructuredOutputsParams) -> Any:
+        """The request's grammar, compiled in a thread (neither the event loop nor the engine thread
+        waits for it); one that does not compile is a 400 naming its field."""
+        try:
+            return await asyncio.to_thread(self.engine.engine.compile_grammar, params)
+        except ValueError as e:
+            raise APIError(400, str(e), param=params.source) from None
 
     async def _prefill_state(self, request_id: str, prompt_ids: list[int]) -> Any:
         """The state of a sequence after `prompt_ids` (an engine `SequenceState`), from an internal
