@@ -124,7 +124,8 @@ async def _conversation_turn(
     turns = s.conversations
     s.check_prompt_chars(message_chars(messages), "messages")
     timer = s.metrics.timer(request.conversation_id)  # from arrival: the turn's planning and its prompt count
-    plan = await turns.begin(request.conversation_id, request.branch, request.from_turn, tenant, idempotency_key, request.expected_turn)
+    plan = await turns.begin(request.conversation_id, request.branch, request.from_turn, tenant, idempotency_key, request.expected_turn,
+                             request.from_conversation)
     if isinstance(plan, Turn):
         where = ConversationFields(conversation_id=request.conversation_id, branch=plan.branch, turn=plan.turn, epoch=s.epoch)
         return where, _one(turns.replay(request.conversation_id, plan, messages))
