@@ -106,7 +106,79 @@ class ServerArgs:
     snapshot_preload: int = field(default=0, metadata={"help": "at startup, warm the latest snapshots of the N most recently used conversations"})
     snapshot_health_check_interval: int = field(default=1, metadata={"help": "check state norms for anomalies every N turns of a conversation; 0: structural checks only"})
     snapshot_health_failure_policy: str = field(default="log_and_continue", metadata={"help": "what an anomalous state does", "choices": ["log_and_continue", "skip_snapshot", "refuse_restore"]})
+    enable_cross_session_refs: bool = field(
+        default=True,
+        metadata={"help": "a new conversation may start from a turn of another the caller owns "
+                          "(`from_conversation` and `from_turn` on /v1/chat/completions)"},
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.api_key, str):  # ServerArgs(api_key="k"): one key
             self.api_key = [self.api_key]
+
+
+_STRATEGY_HERE = ("accepted and changes nothing: a turn's whole state (recurrent and attention KV) is captured when "
+                  "it ends and restored exactly under every value. no_buffer (SGLang: Mamba state kept at request ends) "
+                  "is how conversation turns work here; extra_buffer (SGLang: state also kept at chunk boundaries, for "
+                  "prefix reuse) corresponds to --enable-prefix-caching, on by default")
+
+
+@dataclass
+class PredecessorArgs:
+    """Flags of the SGLang-based predecessor's commands that are accepted here, and what each maps to
+    (`apply_predecessor_args`); its flags with no counterpart are refused (`REFUSED_FLAGS`)."""
+
+    mamba_scheduler_strategy: str = field(
+        default="auto",
+        metadata={"help": "the predecessor's (SGLang's) placement of Mamba state for its radix cache: " + _STRATEGY_HERE,
+                  "choices": ["auto", "no_buffer", "extra_buffer"]},
+    )
+    mamba_radix_cache_strategy: str = field(
+        default="auto",
+        metadata={"help": "SGLang's newer name of --mamba-scheduler-strategy (extra_buffer_lazy: extra_buffer): " + _STRATEGY_HERE,
+                  "choices": ["auto", "no_buffer", "extra_buffer", "extra_buffer_lazy"]},
+    )
+    disable_radix_cache: bool = field(default=False, metadata={"help": "SGLang's flag: the same as --no-enable-prefix-caching"})
+    trust_remote_code: bool = field(
+        default=False, metadata={"help": "accepted for SGLang's commands; Engram never runs code from a checkpoint, so there is nothing to trust"}
+    )
+
+
+def apply_predecessor_args(ns: argparse.Namespace) -> None:
+    """Translate the accepted predecessor flags into this engine's fields, in place."""
+    if ns.disable_radix_cache:
+        ns.enable_prefix_caching = False
+
+
+# The predecessor's flags with no counterpart here, and what to use instead.
+REFUSED_FLAGS: dict[str, str] = {
+    "snapshot_min_interval_seconds": "snapshots follow turns here, not time: use --snapshot-trigger-policy every_n_turns "
+                                     "with --snapshot-every-n-turns N",
+    "snapshot_keep_named_branches": "pruning never removes a branch here: --snapshot-retention-count counts the snapshots "
+                                    "of each branch on its own",
+    "snapshot_auto_restore": "snapshots are found on first use after a restart; to load some at startup use "
+                             "--snapshot-preload N (the N most recently used conversations)",
+    "enable_tier_background_cleanup": "tier moves always run in the background here (every second), by "
+                                      "--conversation-active-timeout, --conversation-warm-timeout and --conversation-cold-retention",
+    "tier_cleanup_interval": "tier moves are checked every second here; set when they happen with "
+                             "--conversation-active-timeout, --conversation-warm-timeout and --conversation-cold-retention",
+    "enable_agent_tools": "there is no built-in agent tool framework: tool calls are the client's",
+    "agent_tool_timeout": "there is no built-in agent tool framework: tool calls are the client's",
+    "agent_max_iterations": "there is no built-in agent tool framework: tool calls are the client's",
+    "agent_max_tool_calls_per_iteration": "there is no built-in agent tool framework: tool calls are the client's",
+}
+
+
+class _Refused(argparse.Action):
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: typing.Any):
+        super().__init__(option_strings, dest, nargs="?", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: typing.Any,
+                 option_string: str | None = None) -> None:
+        parser.error(f"{option_string} (a flag of the SGLang-based predecessor) is not supported: {REFUSED_FLAGS[self.dest]}")
+
+
+def add_predecessor_args(parser: argparse.ArgumentParser) -> None:
+    add_dataclass_args(parser, PredecessorArgs)
+    for name in REFUSED_FLAGS:
+        parser.add_argument(_flag(name), "--no-" + _flag(name)[2:], dest=name, action=_Refused)

@@ -15,8 +15,9 @@ from typing import Any
 import httpx
 
 
-class EngramError(Exception):
-    """An error answer from the server; `status` is the HTTP status code."""
+class EngramError(RuntimeError):
+    """An error answer from the server; `status` is the HTTP status code. A `RuntimeError`, as
+    the predecessor's `SnapshotManager` raised for every failure."""
 
     def __init__(self, status: int, message: str):
         super().__init__(f"{status}: {message}")
@@ -109,7 +110,9 @@ class EngramClient:
 
 
 class SnapshotManager:
-    """The snapshot routes, with the request bodies of the SGLang-based predecessor."""
+    """The snapshot routes, with the method and argument names of the SGLang-based predecessor's
+    `SnapshotManager` (`endpoint`: an `EngramClient`, `Runtime.endpoint`, or the server's URL).
+    Unlike it, `get_info` and `delete` take the branch's latest turn when no turn is named."""
 
     def __init__(self, endpoint: str | EngramClient, api_key: str | None = None):
         self.client = endpoint if isinstance(endpoint, EngramClient) else EngramClient(endpoint, api_key)
@@ -128,16 +131,23 @@ class SnapshotManager:
 
     def restore(
         self,
-        conversation_id: str,
+        rid: str | None = None,
+        conversation_id: str | None = None,
         turn_number: int | None = None,
         branch_name: str | None = None,
+        *,
         create_new_request: bool = False,
         continuation_ids: list[int] | None = None,
         max_new_tokens: int | None = None,
         sampling_params: dict | None = None,
     ) -> dict:
+        """Restore-only (with `rid`: staged for the `/generate` request of that id), or with
+        `create_new_request` restore and generate from the snapshot's tokens + `continuation_ids`."""
+        if conversation_id is None:
+            raise TypeError("restore() needs a conversation_id")
         return self._post(
             "/restore_snapshot",
+            rid=rid,
             conversation_id=conversation_id,
             turn_number=turn_number,
             branch_name=branch_name,
@@ -147,8 +157,13 @@ class SnapshotManager:
             sampling_params=sampling_params,
         )
 
-    def delete(self, conversation_id: str, turn_number: int | None = None, branch_name: str | None = None) -> dict:
-        return self._post("/delete_snapshot", conversation_id=conversation_id, turn_number=turn_number, branch_name=branch_name)
+    def delete(self, conversation_id: str, turn_number: int | None = None, branch_name: str | None = None) -> bool:
+        """True if the snapshot was deleted, False if there was none (as the predecessor answered)."""
+        try:
+            return self._post("/delete_snapshot", conversation_id=conversation_id, turn_number=turn_number,
+                              branch_name=branch_name)["success"]
+        except SnapshotNotFoundError:
+            return False
 
 
 class Conversation:

@@ -8,7 +8,14 @@ import logging
 import sys
 from typing import TYPE_CHECKING
 
-from engram.args import EngineArgs, ServerArgs, add_dataclass_args, from_namespace
+from engram.args import (
+    EngineArgs,
+    ServerArgs,
+    add_dataclass_args,
+    add_predecessor_args,
+    apply_predecessor_args,
+    from_namespace,
+)
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -17,6 +24,7 @@ if TYPE_CHECKING:
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     add_dataclass_args(parser, EngineArgs)
     add_dataclass_args(parser, ServerArgs)
+    add_predecessor_args(parser)
 
 
 def build_app(engine_args: EngineArgs, server_args: ServerArgs) -> FastAPI:
@@ -51,6 +59,7 @@ def serve(engine_args: EngineArgs, server_args: ServerArgs) -> None:
 
 
 def run(ns: argparse.Namespace) -> None:
+    apply_predecessor_args(ns)
     serve(from_namespace(EngineArgs, ns), from_namespace(ServerArgs, ns))
 
 

@@ -60,7 +60,7 @@ def create_app(engine: AsyncEngine, args: ServerArgs) -> FastAPI:
             await asyncio.to_thread(engine.shutdown)
 
     app = FastAPI(title="Engram", lifespan=lifespan)
-    turns = ConversationTurns(manager, engine.engine.tokenizer)
+    turns = ConversationTurns(manager, engine.engine.tokenizer, cross_session_refs=args.enable_cross_session_refs)
     app.state.serving = Serving(engine, args.served_model_name or engine.engine.model_path.name, turns)
     app.state.server_args = args
     install_error_handlers(app)

@@ -118,6 +118,7 @@ class ConversationTurns:
     manager: ConversationManager
     tokenizer: Any
     by_request: OrderedDict[str, tuple[str, str, int]] = field(default_factory=OrderedDict)  # rid -> (conversation, branch, turn)
+    cross_session_refs: bool = True  # --enable-cross-session-refs
 
     async def begin(
         self,
@@ -127,15 +128,19 @@ class ConversationTurns:
         tenant: str | None = None,
         idempotency_key: str | None = None,
         expected_turn: int | None = None,
+        from_conversation: str | None = None,
     ) -> TurnPlan | Turn:
         """Reserve the conversation and plan the turn, off the event loop (it may read a snapshot
         file); or the turn that `idempotency_key` already made (`ConversationManager.begin`). If
         the request is cancelled meanwhile (its client left), the thread still finishes and the
         conversation it reserved is released then."""
         branch = branch if branch is not None else "main"
-        work = asyncio.ensure_future(
-            asyncio.to_thread(self.manager.begin, conversation_id, branch, from_turn, tenant, idempotency_key, expected_turn)
-        )
+        if from_conversation is not None and not self.cross_session_refs:
+            raise APIError(400, "from_conversation needs a server started with --enable-cross-session-refs",
+                           param="from_conversation", code="cross_session_refs_disabled")
+        work = asyncio.ensure_future(asyncio.to_thread(
+            self.manager.begin, conversation_id, branch, from_turn, tenant, idempotency_key, expected_turn, from_conversation
+        ))
         try:
             return await asyncio.shield(work)
         except asyncio.CancelledError:

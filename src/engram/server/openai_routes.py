@@ -127,7 +127,7 @@ async def _conversation_turn(
     s.check_prompt_chars(message_chars(messages), "messages")
     timer = s.metrics.timer(request.conversation_id)  # from arrival: the turn's planning and its prompt count
     plan = await turns.begin(request.conversation_id, request.branch, request.from_turn, caller.restricted_to, idempotency_key,
-                             request.expected_turn)
+                             request.expected_turn, request.from_conversation)
     if isinstance(plan, Turn):
         where = ConversationFields(conversation_id=request.conversation_id, branch=plan.branch, turn=plan.turn, epoch=s.epoch)
         return where, _one(turns.replay(request.conversation_id, plan, messages))

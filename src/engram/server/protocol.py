@@ -231,12 +231,13 @@ class ChatCompletionRequest(_OpenAIRequest, _ChatTemplateOptions):
     conversation_id: str | None = None
     branch: str | None = None
     from_turn: int | None = Field(default=None, ge=1)
+    from_conversation: str | None = None  # start a new conversation from turn from_turn of this one (--enable-cross-session-refs)
     turn_id: str | None = Field(default=None, pattern=IDEMPOTENCY_KEY_PATTERN)  # the Idempotency-Key header's body form
     expected_turn: int | None = Field(default=None, ge=0)  # the branch's latest turn as the client knows it (0: none)
 
     @model_validator(mode="after")
     def _conversation_fields_need_an_id(self) -> ChatCompletionRequest:
-        given = [name for name in ("branch", "from_turn", "turn_id", "expected_turn") if getattr(self, name) is not None]
+        given = [name for name in ("branch", "from_turn", "from_conversation", "turn_id", "expected_turn") if getattr(self, name) is not None]
         if self.conversation_id is None and given:
             raise ValueError(f"{', '.join(given)} need a conversation_id")
         if self.conversation_id is None and 0 in (self.max_tokens, self.max_completion_tokens):

@@ -53,7 +53,8 @@ def _visible(manager: ConversationManager, conversation_id: str, tenant: str | N
     return conv is not None and conv.visible_to(tenant)
 
 
-def _snapshot_entry(manifest: dict, tokens: list[int], quarantine: dict | None) -> dict[str, Any]:
+def _snapshot_entry(manifest: dict, tokens: list[int], quarantine: dict | None, model_name: str) -> dict[str, Any]:
+    """`timestamp` and `model_name` are the predecessor's names (its clients read them)."""
     return {
         "quarantined": quarantine is not None,
         "quarantine_reason": quarantine["reason"] if quarantine else None,
@@ -64,15 +65,18 @@ def _snapshot_entry(manifest: dict, tokens: list[int], quarantine: dict | None) 
         "state_len": manifest["state_len"],
         "token_count": manifest.get("token_count"),
         "created_at": manifest.get("created_at"),
+        "timestamp": manifest.get("created_at"),
+        "model_name": model_name,
         "manifest": {**manifest, "path": snapshot_label(manifest["path"])},  # below the snapshot folder: no server path
         "fill_ids": tokens,
     }
 
 
-def _entry(manager: ConversationManager, manifest: dict) -> dict[str, Any]:
+def _entry(s: Serving, manifest: dict) -> dict[str, Any]:
+    manager = s.conversations.manager
     ref = f"{manifest['branch']}/{manifest['turn']:06d}"
     held = [q for q in manager.quarantine.list(manifest["conversation_id"]) if q["ref"] == ref]
-    return _snapshot_entry(manifest, manager.snapshot_tokens(manifest), held[0] if held else None)
+    return _snapshot_entry(manifest, manager.snapshot_tokens(manifest), held[0] if held else None, s.model_name)
 
 
 @admin_router.post("/save_snapshot")
@@ -95,14 +99,15 @@ async def save_snapshot(body: SaveSnapshotRequest, raw_request: Request) -> dict
 
 @admin_router.post("/list_snapshots")
 async def list_snapshots(body: ListSnapshotsRequest, raw_request: Request) -> dict[str, Any]:
-    manager = get_serving(raw_request).conversations.manager
+    s = get_serving(raw_request)
+    manager = s.conversations.manager
     tenant = caller_of(raw_request).restricted_to
     if body.conversation_id is not None:
         manager.require(body.conversation_id, tenant)
     entries = await asyncio.to_thread(manager.snapshots, body.conversation_id)
     if tenant is not None and body.conversation_id is None:
         entries = [m for m in entries if _visible(manager, m["conversation_id"], tenant)]
-    return {"success": True, "snapshots": [_entry(manager, m) for m in entries]}
+    return {"success": True, "snapshots": [_entry(s, m) for m in entries]}
 
 
 @admin_router.post("/get_snapshot_info")
@@ -111,7 +116,7 @@ async def get_snapshot_info(body: SnapshotSelector, raw_request: Request) -> dic
     _, turn = _turn_of(s, body, raw_request)
     manager = s.conversations.manager
     manifest = await asyncio.to_thread(manager.snapshot_manifest, body.conversation_id, turn)
-    return {"success": True, **_entry(manager, manifest)}
+    return {"success": True, **_entry(s, manifest)}
 
 
 @admin_router.post("/delete_snapshot")
@@ -149,7 +154,8 @@ async def restore_snapshot(body: RestoreSnapshotRequest, raw_request: Request):
     if body.stream:
         return sse_response(native_routes.generate_events(rid, False, start, outputs))
     out, _ = await collect(outputs)
-    return {"success": True, **native_routes.generate_response(rid, out, None, start).model_dump()}
+    response = native_routes.generate_response(rid, out, None, start).model_dump()
+    return {"success": True, "output_text": response["text"], **response}  # output_text: the predecessor's name
 
 
 MAX_LISTED_CONVERSATIONS = 100

@@ -227,6 +227,7 @@ class TurnPlan:
     load_seconds: float = 0.0  # time spent reading and verifying a snapshot file
     idempotency_key: str | None = None  # the request's, recorded with the turn
     history_ends_with_reply: bool = False  # the base turn's messages end with the model's reply
+    forked_from: str | None = None  # "<conversation>@<ref>": the first turn of a conversation that starts from another's turn
 
     @property
     def ref(self) -> str:
@@ -397,12 +398,16 @@ class ConversationManager:
         tenant: str | None = None,
         idempotency_key: str | None = None,
         expected_turn: int | None = None,
+        from_conversation: str | None = None,
     ) -> TurnPlan | Turn:
         """Reserve the conversation for one new turn (409 if already busy) and say what it starts
         from. A cold load happens outside the manager's lock: other conversations go on meanwhile.
         A new conversation belongs to `tenant`; another tenant's is not found. Returns the turn that
         `idempotency_key` already made, if any (nothing reserved); refuses a new turn unless the
-        branch's latest is `expected_turn` (0: none yet), when given."""
+        branch's latest is `expected_turn` (0: none yet), when given. With `from_conversation`, a
+        new conversation starts from turn `from_turn` (default: the latest) of that one's main
+        branch, which `tenant` must be able to see; its first turn records the whole history, so
+        it does not depend on the source afterwards."""
         validate_id(conversation_id, "conversation_id")
         validate_id(branch, "branch")
         with self._lock:
@@ -423,17 +428,20 @@ class ConversationManager:
                 raise TurnMismatchError(f"expected_turn is {expected_turn} but the latest turn of branch {branch!r} is {current}", current)
             if from_turn is None and branch != "main" and conv.turns and latest is None:
                 raise ConversationNotFoundError(f"branch {branch!r} does not exist; pass from_turn to fork it")
-            base = self.find_turn(conv, branch, from_turn)
-            if base is not None and base.branch == branch:
+            source = conv if from_conversation is None else self._fork_source(conv, from_conversation, tenant)
+            base = self.find_turn(source, branch if source is conv else "main", from_turn)
+            if source is not conv and base is None:
+                raise ConversationNotFoundError(f"conversation {from_conversation!r} has no turns to start from")
+            if base is not None and base.branch == branch and source is conv:
                 self._check_regenerable(conv, base)
             self._conversations.setdefault(conversation_id, conv)
             self._busy[conversation_id] = idempotency_key
             self.last_used[conversation_id] = self.clock()
-            adoptable = base is not None and not self.health.refuses(self.quarantine, conversation_id, base.ref)
+            adoptable = base is not None and source is conv and not self.health.refuses(self.quarantine, conversation_id, base.ref)
             active_since = self.active.pop((conversation_id, base.ref), None) if adoptable else None
         try:
             started = time.perf_counter()
-            state, tier = self._nearest_state(conv, base)
+            state, tier = self._nearest_state(source, base)
             load_seconds = time.perf_counter() - started if tier == "cold" else 0.0
         except BaseException:
             with self._lock:
@@ -449,20 +457,28 @@ class ConversationManager:
                 self.stats.misses += 1
             elif base is not None:
                 self._count("hits", tier)
+        forked = source is not conv
         return TurnPlan(
             conversation_id=conversation_id,
             branch=branch,
-            turn=(base.turn if base else 0) + 1,
-            parent=base.ref if base else None,
-            history_tokens=conv.tokens(base),
-            history_messages=conv.messages(base),
+            turn=1 if forked or base is None else base.turn + 1,
+            parent=base.ref if base and not forked else None,
+            history_tokens=source.tokens(base),
+            history_messages=source.messages(base),
             state=state,
             state_tier=tier,
             resume_key=resume_key,
             load_seconds=load_seconds,
             idempotency_key=idempotency_key,
             history_ends_with_reply=base is not None and base.reply,
+            forked_from=f"{from_conversation}@{base.ref}" if forked and base else None,
         )
+
+    def _fork_source(self, conv: Conversation, from_conversation: str, tenant: str | None) -> Conversation:
+        if conv.turns:
+            raise ConversationConflictError(f"conversation {conv.conversation_id!r} already has turns: from_conversation "
+                                            "starts a new one")
+        return self.require(validate_id(from_conversation, "from_conversation"), tenant)
 
     def _check_regenerable(self, conv: Conversation, base: Turn) -> None:
         later = {t.ref for t in conv.turns.values() if t.branch == base.branch and t.turn > base.turn}
@@ -517,8 +533,8 @@ class ConversationManager:
                     branch=plan.branch,
                     turn=plan.turn,
                     parent=plan.parent,
-                    new_tokens=prompt_tokens[len(plan.history_tokens) :] + output_tokens,
-                    new_messages=new_messages,
+                    new_tokens=prompt_tokens[0 if plan.forked_from else len(plan.history_tokens) :] + output_tokens,
+                    new_messages=plan.history_messages + new_messages if plan.forked_from else new_messages,
                     state_len=state.state_len if state else 0,
                     tool_calls=tool_calls,
                     answer=answer,
