@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -69,7 +69,7 @@ def kernel_compilations() -> int:
 @dataclass
 class WarmupStage:
     name: str
-    run: Callable[[], None]
+    run: Callable[[], object]
 
 
 @dataclass
@@ -189,10 +189,10 @@ def _prompt(engine: LLMEngine, n: int) -> list[int]:
     return [(7 * i + 1) % engine.spec.vocab_size for i in range(n)]
 
 
-def _run(engine: LLMEngine, requests: list[tuple[list[int], SamplingParams]], **kwargs: object) -> list[RequestOutput]:
+def _run(engine: LLMEngine, requests: list[tuple[list[int], SamplingParams]], **kwargs: Any) -> list[RequestOutput]:
     """Run internal requests together until all have finished; their final outputs."""
     for i, (prompt, params) in enumerate(requests):
-        engine.add_request(f"warmup-{i}", prompt, params, internal=True, **kwargs)  # type: ignore[arg-type]
+        engine.add_request(f"warmup-{i}", prompt, params, internal=True, **kwargs)
     finals = []
     while engine.has_unfinished_requests():
         finals += [out for out in engine.step() if out.finished]
