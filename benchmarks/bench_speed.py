@@ -199,7 +199,7 @@ def engine_decode(eng, batch: int, prompt_len: int, steps: int, vocab: int) -> d
            "graph_replays": eng.runner.num_graph_replays - replays0, "preemptions": eng.scheduler.num_preemptions - preempted0}
     # GPU time of one step alone: replay the captured graph (its buffers still hold the last step)
     graphs = getattr(eng.runner, "_graphs", {})
-    bucket = eng.runner._bucket(batch) if hasattr(eng.runner, "_bucket") else None
+    bucket = eng.runner.decode_bucket(batch) if hasattr(eng.runner, "decode_bucket") else None
     if bucket in graphs:
         res["gpu_step_ms"] = replay_seconds(graphs[bucket][0], 20) * 1e3
         res["gpu_tok_s"] = batch / (res["gpu_step_ms"] / 1e3)
@@ -286,7 +286,7 @@ def engine_profile(eng, vocab: int, batches: list[int], prompt_len: int) -> None
     print(kernels_table(prof), flush=True)
     pstats.Stats(pr).sort_stats("cumulative").print_stats(30)
     for b in batches:
-        bucket = eng.runner._bucket(b)
+        bucket = eng.runner.decode_bucket(b)
         if bucket not in eng.runner._graphs:
             continue
         batch = eng.runner._graph_batch(bucket)
@@ -301,7 +301,7 @@ def engine_profile(eng, vocab: int, batches: list[int], prompt_len: int) -> None
         log(f"PROFILE graph replay, batch {bucket}: each kernel's share of the step")
         print(replay_critical_path(eng.runner._graphs[bucket][0]), flush=True)
     for b in batches:
-        if eng.runner._bucket(b) not in eng.runner._graphs:
+        if eng.runner.decode_bucket(b) not in eng.runner._graphs:
             continue
         log(f"PROFILE engine decode steps, batch {b}: the GPU's timeline around the graph replays")
         print(engine_step_timeline(eng, b, vocab, prompt_len), flush=True)
@@ -356,7 +356,7 @@ def engine_step_timeline(eng, batch: int, vocab: int, prompt_len: int, steps: in
     run_all(eng)
     events = _device_events(prof)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        eng.runner._graphs[eng.runner._bucket(batch)][0].replay()
+        eng.runner._graphs[eng.runner.decode_bucket(batch)][0].replay()
         sync()
     in_graph = Counter(name for _, _, name in _device_events(prof))
     busy, end = 0.0, events[0][0] if events else 0.0

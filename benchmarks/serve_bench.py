@@ -97,6 +97,18 @@ def metric(server: ServerProcess, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
 
 
+def cpu_seconds(server: ServerProcess) -> tuple[float, float]:
+    """User + system CPU time so far (Linux /proc) of the server process, and of its main thread
+    alone: the event loop (HTTP, SSE, the routes), which the engine thread shares the GIL with."""
+
+    def cpu(stat: Path) -> float:
+        fields = stat.read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    proc = Path(f"/proc/{server.pid}")
+    return cpu(proc / "stat"), cpu(proc / "task" / str(server.pid) / "stat")
+
+
 # ---- statistics ----------------------------------------------------------------------------------
 
 
@@ -117,25 +129,31 @@ class Timing:
     e2e: list[float] = field(default_factory=list)
     tokens: int = 0
 
-    def add(self, start: float, token_times: list[float]) -> None:
+    def add(self, start: float, token_times: list[float], tokens: int | None = None) -> None:
+        """`token_times`: when each chunk with text came; `tokens`: the tokens generated, when some
+        came without text (a random model may repeat a lone byte of a UTF-8 sequence)."""
         self.ttft.append(token_times[0] - start)
         self.itl += [b - a for a, b in itertools.pairwise(token_times)]
         self.e2e.append(token_times[-1] - start)
-        self.tokens += len(token_times)
+        self.tokens += len(token_times) if tokens is None else tokens
 
 
 # ---- HTTP workloads ------------------------------------------------------------------------------
 
 
 async def stream_completion(client, prompt: list[int], max_tokens: int, timing: Timing) -> None:
+    """One streamed request; tokens counted by the usage chunk, times by the chunks (the finishing
+    one stands for a reply without text)."""
     start = time.perf_counter()
-    times = []
+    times, tokens = [], 0
     stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
-                                             extra_body={"ignore_eos": True})
+                                             stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
     async for chunk in stream:
-        if chunk.choices and chunk.choices[0].text:
+        if chunk.choices and (chunk.choices[0].text or (not times and chunk.choices[0].finish_reason)):
             times.append(time.perf_counter())
-    timing.add(start, times)
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    timing.add(start, times, tokens)
 
 
 async def http_fixed(client, concurrency: int, requests: int, prompt_len: int, output_len: int, vocab: int) -> dict:
@@ -182,6 +200,8 @@ async def chat_turn(client, messages: list[dict], reply_len: int, conversation_i
         if chunk.choices and chunk.choices[0].delta.content:
             times.append(time.perf_counter())
             text.append(chunk.choices[0].delta.content)
+        elif chunk.choices and chunk.choices[0].finish_reason and not times:  # a reply without text
+            times.append(time.perf_counter())
     timing.add(start, times)
     return "".join(text)
 
@@ -223,19 +243,11 @@ def snapshot_writes(server: ServerProcess) -> dict:
     return {**stats["snapshot_write_seconds"], "bytes": (stats["store"] or {}).get("bytes_written", 0)}
 
 
-async def run_http(a, server: ServerProcess, vocab: int) -> dict:
+async def http_chat_workloads(a, server: ServerProcess, client, out: dict):
+    """The chats by conversation_id, resending the history, then one turn each after a restart.
+    Closes `client`; returns the client of the restarted server."""
     from openai import AsyncOpenAI
 
-    out: dict = {"ready_s": server.start(READY_TIMEOUT_S)}
-    log(f"server ready in {out['ready_s']:.1f} s")
-    client = AsyncOpenAI(base_url=server.url + "/v1", api_key="none", timeout=3600, max_retries=0)
-    for c in a.concurrency:
-        out[f"fixed_c{c}"] = r = await http_fixed(client, c, max(c * a.rounds, c), a.prompt_len, a.output_len, vocab)
-        log(f"http fixed c={c}: {r['output_tok_s']:,.0f} tok/s, TTFT p50 {r['ttft_p50'] * 1e3:.1f} ms")
-    lengths = mixed_lengths(a.rate_requests, a.prompt_len, a.output_len, 0)
-    for rate in a.rates:
-        out[f"rate_{rate:g}"] = r = await http_rate(client, rate, lengths, vocab)
-        log(f"http rate {rate:g}/s: {r['output_tok_s']:,.0f} tok/s, TTFT p50 {r['ttft_p50'] * 1e3:.1f} ms")
     writes_before = snapshot_writes(server)
     first, later, later_bytes = await http_chats(client, a, "u", resend=False, server=server)
     writes = snapshot_writes(server)
@@ -254,6 +266,34 @@ async def run_http(a, server: ServerProcess, vocab: int) -> dict:
     client = AsyncOpenAI(base_url=server.url + "/v1", api_key="none", timeout=3600, max_retries=0)
     out["chat_after_restart"] = chat_row(await http_after_restart(client, a, "u"))
     out["compilations_after_ready"] += metric(server, "engram:compilations_after_ready_total")
+    return client
+
+
+async def run_http(a, server: ServerProcess, vocab: int) -> dict:
+    from openai import AsyncOpenAI
+
+    out: dict = {"ready_s": server.start(READY_TIMEOUT_S)}
+    log(f"server ready in {out['ready_s']:.1f} s")
+    client = AsyncOpenAI(base_url=server.url + "/v1", api_key="none", timeout=3600, max_retries=0)
+    for c in a.concurrency:
+        (server_cpu, loop_cpu), client_cpu = cpu_seconds(server), time.process_time()
+        out[f"fixed_c{c}"] = r = await http_fixed(client, c, max(c * a.rounds, c), a.prompt_len, a.output_len, vocab)
+        server_after, loop_after = cpu_seconds(server)
+        per_token = 1e3 / r["output_tokens"]
+        r["server_cpu_ms_per_token"] = (server_after - server_cpu) * per_token
+        r["server_loop_cpu_ms_per_token"] = (loop_after - loop_cpu) * per_token
+        r["client_cpu_ms_per_token"] = (time.process_time() - client_cpu) * per_token
+        log(f"http fixed c={c}: {r['output_tok_s']:,.0f} tok/s, TTFT p50 {r['ttft_p50'] * 1e3:.1f} ms, CPU per token: "
+            f"server {r['server_cpu_ms_per_token']:.3f} ms (event loop {r['server_loop_cpu_ms_per_token']:.3f}), "
+            f"client {r['client_cpu_ms_per_token']:.3f} ms")
+    lengths = mixed_lengths(a.rate_requests, a.prompt_len, a.output_len, 0)
+    for rate in a.rates:
+        out[f"rate_{rate:g}"] = r = await http_rate(client, rate, lengths, vocab)
+        log(f"http rate {rate:g}/s: {r['output_tok_s']:,.0f} tok/s, TTFT p50 {r['ttft_p50'] * 1e3:.1f} ms")
+    out["compilations_after_ready"] = metric(server, "engram:compilations_after_ready_total")
+    out["preemptions"] = metric(server, "engram:num_preemptions_total")
+    if a.users:
+        client = await http_chat_workloads(a, server, client, out)
     await client.close()
     server.stop()
     return out
@@ -319,10 +359,13 @@ def run_engine(a, engine_args: EngineArgs, vocab: int) -> dict:
     out = {}
     for c in a.concurrency:
         jobs = [(rand_tokens(a.prompt_len, vocab, 10_000 + i), a.output_len) for i in range(max(c * a.rounds, c))]
+        cpu = time.process_time()
         out[f"fixed_c{c}"] = r = engine_closed_loop(eng, jobs, c)
-        log(f"engine fixed c={c}: {r['output_tok_s']:,.0f} tok/s")
-    first, later = engine_chats(eng, a)
-    out["chat_first"], out["chat_resumed"] = chat_row(first), chat_row(later)
+        r["cpu_ms_per_token"] = (time.process_time() - cpu) * 1e3 / r["output_tokens"]
+        log(f"engine fixed c={c}: {r['output_tok_s']:,.0f} tok/s, CPU per token {r['cpu_ms_per_token']:.3f} ms")
+    if a.users:
+        first, later = engine_chats(eng, a)
+        out["chat_first"], out["chat_resumed"] = chat_row(first), chat_row(later)
     return out
 
 
@@ -341,23 +384,30 @@ def print_tables(res: dict) -> None:
     H, E = res["http"], res.get("engine", {})
     print(f"\nmachine: {res['machine']}; commit {res['commit']}; config {res['config']}")
     print(f"command: {res['command']}\n")
-    print("| workload | HTTP tok/s | engine tok/s | HTTP / engine | TTFT p50 / p99 ms (HTTP) | TTFT p50 ms (engine) | ITL p50 / p99 ms (HTTP) | E2E p50 / p99 ms (HTTP) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| workload | HTTP tok/s | engine tok/s | HTTP / engine | TTFT p50 / p99 ms (HTTP) | TTFT p50 ms (engine) | ITL p50 / p99 ms (HTTP) | "
+          "E2E p50 / p99 ms (HTTP) | CPU ms/token: server (its event loop) / client / engine |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for key in [k for k in H if k.startswith(("fixed_", "rate_"))]:
         h, e = H[key], E.get(key, {})
+        def f(x: float | None) -> str:
+            return f"{x:.3f}" if x is not None else "-"
+
+        cpu = (f"{f(h.get('server_cpu_ms_per_token'))} ({f(h.get('server_loop_cpu_ms_per_token'))}) / {f(h.get('client_cpu_ms_per_token'))}"
+               f" / {f(e.get('cpu_ms_per_token'))}")
         print(f"| {key} | {h['output_tok_s']:,.0f} | {e.get('output_tok_s', 0):,.0f} | {ratio(h['output_tok_s'], e.get('output_tok_s'))} | "
               f"{ms(h['ttft_p50'])} / {ms(h['ttft_p99'])} | {ms(e.get('ttft_p50'))} | {ms(h['itl_p50'])} / {ms(h['itl_p99'])} | "
-              f"{ms(h['e2e_p50'])} / {ms(h['e2e_p99'])} |")
-    print("\n| chat turn | TTFT p50 / p99 ms (HTTP) | TTFT p50 ms (engine) | HTTP / engine | E2E p50 / p99 ms (HTTP) |")
-    print("| --- | --- | --- | --- | --- |")
-    for key in ("chat_first", "chat_resumed", "chat_resend_history", "chat_after_restart"):
-        h, e = H[key], E.get(key if key != "chat_resend_history" else "chat_first", {})  # resend = a whole-history prefill
-        print(f"| {key[5:]} | {ms(h['ttft_p50'])} / {ms(h['ttft_p99'])} | {ms(e.get('ttft_p50'))} | {ratio(h['ttft_p50'], e.get('ttft_p50'))} | "
-              f"{ms(h['e2e_p50'])} / {ms(h['e2e_p99'])} |")
-    print(f"\nserver snapshot write per turn: {ms(H['snapshot_write_s_per_turn'])} ms (first and later turns; sync durability: inside "
-          f"the turn's E2E); bytes a resumed turn writes: {(H['snapshot_bytes_per_resumed_turn'] or 0) / 1e6:.1f} MB; "
-          f"ready after {H['ready_s']:.1f} s, {H['restart_ready_s']:.1f} s after the restart; "
-          f"compilations after ready: {H['compilations_after_ready']:g}; preemptions: {H['preemptions']:g}")
+              f"{ms(h['e2e_p50'])} / {ms(h['e2e_p99'])} | {cpu} |")
+    if "chat_first" in H:
+        print("\n| chat turn | TTFT p50 / p99 ms (HTTP) | TTFT p50 ms (engine) | HTTP / engine | E2E p50 / p99 ms (HTTP) |")
+        print("| --- | --- | --- | --- | --- |")
+        for key in ("chat_first", "chat_resumed", "chat_resend_history", "chat_after_restart"):
+            h, e = H[key], E.get(key if key != "chat_resend_history" else "chat_first", {})  # resend = a whole-history prefill
+            print(f"| {key[5:]} | {ms(h['ttft_p50'])} / {ms(h['ttft_p99'])} | {ms(e.get('ttft_p50'))} | {ratio(h['ttft_p50'], e.get('ttft_p50'))} | "
+                  f"{ms(h['e2e_p50'])} / {ms(h['e2e_p99'])} |")
+        print(f"\nserver snapshot write per turn: {ms(H['snapshot_write_s_per_turn'])} ms (first and later turns; sync durability: "
+              f"inside the turn's E2E); bytes a resumed turn writes: {(H['snapshot_bytes_per_resumed_turn'] or 0) / 1e6:.1f} MB; "
+              f"{H['restart_ready_s']:.1f} s to ready after the restart")
+    print(f"ready after {H['ready_s']:.1f} s; compilations after ready: {H['compilations_after_ready']:g}; preemptions: {H['preemptions']:g}")
 
 
 def machine() -> dict:
@@ -390,17 +440,21 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",") if x], default=[4.0, 16.0, 64.0], help="requests/s of the sweep")
     ap.add_argument("--rate-requests", type=int, default=256)
-    ap.add_argument("--users", type=int, default=8)
+    ap.add_argument("--users", type=int, default=8, help="chat users (0: no chat workloads and no restart)")
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--history", type=int, default=32768, help="tokens of each chat's first message")
     ap.add_argument("--turn-len", type=int, default=64)
     ap.add_argument("--reply-len", type=int, default=64)
     ap.add_argument("--max-running-requests", type=int, default=None, help="default: the largest concurrency")
+    ap.add_argument("--cpu-threads", type=int, default=1,
+                    help="torch threads on the CPU, server and in-process alike (OpenMP threads that outnumber free cores spin)")
     ap.add_argument("--server-args", default="", help="more `engram serve` flags, one string")
     ap.add_argument("--workdir", default=None, help="checkpoints and snapshots (default: $ENGRAM_CACHE_DIR/serve_bench)")
     ap.add_argument("--out", default=None, help="JSON file name under benchmarks/results/ (or a path)")
     a = ap.parse_args()
     device = "cuda" if a.device == "auto" and torch.cuda.is_available() else ("cpu" if a.device == "auto" else a.device)
+    if device == "cpu":
+        torch.set_num_threads(a.cpu_threads)
     config_path = find_config(a.config)
     config = json.loads(config_path.read_text()) | (TINY if a.tiny else {})
     work = Path(a.workdir or Path(os.environ.get("ENGRAM_CACHE_DIR", Path.home() / ".cache" / "engram")) / "serve_bench")
@@ -415,7 +469,8 @@ def main() -> int:
                    "--snapshot-dir", str(snapshots), *a.server_args.split()]
     res = {"machine": machine(), "commit": commit(), "command": " ".join(sys.argv), "config": config_path.name, "tiny": a.tiny,
            "args": vars(a), "server_args": server_args}
-    server = ServerProcess(["--served-model-name", MODEL, *server_args], work / "server.log")
+    server = ServerProcess(["--served-model-name", MODEL, *server_args], work / "server.log",
+                           env={"OMP_NUM_THREADS": str(torch.get_num_threads())})  # as many torch threads as the in-process engine
     try:
         res["http"] = asyncio.run(run_http(a, server, config["vocab_size"]))
     finally:

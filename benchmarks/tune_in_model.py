@@ -76,7 +76,7 @@ def routing_report(eng, batch: int) -> None:
     dispatch.use_kernels(replace(kernels, moe_experts=spy, softmax_topk_experts=spy_softmax_topk))
     try:
         with torch.inference_mode():
-            eng.runner.model(eng.runner._graph_batch(eng.runner._bucket(batch)))
+            eng.runner.model(eng.runner._graph_batch(eng.runner.decode_bucket(batch)))
     finally:
         dispatch.use_kernels(kernels)
     if not counts:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -141,3 +142,48 @@ def test_an_engine_that_keeps_failing_is_declared_dead(engine):
     with pytest.raises(EngineDeadError, match="broken for good"):
         asyncio.run(drain(engine, "after", 2))
     assert not engine.is_alive
+
+
+def test_a_consumer_that_falls_behind_gets_the_outputs_merged(engine):
+    """Outputs that queued up while the consumer was busy come as one, whose deltas are theirs."""
+    async def slow():
+        outputs = engine.generate("slow", PROMPT, greedy(48))
+        outs = [await anext(outputs)]
+        await asyncio.sleep(0.5)  # the engine goes on meanwhile
+        return outs + [out async for out in outputs]
+
+    fast = asyncio.run(drain(engine, "fast", 48))[-1]
+    outs = asyncio.run(slow())
+    assert len(outs[1].new_token_ids) > 1  # the queued outputs, in one
+    assert [t for o in outs for t in o.new_token_ids] == outs[-1].token_ids == fast.token_ids
+    assert "".join(o.new_text for o in outs) == outs[-1].text == fast.text
+    assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+
+
+def test_a_step_wakes_each_event_loop_once(engine):
+    """A step's outputs for several requests reach their event loop in one call (each call writes
+    the loop's wake-up pipe), not one call per request."""
+    counts = {"calls": 0, "steps": 0}
+    step = engine.engine.step
+
+    def counted_step():
+        counts["steps"] += 1
+        return step()
+
+    engine.engine.step = counted_step
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        original = loop.call_soon_threadsafe
+
+        def counted(*args, **kwargs):
+            if threading.current_thread().name == "engram-engine":
+                counts["calls"] += 1
+            return original(*args, **kwargs)
+
+        loop.call_soon_threadsafe = counted  # type: ignore[method-assign]
+        return await asyncio.gather(*(drain(engine, f"w{i}", 24) for i in range(2)))
+
+    results = asyncio.run(run())
+    assert all(outs[-1].finished and len(outs[-1].token_ids) == 24 for outs in results)
+    assert counts["calls"] <= counts["steps"] + 2  # one a step (and one for each request's add command)

@@ -101,7 +101,7 @@ def test_the_warm_up_is_not_traffic(checkpoint_dir, monkeypatch):
     assert not engine.has_unfinished_requests()
 
 
-@pytest.mark.parametrize("chunk, limit, expected_max", [(2048, 10_000, 3072), (2048, 1000, 513), (64, 10_000, 96)])
+@pytest.mark.parametrize("chunk, limit, expected_max", [(2048, 10_000, 3072), (2048, 1000, 528), (64, 10_000, 96)])
 def test_prefill_lengths_cover_the_specializations(chunk, limit, expected_max):
     lengths = warmup.prefill_lengths(chunk, limit)
     assert max(lengths) == expected_max and all(0 < n < limit for n in lengths)

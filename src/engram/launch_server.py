@@ -45,6 +45,7 @@ def serve(engine_args: EngineArgs, server_args: ServerArgs) -> None:
     """Exits with status 2 and one line, not a traceback, when the snapshot folder's state stops the start."""
     import uvicorn
 
+    from engram.server.background import UVICORN_LOOP
     from engram.server.startup import banner
     from engram.state.health import QuarantineListError
 
@@ -55,7 +56,7 @@ def serve(engine_args: EngineArgs, server_args: ServerArgs) -> None:
         print(f"engram serve: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     logging.getLogger("engram.server").info(banner(app.state.serving, server_args, f"http://{server_args.host}:{server_args.port}"))
-    uvicorn.run(app, host=server_args.host, port=server_args.port, log_level=server_args.log_level)
+    uvicorn.run(app, host=server_args.host, port=server_args.port, log_level=server_args.log_level, loop=UVICORN_LOOP)
 
 
 def run(ns: argparse.Namespace) -> None:

@@ -2,7 +2,10 @@
 
 The engine is not thread-safe, so only the loop thread touches it. Every other call (add, abort,
 flush) is queued as a command that the thread runs between steps; results come back through
-futures, and outputs through a per-request `asyncio.Queue` fed with `call_soon_threadsafe`.
+futures. A step's outputs go to each event loop in one `call_soon_threadsafe` (not one per
+request: each call writes the loop's wake-up pipe, a system call that gives the GIL away), and a
+consumer that has fallen behind takes the outputs queued for it as one (`merge_outputs`), so a
+busy event loop sends fewer, larger chunks instead of falling further behind.
 """
 
 from __future__ import annotations
@@ -10,12 +13,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from engram.engine.request import RequestOutput, SamplingParams
+from engram.engine.request import RequestOutput, SamplingParams, merge_outputs
 
 if TYPE_CHECKING:
     from engram.engine.engine import EngineStats, LLMEngine
@@ -23,20 +26,56 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+Item = RequestOutput | BaseException
 
 
 class EngineDeadError(RuntimeError):
     """The loop thread has stopped: shut down, or the engine failed twice in a row."""
 
 
-@dataclass
 class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[RequestOutput | BaseException]
+    """One request's outputs, delivered on its consumer's event loop."""
 
-    def put(self, item: RequestOutput | BaseException) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._items: deque[Item] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+
+    def push(self, item: Item) -> None:
+        """On the consumer's loop."""
+        self._items.append(item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def next(self) -> Item:
+        """The next output (the outputs that arrived since the last call, merged into one), or the
+        error the engine sent instead."""
+        while not self._items:
+            self._waiter = self.loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        item = self._items.popleft()
+        while not isinstance(item, BaseException) and self._items and isinstance(following := self._items[0], RequestOutput):
+            self._items.popleft()
+            item = merge_outputs(item, following)
+        return item
+
+
+def _push_all(items: list[tuple[_Stream, Item]]) -> None:
+    for stream, item in items:
+        stream.push(item)
+
+
+def _send(items: Iterable[tuple[_Stream, Item]]) -> None:
+    """Deliver items from the loop thread: one call per event loop."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, Item]]] = {}
+    for stream, item in items:
+        by_loop.setdefault(stream.loop, []).append((stream, item))
+    for loop, batch in by_loop.items():
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            loop.call_soon_threadsafe(_push_all, batch)
         except RuntimeError:  # the consumer's loop is closed: nobody is listening
             pass
 
@@ -77,12 +116,12 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs until it finishes. Bad input raises ValueError on the
         first iteration; a consumer that stops early aborts the request."""
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = _Stream(asyncio.get_running_loop())
         finished = False
         try:
             await self._call(lambda: self._add(request_id, prompt_token_ids, params, stream, kwargs))
             while not finished:
-                item = await stream.queue.get()
+                item = await stream.next()
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
@@ -180,19 +219,24 @@ class AsyncEngine:
         self._close(self._error or EngineDeadError("engine shut down"))
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        items = []
         for out in outputs:
             stream = self._streams.pop(out.request_id, None) if out.finished else self._streams.get(out.request_id)
             if stream is not None:
-                stream.put(out)
+                items.append((stream, out))
+        if items:
+            _send(items)
 
     def _fail_running(self, error: Exception) -> None:
         """Report a failed step to every request in it and abort them, leaving the engine empty."""
+        failed: list[tuple[_Stream, Item]] = []
         for request_id in list(self._streams):
             try:
                 self.engine.abort_request(request_id)
             except Exception:
                 logger.exception("abort of %s after a failed step failed", request_id)
-            self._streams.pop(request_id).put(RuntimeError(f"engine step failed: {error!r}"))
+            failed.append((self._streams.pop(request_id), RuntimeError(f"engine step failed: {error!r}")))
+        _send(failed)
 
     def _close(self, error: BaseException) -> None:
         with self._cond:
@@ -201,6 +245,5 @@ class AsyncEngine:
         for _, future in commands:
             if future.set_running_or_notify_cancel():
                 future.set_exception(EngineDeadError(str(error)))
-        for stream in self._streams.values():
-            stream.put(EngineDeadError(str(error)))
+        _send((stream, EngineDeadError(str(error))) for stream in self._streams.values())
         self._streams.clear()

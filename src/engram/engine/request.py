@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
 
@@ -138,3 +138,10 @@ class RequestOutput:
     restore_seconds: float = 0.0  # time spent loading a restored state into the engine's pools
     state: SequenceState | None = None  # captured at finish when the request asked for it
     prompt_state: SequenceState | None = None  # the state after the prompt, when the request asked for it
+
+
+def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """One output standing for two consecutive ones of a request: `later`, with both deltas."""
+    logprobs = None if earlier.logprobs is None and later.logprobs is None else [*(earlier.logprobs or []), *(later.logprobs or [])]
+    return replace(later, new_token_ids=earlier.new_token_ids + later.new_token_ids, new_text=earlier.new_text + later.new_text,
+                   logprobs=logprobs)

@@ -197,7 +197,8 @@ class ModelRunner:
         ctx = self.max_context_length or self.kv_pool.num_blocks * self.kv_pool.block_size
         return min(self.kv_pool.num_blocks, -(-ctx // self.kv_pool.block_size))
 
-    def _bucket(self, n: int) -> int:
+    def decode_bucket(self, n: int) -> int:
+        """The decode graph of a batch of n sequences."""
         for b in _GRAPH_BUCKETS:
             if b >= n and b <= self._max_graph_batch():
                 return b
@@ -315,7 +316,7 @@ class ModelRunner:
 
     def _run_graph(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         n = len(chunks)
-        b = self._bucket(n)
+        b = self.decode_bucket(n)
         if b not in self._graphs:
             self._capture(b)
         parity = self._turns.parity
@@ -406,17 +407,20 @@ class ModelRunner:
         self._prefill_graphs[tb] = self._record(lambda: self.model(batch))
         self.num_graph_captures += 1
 
-    def graph_buckets(self) -> list[tuple[str, int]]:
-        """Every graph a run could capture, ("decode", batch) and ("prefill", tokens); none when
-        graphs are off (the CPU's case)."""
-        if not self._graphs_enabled():
-            return []
-        decode = [("decode", b) for b in _GRAPH_BUCKETS if b <= self._max_graph_batch()]
-        return decode + [("prefill", tb) for tb in _PREFILL_BUCKETS]
+    def capturable_buckets(self) -> list[tuple[str, int]]:
+        """Every graph a run could capture with graphs on, ("decode", batch) and ("prefill", tokens):
+        the largest batch is a bucket of its own when it falls between two."""
+        decode = sorted({b for b in _GRAPH_BUCKETS if b <= self._max_graph_batch()} | {self._max_graph_batch()})
+        return [("decode", b) for b in decode] + [("prefill", tb) for tb in _PREFILL_BUCKETS]
+
+    @staticmethod
+    def prefill_bucket(n: int) -> int:
+        """The prefill graph of a single-sequence prefill of n tokens (at most the last bucket)."""
+        return next(b for b in _PREFILL_BUCKETS if b >= n)
 
     @torch.inference_mode()
     def capture(self, kind: str, size: int) -> None:
-        """Capture one graph of `graph_buckets` now (at start-up, so that no request waits for it)."""
+        """Capture one graph of `capturable_buckets` now (at start-up, so that no request waits for it)."""
         if kind == "decode" and size not in self._graphs:
             self._capture(size)
         elif kind == "prefill" and size not in self._prefill_graphs:
@@ -440,7 +444,7 @@ class ModelRunner:
         self._wait_pinned_inputs_read()
         c = chunks[0]
         n = c.length
-        tb = next(b for b in _PREFILL_BUCKETS if b >= n)
+        tb = self.prefill_bucket(n)
         if tb not in self._prefill_graphs:
             self._capture_prefill(tb)
         tmax = _PREFILL_BUCKETS[-1]

@@ -13,6 +13,11 @@ import time
 import uvicorn
 from fastapi import FastAPI
 
+# asyncio's own loop even where uvloop is installed (uvicorn would pick it): under uvloop the
+# connection that carried a 503 from a failed turn record is reset, and the next request on it fails
+# (tests/test_server_conversations.py, the storage-failure test).
+UVICORN_LOOP = "asyncio"
+
 
 class BackgroundServer:
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning", wait_ready: bool = True) -> None:
@@ -21,7 +26,7 @@ class BackgroundServer:
         self.wait_ready = wait_ready
         self._socket = socket.create_server((host, port))  # port 0: a free one, held from now on
         self.url = f"http://{host}:{self._socket.getsockname()[1]}"
-        self._server = uvicorn.Server(uvicorn.Config(app, log_level=log_level))
+        self._server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, loop=UVICORN_LOOP))
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]}, daemon=True)
 
     def __enter__(self) -> BackgroundServer:

@@ -50,7 +50,7 @@ from engram.server.serving import (
     interleave,
     message_chars,
 )
-from engram.server.streaming import cancel_on_disconnect, sse, sse_response
+from engram.server.streaming import TextEvents, cancel_on_disconnect, sse, sse_response
 from engram.state.conversations import Turn
 
 router = APIRouter()
@@ -166,20 +166,23 @@ async def _chat_events(
 ) -> AsyncIterator[str]:
     created = int(time.time())
 
-    def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
-        return sse(ChatCompletionChunk(id=rid, created=created, model=s.model_name, choices=choices, usage=usage, **where.model_dump()))
+    def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=rid, created=created, model=s.model_name, choices=choices, usage=usage, **where.model_dump())
 
-    yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(len(streams))])
+    text_events = TextEvents(lambda i, text: chunk([ChatChunkChoice(index=i, delta=DeltaMessage(content=text))]))
+    yield sse(chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(len(streams))]))
     last: dict[int, RequestOutput] = {}
     async with aclosing(interleave(streams)) as outputs:
         async for i, out in outputs:
             last[i] = out
-            if out.new_text or out.logprobs or out.finished:
+            if out.new_text and out.logprobs is None and not out.finished:  # most tokens: the chunk serialized once
+                yield text_events(i, out.new_text)
+            elif out.new_text or out.logprobs or out.finished:
                 delta = DeltaMessage(content=out.new_text or None)
                 logprobs = _chat_logprobs(s, out.logprobs)
-                yield chunk([ChatChunkChoice(index=i, delta=delta, logprobs=logprobs, **_finish(s, out))])
+                yield sse(chunk([ChatChunkChoice(index=i, delta=delta, logprobs=logprobs, **_finish(s, out))]))
     if request.include_usage:
-        yield chunk([], Usage.of(*last.values()))
+        yield sse(chunk([], Usage.of(*last.values())))
 
 
 @router.post("/v1/completions", response_model=None)
@@ -211,19 +214,22 @@ async def _completion_events(
 ) -> AsyncIterator[str]:
     created = int(time.time())
 
-    def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> str:
-        return sse(CompletionResponse(id=rid, created=created, model=s.model_name, choices=choices, usage=usage))
+    def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionResponse:
+        return CompletionResponse(id=rid, created=created, model=s.model_name, choices=choices, usage=usage)
 
+    text_events = TextEvents(lambda i, text: chunk([CompletionChoice(index=i, text=text)]))
     last: dict[int, RequestOutput] = {}
     async with aclosing(interleave(streams)) as outputs:
         async for i, out in outputs:
             last[i] = out
-            if out.new_text or out.logprobs or out.finished:
+            if out.new_text and out.logprobs is None and not out.finished:  # most tokens: the chunk serialized once
+                yield text_events(i, out.new_text)
+            elif out.new_text or out.logprobs or out.finished:
                 offset = len(out.text) - len(out.new_text)
                 logprobs = _completion_logprobs(s, out.logprobs, offset)
-                yield chunk([CompletionChoice(index=i, text=out.new_text, logprobs=logprobs, **_finish(s, out))])
+                yield sse(chunk([CompletionChoice(index=i, text=out.new_text, logprobs=logprobs, **_finish(s, out))]))
     if request.include_usage:
-        yield chunk([], Usage.of(*last.values()))
+        yield sse(chunk([], Usage.of(*last.values())))
 
 
 def _finish(s: Serving, out: RequestOutput) -> dict[str, Any]:

@@ -22,12 +22,38 @@ from engram.server.errors import error_body, error_for
 
 logger = logging.getLogger(__name__)
 
+
 SSE_DONE = "data: [DONE]\n\n"
+TEXT_MARK = "\ue000engram-text\ue000"  # private-use characters: stands for the text in a chunk's template
+_encode_string = json.JSONEncoder(ensure_ascii=False).encode  # pydantic's escaping: only what JSON requires
 
 
 def sse(data: BaseModel | dict) -> str:
     payload = data.model_dump_json() if isinstance(data, BaseModel) else json.dumps(data, separators=(",", ":"))
     return f"data: {payload}\n\n"
+
+
+def text_event(build: Callable[[str], BaseModel]) -> Callable[[str], str]:
+    """`lambda text: sse(build(text))`, with the chunk serialized once, around TEXT_MARK: a streamed
+    token then costs one string escape instead of building and serializing pydantic models."""
+    head, mark, tail = sse(build(TEXT_MARK)).partition(_encode_string(TEXT_MARK))
+    if not mark or TEXT_MARK in head + tail:  # the mark is not (only) where the text goes
+        return lambda text: sse(build(text))
+    return lambda text: head + _encode_string(text) + tail
+
+
+class TextEvents:
+    """`text_event` of the chunk `build(choice index, text)`, made for each choice on first use."""
+
+    def __init__(self, build: Callable[[int, str], BaseModel]) -> None:
+        self._build = build
+        self._events: dict[int, Callable[[str], str]] = {}
+
+    def __call__(self, index: int, text: str) -> str:
+        event = self._events.get(index)
+        if event is None:
+            event = self._events[index] = text_event(functools.partial(self._build, index))
+        return event(text)
 
 
 def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
