@@ -59,6 +59,14 @@ def test_lookup_finds_the_longest_stored_prefix_that_leaves_a_token_to_compute()
     assert cache.lookup([*base[:5], 1 << 40, 0]) is short  # the engine refuses what follows the restored prefix
 
 
+def test_prompts_shorter_than_the_minimum_are_not_kept():
+    cache = PrefixCache(PrefixHasher(b"id", 4), max_bytes=1 << 20, min_tokens=8)
+    cache.admit(_state(list(range(7))))
+    assert len(cache) == 0 and not cache.wants(7) and cache.wants(8)
+    cache.admit(_state(list(range(8))))
+    assert cache.lookup(list(range(9))) is not None
+
+
 def test_the_least_recently_used_states_leave_first_under_the_budget():
     cache = PrefixCache(PrefixHasher(b"id", 4), max_bytes=40)
     a, b, c = (_state([i] * 6) for i in range(3))
@@ -89,8 +97,12 @@ def _resend_history_dialogue(srv, turns: int = 3) -> tuple[list[str], list[int],
 
 def test_a_client_that_resends_its_history_restores_its_previous_prompt(checkpoint_dir, tmp_path):
     path = checkpoint_dir("nemotron")
-    with running_server(path, MODEL, snapshot_dir=str(tmp_path / "on"), enable_prefix_caching=True) as srv:
+    with running_server(path, MODEL, snapshot_dir=str(tmp_path / "on"), enable_prefix_caching=True, prefix_cache_min_tokens=1) as srv:
         replies, cached, prompts = _resend_history_dialogue(srv)
+    with running_server(path, MODEL, snapshot_dir=str(tmp_path / "short"), enable_prefix_caching=True,
+                        prefix_cache_min_tokens=prompts[-1] + 1) as srv:  # every prompt too short to be worth a capture
+        assert _resend_history_dialogue(srv)[1] == [0, 0, 0]
+        assert len(srv.app.state.serving.conversations.manager.prefix_cache) == 0
     with running_server(path, MODEL, snapshot_dir=str(tmp_path / "off"), enable_prefix_caching=False) as srv:
         without = _resend_history_dialogue(srv)
     assert cached[0] == 0 and all(cached[i] >= prompts[i - 1] for i in range(1, len(cached))), (cached, prompts)

@@ -74,6 +74,7 @@ def build_manager(engine: LLMEngine, args: ServerArgs) -> ConversationManager:
         health=health,
         chunk_tokens=args.state_chunk_tokens,
         prefix_cache_bytes=int(args.prefix_cache_memory_gb * (1 << 30)) if args.enable_prefix_caching else 0,
+        prefix_cache_min_tokens=args.prefix_cache_min_tokens,
     )
 
 

@@ -135,6 +135,8 @@ class Serving:
         if params.structured_outputs is not None and "grammar" not in kwargs:
             kwargs["grammar"] = await self.compile_grammar(params.structured_outputs)
         cache = self.conversations.manager.prefix_cache if cache_prefix and kwargs.get("initial_state") is None else None
+        if cache is not None and not cache.wants(len(prompt_ids)):
+            cache = None
         if cache is not None:
             state = await asyncio.to_thread(cache.lookup, prompt_ids)
             kwargs = {**kwargs, "initial_state": state, "capture_prompt_state": True}

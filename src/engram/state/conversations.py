@@ -256,6 +256,7 @@ class ConversationManager:
         health: HealthMonitor | None = None,
         chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
         prefix_cache_bytes: int = 0,
+        prefix_cache_min_tokens: int = 1,
     ):
         self.spec, self.dtypes, self.model, self.tokenizer_sha256 = spec, dtypes, model, tokenizer_sha256
         self.policy = policy
@@ -265,7 +266,7 @@ class ConversationManager:
         hasher = PrefixHasher(identity, chunk_tokens)
         self.store = ChunkStore(self.root, spec, dtypes, hasher) if self.root is not None else None
         # States after whole prompts, for requests of no conversation (0 bytes: prefix caching off).
-        self.prefix_cache = PrefixCache(hasher, prefix_cache_bytes) if prefix_cache_bytes > 0 else None
+        self.prefix_cache = PrefixCache(hasher, prefix_cache_bytes, prefix_cache_min_tokens) if prefix_cache_bytes > 0 else None
         self._stored: dict[tuple[str, str], StoredState] = {}  # (conversation, ref) -> its snapshot's store references
         self.orphan_grace_s = ORPHAN_GRACE_S  # store files younger than this are never swept (a save may still reference them)
         # Due at start (a crash may have left unreferenced files), but not at once: startup reads no record.

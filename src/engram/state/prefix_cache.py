@@ -31,9 +31,10 @@ class PrefixCacheStats:
 class PrefixCache:
     """Thread-safe; `lookup` and `admit` hash the tokens given (O(length)), nothing more."""
 
-    def __init__(self, hasher: PrefixHasher, max_bytes: int):
+    def __init__(self, hasher: PrefixHasher, max_bytes: int, min_tokens: int = 1):
         self.hasher = hasher
         self.max_bytes = max_bytes
+        self.min_tokens = min_tokens  # shorter prompts cost less to compute again than their state costs to copy out
         self.nbytes = 0
         self.stats = PrefixCacheStats()
         self._entries: OrderedDict[bytes, tuple[SequenceState, bytes]] = OrderedDict()  # key -> (state, its chunk boundary's hash)
@@ -42,6 +43,10 @@ class PrefixCache:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def wants(self, num_tokens: int) -> bool:
+        """Whether a prompt this long is worth its state's capture (and a lookup: no entry is shorter)."""
+        return num_tokens >= self.min_tokens
 
     def lookup(self, tokens: Sequence[int]) -> SequenceState | None:
         """The entry covering the longest prefix of `tokens` that leaves at least one token to
@@ -68,7 +73,7 @@ class PrefixCache:
         """Keep `state` (the state after its first `state_len` tokens), pushing out the least
         recently used entries beyond the budget."""
         n = state.state_len
-        if n == 0 or state.nbytes > self.max_bytes:
+        if n == 0 or not self.wants(n) or state.nbytes > self.max_bytes:
             return
         chain = self.hasher.chain(state.tokens, n)
         key, boundary = self.hasher.at(state.tokens, n, chain), chain[n // self.hasher.chunk_tokens]
