@@ -12,7 +12,6 @@ stay readable: `turn_file` finds whichever a turn has, `load_turn` loads either.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
 from pathlib import Path
 
 from engram.models.spec import ModelSpec
@@ -26,8 +25,8 @@ from engram.state.snapshot import (
     atomic_write,
     check_compatible,
     check_no_links,
-    dtype_names,
     load_snapshot,
+    manifest_fields,
     read_manifest,
     read_tokens,
     snapshot_label,
@@ -58,20 +57,7 @@ def save_turn(
     except (ValueError, RuntimeError, KeyError) as e:  # a state that is not this model's
         raise SnapshotError(f"refusing to save an invalid state: {e!r}") from e
     manifest = {
-        "format": FORMAT_V2,
-        "model": asdict(model),
-        "tokenizer": {"sha256": tokenizer_sha256},
-        "layout": store.spec.layout(),
-        "dtypes": dtype_names(store.dtypes),
-        "conversation_id": meta.conversation_id,
-        "branch": meta.branch,
-        "turn": meta.turn,
-        "parent": meta.parent,
-        "created_at": meta.created_at,
-        "state_len": state.state_len,
-        "token_count": len(state.tokens),
-        "checksum": stored.digest,
-        "extra": meta.extra,
+        **manifest_fields(FORMAT_V2, state, meta, store.spec, store.dtypes, model, tokenizer_sha256, stored.digest),
         "chunk_tokens": store.hasher.chunk_tokens,
         "store": stored.to_json(),
         "tail_tokens": list(state.tokens[state.state_len :]),

@@ -286,8 +286,19 @@ def save_snapshot(
     path = snapshot_path(root, meta.conversation_id, meta.branch, meta.turn)
     tensors = {name: t.detach().to("cpu").contiguous() for name, t in state.tensors.items()}
     tensors["tokens"] = tokens
-    manifest = {
-        "format": FORMAT,
+    manifest = manifest_fields(FORMAT, state, meta, spec, dtypes, model, tokenizer_sha256, tensor_checksum(tensors))
+    metadata = {"engram": json.dumps(manifest, sort_keys=True, allow_nan=False)}
+    atomic_write(path, safetensors.torch.save(tensors, metadata=metadata))
+    return path
+
+
+def manifest_fields(
+    fmt: str, state: SequenceState, meta: SnapshotMeta, spec: ModelSpec, dtypes: StateDtypes, model: ModelIdentity,
+    tokenizer_sha256: str, checksum: str,
+) -> dict:
+    """The manifest fields every snapshot format has (what the compatibility check and listings read)."""
+    return {
+        "format": fmt,
         "model": asdict(model),
         "tokenizer": {"sha256": tokenizer_sha256},
         "layout": spec.layout(),
@@ -299,12 +310,9 @@ def save_snapshot(
         "created_at": meta.created_at,
         "state_len": state.state_len,
         "token_count": len(state.tokens),
-        "checksum": tensor_checksum(tensors),
+        "checksum": checksum,
         "extra": meta.extra,
     }
-    metadata = {"engram": json.dumps(manifest, sort_keys=True, allow_nan=False)}
-    atomic_write(path, safetensors.torch.save(tensors, metadata=metadata))
-    return path
 
 
 def _read_header(path: Path, where: str) -> dict:
