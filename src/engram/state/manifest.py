@@ -54,7 +54,7 @@ def save_turn(
     state.wait()
     try:
         stored = store.save(state, base)
-    except (ValueError, RuntimeError, KeyError) as e:  # a state that is not this model's
+    except (ValueError, RuntimeError, KeyError, IndexError) as e:  # a state that is not this model's, or a damaged base
         raise SnapshotError(f"refusing to save an invalid state: {e!r}") from e
     manifest = {
         **manifest_fields(FORMAT_V2, state, meta, store.spec, store.dtypes, model, tokenizer_sha256, stored.digest),
