@@ -177,7 +177,7 @@ class ChunkStore:
         chain = self.hasher.chain(tokens, n)
         kept: list[PieceRef] = []
         if base is not None and base.state_len <= n and all(
-            p.key == self.hasher.piece_key(tokens, p.start, p.end, chain) for p in base.pieces
+            0 <= p.start < p.end <= base.state_len and p.key == self.hasher.piece_key(tokens, p.start, p.end, chain) for p in base.pieces
         ):
             kept = [self._keep_piece(state, p) for p in base.pieces]
         start = kept[-1].end if kept else 0
