@@ -31,12 +31,15 @@ import safetensors.torch
 import torch
 
 from engram.models.spec import ModelSpec
+from engram.state.identity import safetensors_header
 from engram.state.sequence_state import SequenceState, StateDtypes, check_state, has_non_finite
 from engram.state.snapshot import (
     SnapshotCorruptError,
     SnapshotIncompatibleError,
     atomic_write,
+    check_header,
     check_no_links,
+    parse_manifest,
     read_no_follow,
     reason_without_paths,
     tensor_checksum,
@@ -240,9 +243,8 @@ class ChunkStore:
         try:
             with open(path, "rb", opener=lambda p, flags: os.open(p, flags | os.O_NOFOLLOW)) as f:
                 size = os.fstat(f.fileno()).st_size
-                head = f.read(8)
-                header = _parse_header(head + f.read(int.from_bytes(head, "little")), path.name, file_size=size)
-        except (OSError, SnapshotCorruptError):
+                header = parse_manifest(check_header(safetensors_header(f), path.name, size).get("__metadata__"), path.name)
+        except (OSError, ValueError, SnapshotCorruptError):
             return None
         checksum = header.get("checksum")
         return checksum if isinstance(checksum, str) and header.get("identity") == self.identity else None
@@ -316,16 +318,17 @@ class ChunkStore:
         except OSError as e:
             raise SnapshotCorruptError(f"{where}: unreadable: {reason_without_paths(e)}") from e
         try:
-            header = _parse_header(data, where, file_size=len(data))
+            header = _complete_header(data, where)
+            meta = parse_manifest(header.get("__metadata__"), where)
         except SnapshotCorruptError:
             self._set_aside(path)
             raise
-        if header.get("format") != fmt:
-            raise SnapshotIncompatibleError(f"{where}: format {header.get('format')!r}, expected {fmt!r}")
-        if header.get("identity") != self.identity:
+        if meta.get("format") != fmt:
+            raise SnapshotIncompatibleError(f"{where}: format {meta.get('format')!r}, expected {fmt!r}")
+        if meta.get("identity") != self.identity:
             raise SnapshotIncompatibleError(f"{where}: made by another model, tokenizer, layout or state dtype")
         try:
-            tensors = _tensor_views(data)
+            tensors = _tensor_views(data, header)
         except (ValueError, KeyError, TypeError, RuntimeError) as e:
             raise SnapshotCorruptError(f"{where}: unreadable tensor data: {e}") from e
         if tensor_checksum(tensors, threads=1) != checksum:
@@ -350,8 +353,7 @@ class ChunkStore:
         out: list[int] = []
         for p in stored.pieces:
             data = read_no_follow(self.piece_path(p.key))
-            _parse_header(data, p.key[:12], file_size=len(data))
-            out += _tensor_views(data)["tokens"].tolist()
+            out += _tensor_views(data, _complete_header(data, p.key[:12]))["tokens"].tolist()
         return out
 
     # ---- garbage -----------------------------------------------------------------------------
@@ -385,11 +387,10 @@ _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "
            "I32": torch.int32, "I64": torch.int64, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 
 
-def _tensor_views(data: bytearray) -> dict[str, torch.Tensor]:
-    """The tensors of a complete safetensors file's bytes, as views of them (no copy)."""
-    length = int.from_bytes(data[:8], "little")
-    header = json.loads(bytes(data[8 : 8 + length]))
-    base, out = 8 + length, {}
+def _tensor_views(data: bytearray, header: dict) -> dict[str, torch.Tensor]:
+    """The tensors of a complete safetensors file's bytes (`header`: its parsed header), as views
+    of them (no copy)."""
+    base, out = 8 + int.from_bytes(data[:8], "little"), {}
     for name, entry in header.items():
         if name == "__metadata__":
             continue
@@ -403,20 +404,9 @@ def _tensor_views(data: bytearray) -> dict[str, torch.Tensor]:
     return out
 
 
-def _parse_header(data: bytes | bytearray, where: str, file_size: int) -> dict:
-    """The "engram" metadata of a safetensors file from its first bytes (`data`, the header at
-    least), after checking that the file's `file_size` is what its header describes."""
-    try:
-        length = int.from_bytes(data[:8], "little")
-        if len(data) < 8 + length:
-            raise ValueError("truncated header")
-        header = json.loads(data[8 : 8 + length])
-        data_len = max((e["data_offsets"][1] for k, e in header.items() if k != "__metadata__"), default=0)
-        meta = json.loads(header["__metadata__"]["engram"])
-        if not isinstance(meta, dict):
-            raise ValueError("the manifest is not an object")
-    except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
-        raise SnapshotCorruptError(f"{where}: malformed header: {e}") from e
-    if file_size != 8 + length + data_len:
-        raise SnapshotCorruptError(f"{where}: truncated or incomplete: {file_size} bytes, its header describes {8 + length + data_len}")
-    return meta
+def _complete_header(data: bytes | bytearray, where: str) -> dict:
+    """The parsed header of a whole safetensors file's bytes, checked to describe all of them."""
+    length = int.from_bytes(data[:8], "little")
+    if len(data) < 8 + length:
+        raise SnapshotCorruptError(f"{where}: truncated header")
+    return check_header(data[8 : 8 + length], where, len(data))

@@ -658,16 +658,20 @@ class ConversationManager:
         for t in reversed(conv.chain(turn)[:-1]):
             if not t.snapshot:
                 continue
-            stored = self._stored.get((conv.conversation_id, t.ref))
-            if stored is None:
-                path = turn_file(self.root, conv.conversation_id, t.branch, t.turn)
-                try:
-                    stored = stored_state(read_manifest(path), snapshot_label(path))
-                except SnapshotError as e:
-                    log.warning("conversation %r turn %s: %s; its snapshot lends nothing to the next", conv.conversation_id, t.ref, e)
-                    return None
-            return stored
+            try:
+                return self._stored_of(conv.conversation_id, t)
+            except SnapshotError as e:
+                log.warning("conversation %r turn %s: %s; its snapshot lends nothing to the next", conv.conversation_id, t.ref, e)
+                return None
         return None
+
+    def _stored_of(self, conversation_id: str, turn: Turn) -> StoredState | None:
+        """The store references of a turn's snapshot (None for a v1 file), from memory or its manifest."""
+        stored = self._stored.get((conversation_id, turn.ref))
+        if stored is None:
+            path = turn_file(self.root, conversation_id, turn.branch, turn.turn)
+            stored = stored_state(read_manifest(path), snapshot_label(path))
+        return stored
 
     def _save_file(self, conv: Conversation, turn: Turn, state: SequenceState, base: StoredState | None) -> None:
         """Write the turn's snapshot (counted and timed): the store files its base lacks, then its
@@ -924,18 +928,15 @@ class ConversationManager:
                     log.warning("store sweep: %s", e)
                     conv = None
                 for t in [t for t in conv.turns.values() if t.snapshot] if conv is not None else ():
-                    stored = self._stored.get((cid, t.ref))
-                    if stored is None:
-                        path = turn_file(self.root, cid, t.branch, t.turn)
-                        try:
-                            stored = stored_state(read_manifest(path), snapshot_label(path))
-                        except SnapshotCorruptError as e:
-                            if isinstance(e.__cause__, OSError):
-                                log.warning("store sweep skipped: %s", e)
-                                return 0
-                            continue  # damaged: it cannot be loaded, what it names is no one's
-                        except SnapshotNotFoundError:
-                            continue
+                    try:
+                        stored = self._stored_of(cid, t)
+                    except SnapshotCorruptError as e:
+                        if isinstance(e.__cause__, OSError):
+                            log.warning("store sweep skipped: %s", e)
+                            return 0
+                        continue  # damaged: it cannot be loaded, what it names is no one's
+                    except SnapshotNotFoundError:
+                        continue
                     if stored is not None:
                         referenced |= stored.keys
         removed = self.store.sweep(referenced, self.orphan_grace_s)

@@ -326,20 +326,26 @@ def _read_header(path: Path, where: str) -> dict:
         raise SnapshotNotFoundError(f"no snapshot at {where}") from None
     except (OSError, ValueError) as e:
         raise SnapshotCorruptError(f"{where}: unreadable header: {reason_without_paths(e)}") from e
+    return check_header(raw, where, size)
+
+
+def check_header(raw: bytes | bytearray, where: str, file_size: int) -> dict:
+    """The parsed safetensors header (`raw`: its JSON bytes), after checking that the file's
+    `file_size` is what it describes: the file holds all the tensor data, no more."""
     try:
         header = json.loads(raw)
         data_len = max((e["data_offsets"][1] for k, e in header.items() if k != "__metadata__"), default=0)
         complete_size = 8 + len(raw) + data_len
     except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
         raise SnapshotCorruptError(f"{where}: malformed header: {e!r}") from e
-    if size != complete_size:
+    if file_size != complete_size:
         raise SnapshotCorruptError(
-            f"{where}: truncated or incomplete: header describes {complete_size} bytes, file has {size}"
+            f"{where}: truncated or incomplete: header describes {complete_size} bytes, file has {file_size}"
         )
     return header
 
 
-def _parse_manifest(metadata: Any, where: str) -> dict:
+def parse_manifest(metadata: Any, where: str) -> dict:
     try:
         manifest = json.loads(metadata["engram"])
     except (KeyError, TypeError, ValueError) as e:
@@ -355,9 +361,9 @@ def read_manifest(path: str | Path) -> dict:
     path = Path(path)
     where = snapshot_label(path)
     if path.suffix != ".json":
-        return _parse_manifest(_read_header(path, where).get("__metadata__"), where)
+        return parse_manifest(_read_header(path, where).get("__metadata__"), where)
     try:
-        return _parse_manifest({"engram": read_no_follow(path).decode()}, where)
+        return parse_manifest({"engram": read_no_follow(path).decode()}, where)
     except FileNotFoundError:
         raise SnapshotNotFoundError(f"no snapshot at {where}") from None
     except (OSError, UnicodeDecodeError) as e:
@@ -424,7 +430,7 @@ def load_snapshot(
     except Exception as e:
         raise SnapshotCorruptError(f"{where}: unreadable: {reason_without_paths(e)}") from e
     with f:
-        manifest = _parse_manifest(f.metadata(), where)
+        manifest = parse_manifest(f.metadata(), where)
         check_compatible(manifest, where, spec, dtypes, model, tokenizer_sha256)
         try:
             tensors = {name: f.get_tensor(name) for name in f.keys()}
