@@ -31,8 +31,24 @@ def test_chunked_prefill_equals_one_shot(kind, checkpoint_dir):
         torch.testing.assert_close(_prefill_logits(path, prompt, chunk), whole, atol=1e-4, rtol=1e-4)
 
 
+def _step_kinds(engine) -> list[tuple[bool, bool]]:
+    """(has decode rows, has prefill chunks) of every step the engine schedules from now on."""
+    kinds = []
+    schedule = engine.scheduler.schedule
+
+    def recorded():
+        chunks, admitted = schedule()
+        decode = {c.seq for c in chunks if c.length == 1 and c.seq not in admitted}
+        kinds.append((bool(decode), len(decode) < len(chunks)))
+        return chunks, admitted
+
+    engine.scheduler.schedule = recorded
+    return kinds
+
+
+@pytest.mark.parametrize("mixed", [True, False])
 @pytest.mark.parametrize("kind", ["mamba2", "nemotron"])
-def test_mixed_batch_equals_each_alone(kind, checkpoint_dir):
+def test_mixed_batch_equals_each_alone(kind, mixed, checkpoint_dir):
     path = checkpoint_dir(kind)
     prompts = [random_prompt(n, seed=n) for n in (3, 29, 11, 52, 1)]
     alone = []
@@ -40,11 +56,17 @@ def test_mixed_batch_equals_each_alone(kind, checkpoint_dir):
         engine = make_engine(path)
         engine.add_request("r", p, greedy(12))
         alone.append(run_to_end(engine)["r"].token_ids)
-    engine = make_engine(path, max_num_batched_tokens=24)  # prefill chunks share steps with decodes
+    engine = make_engine(path, max_num_batched_tokens=24, enable_mixed_chunk=mixed)
+    kinds = _step_kinds(engine)
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, greedy(12))
     together = run_to_end(engine)
     assert [together[f"r{i}"].token_ids for i in range(len(prompts))] == alone
+    # mixed: prefill chunks share steps with decodes; not mixed: never, and the two take turns
+    assert ((True, True) in kinds) == mixed
+    if not mixed:
+        prefill_steps = [i for i, (_, prefill) in enumerate(kinds) if prefill]
+        assert all(kinds[i + 1] == (True, False) for i in prefill_steps[1:-1] if i + 1 < len(kinds))
 
 
 @pytest.mark.parametrize("kind", ["mamba2", *HYBRID_KINDS])

@@ -253,11 +253,11 @@ def test_ssd_varlen_fla_matches_reference(dtype, shape):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(6, 2, 16, 12), (48, 1, 64, 128)])
-def test_ssd_varlen_scan_matches_reference(dtype, shape):
+@pytest.mark.parametrize("lens", [[1, 37, 9, 64], [2048, 700, 3, 129]])  # up to SSD_SCAN_MAX_LEN: the scan serves whole prefill chunks
+def test_ssd_varlen_scan_matches_reference(dtype, shape, lens):
     H, G, P, N = shape
     g = _gen(16)
     dt_bias, A_log, D, pool = _ssd_params(g, H, G, P, N, 6)
-    lens = [1, 37, 9, 64]
     slots = torch.tensor([2, 5, 0, 3], device=DEV)
     T = sum(lens)
     proj = _randn(T, H * P + 2 * G * N + 5, g=g, dtype=dtype)  # strided views, as the layer passes them

@@ -26,6 +26,10 @@ class EngineArgs:
     seed: int = field(default=0, metadata={"help": "seed of the sampler for requests without their own"})
     enable_fast_ops: bool = field(default=True, metadata={"help": "use fused CUDA kernels where available (torch references otherwise)"})
     enable_cuda_graph: bool = field(default=True, metadata={"help": "capture decode steps in CUDA graphs"})
+    enable_mixed_chunk: bool = field(
+        default=False,
+        metadata={"help": "run prefill chunks in the same steps as decode rows (as SGLang's flag; such steps run eagerly); off: the two kinds of step take turns, so that decode steps replay their CUDA graph"},
+    )
     enable_overlap_schedule: bool = field(
         default=True,
         metadata={"help": "pick tokens on the device (greedy, or sampled without penalties, logprobs or a seed) and launch the next step before reading them back, so that the host's work overlaps the GPU's"},

@@ -21,7 +21,7 @@ from engram.engine.runner import ModelRunner
 from engram.engine.sampler import sample_batch, sample_on_device, samples_on_device, token_counts, token_logprob, token_mask
 from engram.engine.scheduler import Scheduler
 from engram.engine.sequence import Sequence, SequenceStatus
-from engram.engine.warmup import WarmupReport, install_compile_counter, kernel_compilations, warm_up
+from engram.engine.warmup import WarmupReport, install_compile_counter, kernel_compilations, name_late_compilations, warm_up
 from engram.models.loader import load_model, load_model_from_state_dict
 from engram.models.spec import load_model_spec
 from engram.ops.dispatch import select_kernels, use_kernels
@@ -113,7 +113,8 @@ class LLMEngine:
         self.max_context_length = self.plan.context_length
         self.state_pool = StatePool(self.spec, args.max_running_requests, self.state_dtypes, self.device)
         self.kv_pool = KVPool(self.spec, self.plan.num_kv_blocks, args.kv_block_size, self.state_dtypes.kv, self.device)
-        self.scheduler = Scheduler(self.state_pool, self.kv_pool, args.max_running_requests, args.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.state_pool, self.kv_pool, args.max_running_requests, args.max_num_batched_tokens,
+                                   args.enable_mixed_chunk)
         self.copier = HostCopier(self.device)
         self.runner = ModelRunner(
             self.model, self.state_pool, self.kv_pool, self.device,
@@ -474,6 +475,8 @@ class LLMEngine:
     def mark_ready(self) -> None:
         """From now on graph captures and compilations are counted as happening on a request's path."""
         self._work_at_ready = self._compile_work()
+        self.runner.ready = True
+        name_late_compilations()
 
     def describe(self) -> dict[str, str]:
         """What this engine runs with, for the server's start-up banner."""

@@ -18,6 +18,7 @@ eager steps sample on the device go to the host on a side stream.
 from __future__ import annotations
 
 import gc
+import logging
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -31,6 +32,8 @@ from engram.engine.scheduler import ScheduledChunk
 from engram.models.base import CausalLM
 from engram.ops.dispatch import kernels
 from engram.ops.staging import HEADER_WORDS, TOKEN_ROW, staged_length
+
+logger = logging.getLogger(__name__)
 
 _GRAPH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 # Short prefills of one sequence (a new turn on top of a kept state) also replay graphs, per
@@ -102,6 +105,7 @@ class ModelRunner:
         self._inputs_sent: torch.cuda.Event | None = None  # marks the last prefill replay's copies out of its pinned inputs
         self.num_graph_replays = 0
         self.num_graph_captures = 0
+        self.ready = False  # set by the engine when it serves: a capture from then on is logged
         # The last device-sampled step's tokens, one row per completing sequence (at most one per slot).
         self.sampled = torch.zeros(state_pool.num_slots, dtype=torch.int64, device=device)
         self.argmax_in_sampled = False  # the last run was a decode graph: `sampled` holds its rows' argmax
@@ -309,7 +313,7 @@ class ModelRunner:
         in_flight, host_tokens = self.sampled.clone(), self._host_tokens.clone()
         graph, logits = self._record(lambda: self._decode_forward(batch))
         self._graphs[b] = (_DecodeGraph(graph, turns), logits)
-        self.num_graph_captures += 1
+        self._count_capture("decode", b)
         self._turn[0] = turns.parity  # the warm-ups took turns too
         self.sampled.copy_(in_flight)
         self._host_tokens.copy_(host_tokens)
@@ -405,7 +409,12 @@ class ModelRunner:
         self._pf["packed"].copy_(self._pf_host, non_blocking=True)
         batch = self._prefill_batch(tb)
         self._prefill_graphs[tb] = self._record(lambda: self.model(batch))
+        self._count_capture("prefill", tb)
+
+    def _count_capture(self, kind: str, size: int) -> None:
         self.num_graph_captures += 1
+        if self.ready:  # on a request's path: say which
+            logger.warning("CUDA graph captured after ready: %s bucket %d", kind, size)
 
     def capturable_buckets(self) -> list[tuple[str, int]]:
         """Every graph a run could capture with graphs on, ("decode", batch) and ("prefill", tokens):

@@ -42,11 +42,13 @@ class RetainedSlot:
 
 
 class Scheduler:
-    def __init__(self, state_pool: StatePool, kv_pool: KVPool, max_running: int, max_batched_tokens: int):
+    def __init__(self, state_pool: StatePool, kv_pool: KVPool, max_running: int, max_batched_tokens: int, mixed_chunks: bool = False):
         self.state_pool = state_pool
         self.kv_pool = kv_pool
         self.max_running = min(max_running, state_pool.num_slots)
         self.max_batched_tokens = max_batched_tokens
+        self.mixed_chunks = mixed_chunks
+        self._prefilled_last = False  # the last step (with mixed_chunks off) ran prefill chunks only
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.retained: OrderedDict[str, RetainedSlot] = OrderedDict()
@@ -124,7 +126,23 @@ class Scheduler:
         self.num_preemptions += 1
 
     def schedule(self) -> tuple[list[ScheduledChunk], list[Sequence]]:
-        """Chunks for this step, and the sequences admitted now (whose state must be restored)."""
+        """Chunks for this step, and the sequences admitted now (whose state must be restored).
+
+        With `mixed_chunks` a step holds decode rows and prefill chunks together. Without it (as
+        SGLang without --enable-mixed-chunk) a step holds one or the other, so that decode steps
+        replay their CUDA graph; while prefill work lasts the two kinds take turns."""
+        if self.mixed_chunks:
+            return self._schedule(decode=True, prefill=True)
+        if self._prefilled_last and any(seq.num_uncomputed == 1 for seq in self.running):
+            self._prefilled_last = False
+            return self._schedule(decode=True, prefill=False)
+        chunks, admitted = self._schedule(decode=False, prefill=True)
+        self._prefilled_last = bool(chunks)
+        return (chunks, admitted) if chunks else self._schedule(decode=True, prefill=False)
+
+    def _schedule(self, decode: bool, prefill: bool) -> tuple[list[ScheduledChunk], list[Sequence]]:
+        """Decode rows (running sequences with one token to feed) if `decode`; prefill chunks of
+        running sequences and admissions of waiting ones if `prefill`."""
         budget = self.max_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted: set[Sequence] = set()
@@ -135,6 +153,8 @@ class Scheduler:
                 continue
             n = min(seq.num_uncomputed, budget)
             if n == 0:  # waits only for a token in flight that ends it (by length): nothing to compute
+                continue
+            if not (decode if seq.num_uncomputed == 1 else prefill):
                 continue
             while not self._grow(seq, seq.num_computed + n):
                 victim = self.running[-1]
@@ -147,7 +167,7 @@ class Scheduler:
                 budget -= n
 
         admitted: list[Sequence] = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+        while prefill and self.waiting and budget > 0 and len(self.running) < self.max_running:
             seq = self.waiting[0]
             adopted = seq.adopted
             start = adopted.state_len if adopted else (seq.initial_state.state_len if seq.initial_state else 0)

@@ -19,6 +19,7 @@ runner. Their sum after ready is the engine's `compilations_after_ready`, which 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,14 +32,26 @@ from engram.engine.request import RequestOutput, SamplingParams
 if TYPE_CHECKING:
     from engram.engine.engine import LLMEngine
 
+logger = logging.getLogger(__name__)
+
 _compilations = 0
 _hook_installed = False
+_name_late_compilations = False
 
 
-def _count_compilation(*_: object, **__: object) -> bool:
+def _count_compilation(*_: object, **kwargs: object) -> bool:
     global _compilations
     _compilations += 1
+    if _name_late_compilations:  # after ready: on a request's path, so say which kernel and shapes
+        fn = kwargs.get("fn")
+        logger.warning("Triton compilation after ready: %s %s", getattr(fn, "name", fn), " ".join(str(kwargs.get("key", "")).split()))
     return False  # never skips the compilation (the hook's return value is read before one)
+
+
+def name_late_compilations() -> None:
+    """From now on every Triton compilation is logged with its kernel and specialization."""
+    global _name_late_compilations
+    _name_late_compilations = True
 
 
 def install_compile_counter() -> bool:

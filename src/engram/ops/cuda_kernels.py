@@ -12,9 +12,11 @@
   graph's inputs taken from pinned host memory.
 - fla-core (optional, the `cuda` extra): Mamba2 chunked prefill through `chunk_simple_gla`, which
   computes SSD exactly with q=C, k=B, v=x*dt, g=A*dt, scale=1 and the groups repeated to heads,
-  over `cu_seqlens` with initial states read from the state pool. Short sequences (up to
-  SSD_SCAN_MAX_LEN tokens: a resumed turn, small chunks) take a token-by-token Triton scan instead
-  (one launch, no host work); without fla-core every prefill takes that scan.
+  over `cu_seqlens` with initial states read from the state pool, for sequences longer than
+  SSD_SCAN_MAX_LEN tokens. Shorter ones (with the default 2,048-token chunk, every prefill chunk)
+  take a token-by-token Triton scan instead: one launch and no host work, where fla-core waits for
+  the device in every layer (a split count read with `.item()`), ~80 ms per forward on the H200;
+  without fla-core every prefill takes that scan.
 
 Importing this module raises ImportError when Triton is missing; `dispatch.select_kernels`
 then keeps the references.
@@ -42,6 +44,20 @@ def has_fla() -> bool:
     return _chunk_simple_gla is not None
 
 
+_fla_lengths: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor] | None = None
+
+
+def _fla_cu_seqlens(seq_lens: list[int], cu_seqlens: torch.Tensor | None, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch's cu_seqlens for fla (int64 on the device, and on the host), the same objects for
+    every layer of one forward: fla caches its chunk indices by argument identity, and building them
+    anew copies them from pageable host memory, which waits for the stream, once per layer."""
+    global _fla_lengths
+    if _fla_lengths is None or cu_seqlens is None or _fla_lengths[0] is not cu_seqlens:
+        cu = common.cu_seqlens_of(seq_lens, device) if cu_seqlens is None else cu_seqlens
+        _fla_lengths = (cu_seqlens, cu.to(torch.int64), torch.tensor([0, *torch.tensor(seq_lens).cumsum(0).tolist()], dtype=torch.int64))
+    return _fla_lengths[1], _fla_lengths[2]
+
+
 def ssd_varlen_fla(x, dt, dt_bias, dt_limit, A_log, B, C, D, chunk_size, seq_lens, ssm_pool, slots, cu_seqlens=None):
     """Mamba2 SSD over a flat varlen batch via fla's chunked simple-GLA kernels.
 
@@ -56,13 +72,11 @@ def ssd_varlen_fla(x, dt, dt_bias, dt_limit, A_log, B, C, D, chunk_size, seq_len
     k = B.to(dtype).repeat_interleave(H // G, dim=1)
     v = (x.float() * dtf[..., None]).to(dtype)
     g = dtf * A[None]
-    if cu_seqlens is None:
-        cu_seqlens = common.cu_seqlens_of(seq_lens, x.device)
-    cu_cpu = torch.tensor([0, *torch.tensor(seq_lens).cumsum(0).tolist()], dtype=torch.int64)
+    cu, cu_cpu = _fla_cu_seqlens(seq_lens, cu_seqlens, x.device)
     initial = ssm_pool[slots].to(torch.float32).transpose(-1, -2).contiguous()  # [S, H, N, P]
     o, final = _chunk_simple_gla(
         q[None], k[None], v[None], g=g[None], scale=1.0, initial_state=initial, output_final_state=True,
-        cu_seqlens=cu_seqlens.to(torch.int64), cu_seqlens_cpu=cu_cpu,
+        cu_seqlens=cu, cu_seqlens_cpu=cu_cpu,
     )
     ssm_pool[slots] = final.transpose(-1, -2).to(ssm_pool.dtype)
     return o[0].float() + x.float() * D.float()[:, None]

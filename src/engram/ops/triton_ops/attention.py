@@ -10,7 +10,10 @@ import triton.language as tl
 from engram.ops.triton_ops.common import PDL_LAUNCH, cu_seqlens_of, np2, precision, wait_for_previous_kernel
 
 
-@triton.jit
+# Not specialized, since they follow the step (a compiled variant per value class, which the warm-up
+# cannot all reach): the block tables' row stride (the step's longest sequence in pages) and, when
+# the keys are split, stride_ot and rows_per_split (its token count).
+@triton.jit(do_not_specialize=["stride_ot", "stride_bs"])
 def _paged_attention_kernel(
     Q, Kc, Vc, O, BT, Cu, Ctx, PSeq, PQs,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_bs, stride_bp,
@@ -77,7 +80,7 @@ def _paged_attention_kernel(
         tl.store(O + (q0 + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :], out.to(O.dtype.element_ty), mask=rv[:, None] & dm[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows_per_split"])
 def _attention_combine_kernel(Part, PartML, O, rows_per_split, Hq, stride_ot, stride_oh, D,
                               NSPLIT: tl.constexpr, BLOCK_D: tl.constexpr):
     wait_for_previous_kernel()

@@ -16,6 +16,11 @@ from engram.ops.triton_ops.common import PDL_LAUNCH, as_rows, np2, precision, ti
 from engram.ops.triton_ops.linear import dot_rows, dot_tile, first_dot, grouped_dot, weight_block
 from engram.ops.triton_ops.norm import silu_and_mul
 
+# Integer arguments that follow a step's size (tokens, routed pairs, blocks of pairs): Triton would
+# compile a variant for each of their values equal to 1 or divisible by 16, which the warm-up cannot
+# all reach (they are products of the token count), so they are not specialized.
+_STEP_SIZED = ["Tk", "T", "NB"]
+
 
 @triton.jit
 def _softmax_topk_rows(x, valid, TOPK: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -176,7 +181,7 @@ def _grouped_up_tile(X, W, H, x_rows, h_rows, rv, nb, stride_x, stride_wn, strid
     tl.store(H + h_rows[:, None] * stride_h + n[None, :], h.to(dt), mask=rv[:, None] & nm[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_STEP_SIZED + ["SHARED_PROGRAMS"])
 def _moe_up_grouped_kernel(
     X, Win, SortedIds, BlockExpert, H1, Sin, Hs, Done, stride_x, stride_we, stride_wn, stride_h, stride_sn, stride_hs,
     Tk, T, Hdim, I, IS, E, NB, SHARED_PROGRAMS,
@@ -211,7 +216,7 @@ def _moe_up_grouped_kernel(
         tile_done(Done + (tl.program_id(0) - SHARED_PROGRAMS) % NB)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_STEP_SIZED)
 def _moe_down_grouped_kernel(
     H1, Wout, SortedIds, BlockExpert, Wts, O2, Hs, Sout, S, Done, stride_h, stride_we, stride_wn, stride_o,
     stride_hs, stride_sn, stride_s, Tk, T, Hdim, I, IS, E, NB, UP_TILES, SHARED_UP_TILES,
@@ -324,7 +329,7 @@ def _align_pairs(ids, a, invalid, SortedIds, BlockExpert, Done, NDONE, Tk, NB, M
             tl.store(Done + d, tl.zeros([CHUNK], dtype=tl.int32), mask=d < NDONE)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_STEP_SIZED + ["NDONE", "MAXP"])
 def _moe_align_kernel(Ids, SortedIds, BlockExpert, Done, NDONE, Tk, NB, MAXP, E,
                       BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, CHUNK: tl.constexpr):
     """`moe_align`, one program per expert and one more for the tail (`_align_pairs`)."""
@@ -334,7 +339,7 @@ def _moe_align_kernel(Ids, SortedIds, BlockExpert, Done, NDONE, Tk, NB, MAXP, E,
     _align_pairs(ids, a, BLOCK_T - Tk, SortedIds, BlockExpert, Done, NDONE, Tk, NB, MAXP, E, BLOCK_M, BLOCK_E, CHUNK)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NDONE", "T", "NB", "MAXP"])
 def _topk_align_kernel(L, Wt, Ids, SortedIds, BlockExpert, Done, NDONE, stride_l, T, NB, MAXP, E,
                        TOPK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
                        BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):

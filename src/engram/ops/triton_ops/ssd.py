@@ -167,8 +167,10 @@ def _ssd_scan_kernel(
 
 
 # Sequences up to this long take the token-by-token scan (one launch, little host work); longer
-# prefills take the chunked kernels (fla-core).
-SSD_SCAN_MAX_LEN = 128
+# prefills take the chunked kernels (fla-core). On the H200 (Granite-4.0-H-tiny) a whole forward of
+# one prompt took 37-79 ms with the scan at 256-2,048 tokens, 83-105 ms with fla-core
+# (benchmarks/step_paths.py); 2,048 is also the default chunk.
+SSD_SCAN_MAX_LEN = 2048
 
 
 def ssd_varlen_scan(x, dt, dt_bias, dt_limit, A_log, B, C, D, chunk_size, seq_lens, ssm_pool, slots, cu_seqlens=None):
