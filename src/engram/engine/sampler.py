@@ -151,3 +151,15 @@ def token_logprob(logits: torch.Tensor, token_id: int, top: int) -> TokenLogprob
         values, ids = logprobs.topk(top)
         entry.top = list(zip(ids.tolist(), values.tolist()))
     return entry
+
+
+def prompt_token_logprobs(logits: torch.Tensor, token_ids: list[int], top: int) -> list[TokenLogprob]:
+    """`token_logprob` of each row of `logits` [R, V] and token_ids[i], in one pass."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(token_ids, device=logprobs.device)[:, None])[:, 0].tolist()
+    entries = [TokenLogprob(t, v) for t, v in zip(token_ids, chosen)]
+    if top:
+        values, ids = logprobs.topk(top)
+        for entry, row_ids, row_values in zip(entries, ids.tolist(), values.tolist()):
+            entry.top = list(zip(row_ids, row_values))
+    return entries
