@@ -134,6 +134,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)  # (token_id, logprob), best first
+    rank: int | None = None  # 1 + how many tokens are likelier (computed for prompt logprobs)
 
 
 @dataclass
