@@ -4,10 +4,12 @@ against the same request without it, so a field that is accepted and ignored fai
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Callable
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 import torch
 from server_utils import running_server
@@ -294,3 +296,32 @@ def test_chat_prompt_logprobs_match_transformers(http, server, model_path, hf_mo
         assert entry["rank"] == int((ref[i - 1] > ref[i - 1, ids[i]]).sum()) + 1
         best = int(ref[i - 1].argmax())
         assert got[i][str(best)]["rank"] == 1
+
+
+def test_embeddings_are_the_mean_last_hidden_state_of_transformers(http, model_path, hf_model):
+    texts = ["Once upon a time", "Hi"]
+    body = ok(http.post("/v1/embeddings", json={"model": MODEL, "input": texts}))
+    assert body["object"] == "list" and body["model"] == MODEL
+    assert body["usage"] == {"prompt_tokens": sum(map(len, texts)), "total_tokens": sum(map(len, texts))}
+    for item, text in zip(body["data"], texts):
+        with torch.no_grad():
+            out = hf_model(str(model_path))(torch.tensor([list(text.encode())]), output_hidden_states=True)
+        ref = out.hidden_states[-1][0].float().mean(0)
+        torch.testing.assert_close(torch.tensor(item["embedding"]), ref, atol=1e-4, rtol=1e-4)
+    encoded = ok(http.post("/v1/embeddings", json={"input": [list(texts[0].encode())], "encoding_format": "base64"}))
+    decoded = np.frombuffer(base64.b64decode(encoded["data"][0]["embedding"]), dtype="<f4")
+    assert decoded.tolist() == pytest.approx(body["data"][0]["embedding"], abs=1e-6)
+
+
+@pytest.mark.parametrize(("body", "says"), [
+    ({"input": "a", "dimensions": 7}, "dimensions"),
+    ({"input": "a", "encoding_format": "int8"}, "encoding_format"),
+    ({"input": "a", "model": "other"}, "model"),
+    ({"input": []}, "empty"),
+    ({"input": ""}, "empty"),
+    ({"input": "a", "conversation_id": "c"}, "conversation_id"),
+])
+def test_bad_embedding_requests(http, body, says):
+    r = http.post("/v1/embeddings", json=body)
+    assert r.status_code == (404 if says == "model" else 400), r.text
+    assert says in r.text

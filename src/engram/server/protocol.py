@@ -550,6 +550,40 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class EmbeddingRequest(_Request):
+    """OpenAI's `/v1/embeddings`: the mean of each input's last hidden states."""
+
+    model: str | None = None
+    input: str | list[int] | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)] \
+        | Annotated[list[list[int]], Field(min_length=1, max_length=MAX_PROMPTS)]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None  # only the model's own (an embedding is not truncated)
+    user: str | None = None  # as on the other routes: taken, no effect
+    conversation_id: ConversationIdElsewhere = None
+
+    @property
+    def inputs(self) -> list[str] | list[list[int]]:
+        return prompt_batch(self.input)
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str  # str: base64 of little-endian float32
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
+
+
 # ---- SGLang-native --------------------------------------------------------------------------
 
 

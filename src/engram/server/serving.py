@@ -191,6 +191,16 @@ class Serving:
         except ValueError as e:
             raise APIError(400, str(e), param=params.source) from None
 
+    async def embed(self, request_id: str, prompt_ids: list[int]) -> list[float]:
+        """The mean of the prompt's last hidden states (the engine's embedding request)."""
+        outputs = self.engine.generate(request_id, prompt_ids, SamplingParams(max_tokens=0), embed=True)
+        async with aclosing(outputs):  # closing it aborts the request (a client gone)
+            with _bad_input_is_400():
+                out, _ = await collect(outputs)
+        if out.embedding is None:  # aborted (by an admin's /abort_request)
+            raise APIError(409, "the embedding request was aborted")
+        return out.embedding
+
     async def _prefill_state(self, request_id: str, prompt_ids: list[int]) -> Any:
         """The state of a sequence after `prompt_ids` (an engine `SequenceState`), from an internal
         request of one token (no client's: outside the request metrics and token counts)."""
