@@ -5,6 +5,7 @@ against the same request without it, so a field that is accepted and ignored fai
 from __future__ import annotations
 
 import base64
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -204,6 +205,20 @@ def _generate_batch(http: httpx.Client) -> None:
     assert [r["meta_info"]["id"] for r in results] == ["r1-0", "r1-1", "r2-0", "r2-1"]
 
 
+def _generate_batch_streamed(http: httpx.Client) -> None:
+    texts = ["Once upon", "A time"]
+    singles = [ok(post(http, GENERATE, text=t, return_logprob=True)) for t in texts]
+    body = {**BASE[GENERATE], "text": texts, "sampling_params": {**BASE[GENERATE]["sampling_params"], "n": 2}, "stream": True,
+            "return_logprob": True}
+    with http.stream("POST", GENERATE, json=body) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
+    last = {e["index"]: e for e in events}  # cumulative: the last event of each holds its whole result
+    assert sorted(last) == [0, 1, 2, 3] and len(events) > 4
+    for i, single in zip(range(4), [singles[0], singles[0], singles[1], singles[1]]):
+        assert last[i]["text"] == single["text"] and last[i]["meta_info"]["finish_reason"] is not None
+        assert [lp[1] for lp in last[i]["meta_info"]["output_token_logprobs"]] == single["output_ids"]
+
+
 def _generate_n(http: httpx.Client) -> None:
     results = ok(post(http, GENERATE, sampling_params={"n": 3, "temperature": 1.0, "sampling_seed": 5}))
     assert isinstance(results, list) and len(results) == 3
@@ -236,6 +251,7 @@ HONOURED: list[tuple[str, Callable[[httpx.Client], None]]] = [
     ("completions:echo", _echo),
     ("completions:batched prompts", _batched_prompts),
     ("generate:batched text and input_ids", _generate_batch),
+    ("generate:batch streamed", _generate_batch_streamed),
     ("generate:sampling_params.n", _generate_n),
     ("generate:return_text_in_logprobs", _return_text_in_logprobs),
 ]
@@ -275,8 +291,6 @@ def test_echo_with_logprobs_gives_the_prompt_logprobs_of_transformers(http, mode
 def test_echo_streams_the_prompt_first(http):
     with http.stream("POST", COMPLETIONS, json={**BASE[COMPLETIONS], "echo": True, "stream": True}) as r:
         events = [line[6:] for line in r.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
-    import json
-
     texts = [json.loads(e)["choices"][0]["text"] for e in events if json.loads(e)["choices"]]
     assert texts[0].startswith(BASE[COMPLETIONS]["prompt"])
     assert "".join(texts) == ok(post(http, COMPLETIONS, echo=True))["choices"][0]["text"]

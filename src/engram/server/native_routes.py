@@ -9,6 +9,7 @@ import importlib.metadata
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -19,7 +20,7 @@ from engram.engine.request import FinishReason, RequestOutput, SamplingParams, T
 from engram.server.auth import caller_is_admin, caller_of
 from engram.server.errors import APIError
 from engram.server.protocol import AbortRequest, GenerateRequest, GenerateResponse, MetaInfo
-from engram.server.serving import collect, collect_choices, engine_request_id, get_serving
+from engram.server.serving import collect, collect_choices, engine_request_id, get_serving, interleave
 from engram.server.streaming import cancel_on_disconnect, sse, sse_response
 
 router = APIRouter()
@@ -61,6 +62,8 @@ async def generate(request: GenerateRequest, raw_request: Request):
         for stream in streams:
             await stream.aclose()  # type: ignore[attr-defined]
         raise
+    if request.stream:
+        return sse_response(batch_events(names, request.return_logprob, start, streams, token_text))
     results = await collect_choices(streams)
     return [generate_response(name, out, logprobs if request.return_logprob else None, start, token_text)
             for name, (out, logprobs) in zip(names, results)]
@@ -74,6 +77,19 @@ async def generate_events(
     async for out in outputs:
         logprobs += out.logprobs or []
         yield sse(generate_response(rid, out, logprobs if return_logprob else None, start, token_text))
+
+
+async def batch_events(
+    names: list[str], return_logprob: bool, start: float, streams: list[AsyncIterator[RequestOutput]], token_text: TokenText | None
+) -> AsyncIterator[str]:
+    """A batch's streams (prompt-major, n per prompt) as they come: each event is `generate_events`'
+    cumulative response of one of them, with its `index` in the batch (as SGLang)."""
+    logprobs: list[list[TokenLogprob]] = [[] for _ in streams]
+    async with aclosing(interleave(streams)) as outputs:
+        async for i, out in outputs:
+            logprobs[i] += out.logprobs or []
+            response = generate_response(names[i], out, logprobs[i] if return_logprob else None, start, token_text)
+            yield sse({**response.model_dump(), "index": i})
 
 
 def generate_response(

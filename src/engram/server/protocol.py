@@ -665,8 +665,6 @@ class GenerateRequest(_Request):
             raise ValueError("give exactly one of text and input_ids")
         if isinstance(self.rid, list) and (not self.is_batch or len(self.rid) != len(self.prompts)):
             raise ValueError("rid: a list of rids is for a batch, one per prompt")
-        if self.stream and len(self.prompts) * self.sampling_params.n > 1:
-            raise ValueError("stream: one prompt and sampling_params.n = 1 at a time")
         return self
 
     @property
