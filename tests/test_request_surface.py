@@ -339,3 +339,17 @@ def test_bad_embedding_requests(http, body, says):
     r = http.post("/v1/embeddings", json=body)
     assert r.status_code == (404 if says == "model" else 400), r.text
     assert says in r.text
+
+
+def test_prompt_logprobs_compute_a_prompt_the_prefix_cache_holds(model_path, tmp_path):
+    """A prompt whose prefix is cached is still computed whole for its prompt logprobs (the cache
+    would leave its first positions without logits)."""
+    with running_server(model_path, MODEL, snapshot_dir=str(tmp_path), enable_prefix_caching=True, prefix_cache_min_tokens=1) as srv:
+        with httpx.Client(base_url=srv.url, timeout=120) as client:
+            first = ok(post(client, COMPLETIONS, prompt="Once upon a time"))
+            again = ok(post(client, COMPLETIONS, prompt="Once upon a time, there", prompt_logprobs=0))
+            plain = ok(post(client, COMPLETIONS, prompt="Once upon a time, there"))
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert plain["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the cache holds that prefix
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert len(again["choices"][0]["prompt_logprobs"]) == again["usage"]["prompt_tokens"]
