@@ -19,7 +19,8 @@ def hf_forward(hf_model, prompt: list[int]):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_prompt_logprobs_match_transformers_across_chunks(kind, checkpoint_dir, hf_model):
+def test_prompt_logprobs_match_transformers_across_chunks(kind, checkpoint_dir, hf_model, monkeypatch):
+    monkeypatch.setattr("engram.engine.engine.PROMPT_LOGITS_ROWS", 7)  # the logits of a 16-token chunk in three slices
     path = checkpoint_dir(kind)
     engine = make_engine(path, max_num_batched_tokens=16)  # a 40-token prompt in three chunks
     prompt, other = random_prompt(40, seed=1), random_prompt(9, seed=2)

@@ -40,6 +40,9 @@ if TYPE_CHECKING:
     from engram.engine.grammar import Grammars
 
 logger = logging.getLogger(__name__)
+# Prompt logprobs take the logits of this many prompt positions at a time: 256 x vocabulary floats
+# (128 MiB at a 128k vocabulary in float32) bound the memory, whatever the prefill chunk.
+PROMPT_LOGITS_ROWS = 256
 
 @dataclass
 class EngineStats:
@@ -330,10 +333,11 @@ class LLMEngine:
             total = hidden.float().sum(0)
             seq.hidden_sum = total if seq.hidden_sum is None else seq.hidden_sum + total
         if seq.params.prompt_logprobs is not None:
-            scored = [i for i, p in enumerate(rows) if p + 1 < seq.num_prompt_tokens]
-            if scored:
-                logits = self.model.compute_logits(hidden[scored[0] : scored[-1] + 1])
-                nexts = seq.prompt_token_ids[rows[scored[0]] + 1 : rows[scored[-1]] + 2]
+            scored = sum(p + 1 < seq.num_prompt_tokens for p in rows)  # the prompt's last position predicts no prompt token
+            for at in range(0, scored, PROMPT_LOGITS_ROWS):
+                end = min(at + PROMPT_LOGITS_ROWS, scored)
+                logits = self.model.compute_logits(hidden[at:end])
+                nexts = seq.prompt_token_ids[rows[at] + 1 : rows[end - 1] + 2]
                 seq.prompt_logprobs += prompt_token_logprobs(logits, nexts, seq.params.prompt_logprobs)
         seq.prompt_rows_done = rows.stop
 
