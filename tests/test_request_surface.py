@@ -13,7 +13,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from server_utils import running_server
+from server_utils import openai_client, running_server
 
 from engram.models.embedded import ensure_embedded_model
 
@@ -312,7 +312,7 @@ def test_chat_prompt_logprobs_match_transformers(http, server, model_path, hf_mo
         assert got[i][str(best)]["rank"] == 1
 
 
-def test_embeddings_are_the_mean_last_hidden_state_of_transformers(http, model_path, hf_model):
+def test_embeddings_are_the_mean_last_hidden_state_of_transformers(http, server, model_path, hf_model):
     texts = ["Once upon a time", "Hi"]
     body = ok(http.post("/v1/embeddings", json={"model": MODEL, "input": texts}))
     assert body["object"] == "list" and body["model"] == MODEL
@@ -325,6 +325,8 @@ def test_embeddings_are_the_mean_last_hidden_state_of_transformers(http, model_p
     encoded = ok(http.post("/v1/embeddings", json={"input": [list(texts[0].encode())], "encoding_format": "base64"}))
     decoded = np.frombuffer(base64.b64decode(encoded["data"][0]["embedding"]), dtype="<f4")
     assert decoded.tolist() == pytest.approx(body["data"][0]["embedding"], abs=1e-6)
+    sdk = openai_client(server.url).embeddings.create(model=MODEL, input=texts)  # the SDK asks for base64 and decodes it
+    assert [d.embedding for d in sdk.data] == [pytest.approx(d["embedding"], abs=1e-6) for d in body["data"]]
 
 
 @pytest.mark.parametrize(("body", "says"), [
