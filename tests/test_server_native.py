@@ -99,8 +99,8 @@ def test_generate_stream(http):
         ({"sampling_params": {"max_new_tokens": 2}}, "exactly one of text and input_ids"),
         ({"text": "a", "input_ids": [1]}, "exactly one of text and input_ids"),
         ({"text": "a", "sampling_params": {"max_tokens": 5}}, "max_tokens"),  # SGLang's name is max_new_tokens
-        ({"text": "a", "sampling_params": {"n": 3}}, "n=1"),
-        ({"text": ["a", "b"]}, "text"),
+        ({"text": "a", "rid": ["r1"]}, "rid"),
+        ({"text": [], "sampling_params": {"n": 2}}, "text"),
         ({"input_ids": []}, "empty"),
         ({"input_ids": [70000]}, "vocabulary"),
         ({"text": "a", "sampling_params": {"max_new_tokens": 5000}}, "context length"),

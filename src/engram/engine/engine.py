@@ -18,9 +18,18 @@ from engram.engine.detokenizer import detokenize_step, find_stop_string, stop_pr
 from engram.engine.pools import HostCopier, KVPool, StatePool, capture_state, restore_state
 from engram.engine.request import FinishReason, RequestOutput, SamplingParams, StructuredOutputsParams
 from engram.engine.runner import ModelRunner
-from engram.engine.sampler import sample_batch, sample_on_device, samples_on_device, token_counts, token_logprob, token_mask
-from engram.engine.scheduler import Scheduler
+from engram.engine.sampler import (
+    prompt_token_logprobs,
+    sample_batch,
+    sample_on_device,
+    samples_on_device,
+    token_counts,
+    token_logprob,
+    token_mask,
+)
+from engram.engine.scheduler import ScheduledChunk, Scheduler
 from engram.engine.sequence import Sequence, SequenceStatus
+from engram.engine.token_masks import bad_words_token_ids, mask_logits
 from engram.engine.warmup import WarmupReport, install_compile_counter, kernel_compilations, name_late_compilations, warm_up
 from engram.models.loader import load_model, load_model_from_state_dict
 from engram.models.spec import load_model_spec
@@ -31,6 +40,9 @@ if TYPE_CHECKING:
     from engram.engine.grammar import Grammars
 
 logger = logging.getLogger(__name__)
+# Prompt logprobs take the logits of this many prompt positions at a time: 256 x vocabulary floats
+# (128 MiB at a 128k vocabulary in float32) bound the memory, whatever the prefill chunk.
+PROMPT_LOGITS_ROWS = 256
 
 @dataclass
 class EngineStats:
@@ -159,6 +171,7 @@ class LLMEngine:
         resume_key: str | None = None,
         internal: bool = False,
         grammar: Any = None,
+        embed: bool = False,
     ) -> None:
         """Queue a request. `initial_state` covers a prefix of the prompt (restored, not computed);
         `resume_key` names a retained slot holding such a state (adopted without a copy when it is
@@ -168,7 +181,8 @@ class LLMEngine:
         `retain_key` keeps the final state in its slot under that key. An `internal`
         request (the server's own, such as a prefill shared by several choices) is left out of
         the received, cached and generated token counts. `grammar`: `params.structured_outputs`
-        as `compile_grammar` made it (else it is compiled here, on the caller's thread)."""
+        as `compile_grammar` made it (else it is compiled here, on the caller's thread). `embed`:
+        return the mean of the prompt's last hidden states (`embedding`; with max_tokens 0)."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt = list(prompt_token_ids)  # the request's own copy (lists compare with the states' token lists)
@@ -176,6 +190,10 @@ class LLMEngine:
         adoptable = retained is not None and _prefix_mismatch(retained.tokens, retained.state_len, prompt) is None
         restored = retained.state_len if adoptable else (initial_state.state_len if initial_state is not None else 0)
         self.check_request(prompt, params, restored)
+        if (embed or params.prompt_logprobs is not None) and restored:
+            raise ValueError(f"{'an embedding' if embed else 'prompt_logprobs'} needs every prompt token computed: "
+                             f"{restored} of them come from a stored state")
+        bad_words = bad_words_token_ids(self.tokenizer, params.bad_words) if params.bad_words else []
         if initial_state is not None:
             self._check_prefix(initial_state.tokens, initial_state.state_len, prompt)
             # Structure only: values were checked where the state came from (a verified snapshot
@@ -188,6 +206,7 @@ class LLMEngine:
         generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         seq = Sequence(request_id, prompt, params, generator, initial_state, capture_state, retain_key, internal)
         seq.capture_prompt = capture_prompt_state
+        seq.embed, seq.bad_words_ids = embed, bad_words
         seq.adopted = self.scheduler.adopt(resume_key) if adoptable else None
         seq.matcher = self.grammars.matcher(grammar) if params.structured_outputs is not None else None
         seq.num_cached_tokens = seq.adopted.state_len if seq.adopted else (initial_state.state_len if initial_state else 0)
@@ -206,6 +225,7 @@ class LLMEngine:
             raise ValueError("the prompt is empty")
         self.check_in_vocabulary("token ids", prompt_token_ids[restored_prefix if params.repetition_penalty == 1.0 else 0 :])
         self.check_in_vocabulary("logit_bias token ids", params.logit_bias)
+        self.check_in_vocabulary("allowed_token_ids", params.allowed_token_ids or [])
         limit = self.max_context_length
         if len(prompt_token_ids) >= limit:
             raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; the context length is {limit}")
@@ -277,7 +297,13 @@ class LLMEngine:
                 seq.restore_seconds = time.perf_counter() - started
         logits, completing, launched = None, [], None
         if chunks:
-            logits = self.runner.run(chunks)
+            if any(c.prompt_rows for c in chunks):
+                logits, hidden = self.runner.run_with_prompt_rows(chunks)
+                for chunk, rows in zip(chunks, hidden):
+                    if rows is not None:
+                        self._take_prompt_rows(chunk, rows)
+            else:
+                logits = self.runner.run(chunks)
             for chunk in chunks:
                 seq = chunk.seq
                 self._counters["prefill_computed"] += max(0, min(chunk.start + chunk.length, seq.num_prompt_tokens) - chunk.start)
@@ -299,6 +325,23 @@ class LLMEngine:
             outputs += self._sample_and_append(logits, completing)
         return outputs
 
+    @torch.inference_mode()
+    def _take_prompt_rows(self, chunk: ScheduledChunk, hidden: torch.Tensor) -> None:
+        """Prompt logprobs and the embedding's sum from the last hidden states of `chunk.prompt_rows`.
+        The state at position i gives the logprob of prompt token i + 1 (the last one's is sampled)."""
+        seq, rows = chunk.seq, chunk.prompt_rows
+        if seq.embed:
+            total = hidden.float().sum(0)
+            seq.hidden_sum = total if seq.hidden_sum is None else seq.hidden_sum + total
+        if seq.params.prompt_logprobs is not None:
+            scored = sum(p + 1 < seq.num_prompt_tokens for p in rows)  # the prompt's last position predicts no prompt token
+            for at in range(0, scored, PROMPT_LOGITS_ROWS):
+                end = min(at + PROMPT_LOGITS_ROWS, scored)
+                logits = self.model.compute_logits(hidden[at:end])
+                nexts = seq.prompt_token_ids[rows[at] + 1 : rows[end - 1] + 2]
+                seq.prompt_logprobs += prompt_token_logprobs(logits, nexts, seq.params.prompt_logprobs)
+        seq.prompt_rows_done = rows.stop
+
     def _copy_recurrent(self, slot: int) -> dict[str, torch.Tensor]:
         """A host copy (in flight on CUDA) of a slot's recurrent state as it is now: cloned on the
         compute stream first, so that the next step's in-place updates cannot race the copy."""
@@ -312,7 +355,7 @@ class LLMEngine:
     @staticmethod
     def _overlappable(p: SamplingParams) -> bool:
         """A constrained row is not: its mask needs its previous token accepted first."""
-        return samples_on_device(p) and p.logprobs is None and p.structured_outputs is None
+        return samples_on_device(p) and p.logprobs is None and p.structured_outputs is None and not p.masks_tokens
 
     def _sample_on_device(self, logits: torch.Tensor, seqs: list[Sequence]) -> InFlightTokens:
         params = [seq.params for seq in seqs]
@@ -350,6 +393,8 @@ class LLMEngine:
             completing = [completing[i] for i in going]
         if any(seq.matcher is not None for seq in completing):
             self.grammars.mask_logits(logits, [seq.matcher for seq in completing])
+        if any(seq.params.masks_tokens for seq in completing):
+            mask_logits(logits, completing, self.eos_token_ids)
         tokens = sample_batch(
             logits,
             [seq.params for seq in completing],
@@ -394,14 +439,16 @@ class LLMEngine:
         if not seq.internal:
             self._counters["generation"] += 1
         chars_before = len(seq.text)
-        stop_token = (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids
+        # before min_tokens, neither a stop token (masked, but a grammar may end) nor a stop string ends it, as in vLLM
+        early = seq.num_output_tokens < p.min_tokens
+        stop_token = not early and ((not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids)
         if seq.matcher is not None:
             stop_token |= self._grammar_ends(seq, token)
         if not stop_token or p.include_stop_str_in_output:  # a stop token's text is left out, as in vLLM
             detokenize_step(self.tokenizer, seq)
         if stop_token:
             self._finish(seq, FinishReason.STOP, token)
-        elif (stop := find_stop_string(seq, len(seq.text) - chars_before)) is not None:
+        elif not early and (stop := find_stop_string(seq, len(seq.text) - chars_before)) is not None:
             self._finish(seq, FinishReason.STOP, stop)
         elif self._ends_by_length(seq, len(seq.token_ids)):
             self._finish(seq, FinishReason.LENGTH)
@@ -432,6 +479,7 @@ class LLMEngine:
         self.scheduler.remove(seq)
 
     def _output(self, seq: Sequence) -> RequestOutput:
+        p = seq.params
         new_ids = seq.output_ids(seq.emitted_tokens)
         text_end = len(seq.text) - (0 if seq.is_finished else stop_prefix_len(seq))
         out = RequestOutput(
@@ -449,6 +497,8 @@ class LLMEngine:
             restore_seconds=seq.restore_seconds,
             state=seq.captured_state,
             prompt_state=seq.prompt_state,
+            prompt_logprobs=seq.prompt_logprobs if p.prompt_logprobs is not None and not seq.wants_prompt_rows else None,
+            embedding=(seq.hidden_sum / seq.num_prompt_tokens).tolist() if seq.embed and seq.is_finished and seq.hidden_sum is not None else None,
         )
         seq.emitted_tokens += len(new_ids)
         seq.emitted_chars = text_end

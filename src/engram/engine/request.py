@@ -60,6 +60,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # keep the text of the stop string, stop token or EOS that ended it
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
     structured_outputs: StructuredOutputsParams | None = None  # the grammar the output must follow
+    min_tokens: int = 0  # EOS and stop tokens masked, stop strings not looked for, until this many are out
+    allowed_token_ids: list[int] | None = None  # sample only among these
+    bad_words: list[str] | None = None  # never generate these words (their tokens, with and without a leading space)
+    prompt_logprobs: int | None = None  # logprob of each prompt token and the top ones at its position
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -86,8 +90,15 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if self.seed is not None and not -SEED_RANGE // 2 <= self.seed < SEED_RANGE:
             raise ValueError(f"seed must be in [-2^63, 2^64), got {self.seed}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs must be in 0..20, got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None and not 0 <= getattr(self, name) <= 20:
+                raise ValueError(f"{name} must be in 0..20, got {getattr(self, name)}")
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            raise ValueError(f"min_tokens must be in 0..max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise ValueError("allowed_token_ids must not be empty")
+        if self.bad_words is not None and not all(word.strip() for word in self.bad_words):
+            raise ValueError("bad_words must not be empty or blank")
         self.logit_bias = dict(self.logit_bias or {})
         for token, bias in self.logit_bias.items():
             if not -100 <= bias <= 100:
@@ -100,6 +111,11 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or bool(self.frequency_penalty) or bool(self.presence_penalty)
+
+    @property
+    def masks_tokens(self) -> bool:
+        """min_tokens, allowed_token_ids or bad_words: tokens masked per step (engine/token_masks.py)."""
+        return self.min_tokens > 0 or self.allowed_token_ids is not None or bool(self.bad_words)
 
     @property
     def adjusts_logits(self) -> bool:
@@ -118,6 +134,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)  # (token_id, logprob), best first
+    rank: int | None = None  # 1 + how many tokens are likelier (computed for prompt logprobs)
 
 
 @dataclass
@@ -138,6 +155,9 @@ class RequestOutput:
     restore_seconds: float = 0.0  # time spent loading a restored state into the engine's pools
     state: SequenceState | None = None  # captured at finish when the request asked for it
     prompt_state: SequenceState | None = None  # the state after the prompt, when the request asked for it
+    # vLLM's prompt logprobs, once the prompt is computed: None for the first token, then each token's
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    embedding: list[float] | None = None  # an embedding request's mean last hidden state, when finished
 
 
 def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:

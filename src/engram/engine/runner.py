@@ -146,8 +146,10 @@ class ModelRunner:
                     slot_mapping[offset:end] = blocks[pos // bs] * bs + pos % bs
             offset = end
             cu[i + 1] = offset
-            if c.completes:
-                logits_indices.append(offset - 1)
+            rows = c.prompt_rows
+            logits_indices += [end - c.length + p - c.start for p in rows]
+            if c.completes and not (rows and rows[-1] == c.start + c.length - 1):
+                logits_indices.append(end - 1)
 
         def put(a: np.ndarray) -> torch.Tensor:
             t = torch.from_numpy(a)
@@ -512,6 +514,25 @@ class ModelRunner:
             self._sampled_copied = None
 
     # ---- entry point ---------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def run_with_prompt_rows(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """`run` for a step in which some chunks ask for the last hidden states of their
+        `prompt_rows` (always eager): the logits, and per chunk those hidden states (None: none)."""
+        self.argmax_in_sampled = False
+        hidden = self.model.final_hidden(self.build_batch(chunks))
+        sample: list[int] = []
+        per_chunk: list[torch.Tensor | None] = []
+        at = 0
+        for c in chunks:
+            rows = c.prompt_rows
+            per_chunk.append(hidden[at : at + len(rows)] if rows else None)
+            at += len(rows)
+            if c.completes and not (rows and rows[-1] == c.start + c.length - 1):
+                at += 1
+            if c.completes:
+                sample.append(at - 1)
+        return self.model.compute_logits(hidden[sample]), per_chunk
 
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:

@@ -151,3 +151,16 @@ def token_logprob(logits: torch.Tensor, token_id: int, top: int) -> TokenLogprob
         values, ids = logprobs.topk(top)
         entry.top = list(zip(ids.tolist(), values.tolist()))
     return entry
+
+
+def prompt_token_logprobs(logits: torch.Tensor, token_ids: list[int], top: int) -> list[TokenLogprob]:
+    """`token_logprob` of each row of `logits` [R, V] and token_ids[i], with its rank, in one pass."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(token_ids, device=logprobs.device)[:, None])
+    ranks = (logprobs > chosen).sum(-1).add(1).tolist()
+    entries = [TokenLogprob(t, v, rank=r) for t, v, r in zip(token_ids, chosen[:, 0].tolist(), ranks)]
+    if top:
+        values, ids = logprobs.topk(top)
+        for entry, row_ids, row_values in zip(entries, ids.tolist(), values.tolist()):
+            entry.top = list(zip(row_ids, row_values))
+    return entries

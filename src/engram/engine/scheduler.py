@@ -30,6 +30,14 @@ class ScheduledChunk:
         """After this chunk the state covers every token: the next token can be sampled."""
         return self.start + self.length == self.seq.num_tokens
 
+    @property
+    def prompt_rows(self) -> range:
+        """Positions of this chunk whose last hidden states its request asks for and has not had
+        (prompt logprobs, an embedding): a recomputation after preemption asks for none again."""
+        if not self.seq.wants_prompt_rows:
+            return range(0)
+        return range(max(self.start, self.seq.prompt_rows_done), min(self.start + self.length, self.seq.num_prompt_tokens))
+
 
 @dataclass
 class RetainedSlot:

@@ -42,6 +42,12 @@ class Sequence:
     prompt_mask: torch.Tensor | None = None  # the prompt's tokens over the vocabulary, for the repetition penalty
     output_counts: torch.Tensor | None = None  # each token's count in the output, for the penalties (once one needs it)
     matcher: Any = None  # xgrammar's GrammarMatcher of a request with structured outputs (engine/grammar.py)
+    bad_words_ids: list[list[int]] = field(default_factory=list)  # params.bad_words as token ids (engine/token_masks.py)
+    allowed_mask: torch.Tensor | None = None  # [V] bool, True outside params.allowed_token_ids (made on first use)
+    embed: bool = False  # an embedding request: the prompt's last hidden states are summed
+    prompt_rows_done: int = 0  # prompt positions whose hidden states were taken (prompt logprobs, embedding)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=lambda: [None])
+    hidden_sum: torch.Tensor | None = None  # float32 sum of the prompt's last hidden states (embed)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed: int = 0  # tokens[:num_computed] are in the recurrent state and the KV cache
     num_inflight: int = 0  # 1 while a token sampled on the device is not yet read back (overlapped steps)
@@ -65,6 +71,11 @@ class Sequence:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def wants_prompt_rows(self) -> bool:
+        """The request needs the last hidden state at every prompt position (not only the last)."""
+        return (self.embed or self.params.prompt_logprobs is not None) and self.prompt_rows_done < self.num_prompt_tokens
 
     @property
     def num_output_tokens(self) -> int:

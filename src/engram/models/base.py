@@ -57,7 +57,11 @@ class CausalLM(nn.Module):
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Next-token logits for the rows `batch.logits_indices`, in the LM head's dtype (float32
-        when the model scales them).
+        when the model scales them)."""
+        return self.compute_logits(self.final_hidden(batch))
+
+    def final_hidden(self, batch: ForwardBatch) -> torch.Tensor:
+        """The last hidden states (after the final norm) of the rows `batch.logits_indices`.
 
         Each block takes and returns (output, residual stream): a block's output is added to the
         stream by the next block's first norm, in one fused kernel (`RMSNorm.add_and_norm`)."""
@@ -73,11 +77,15 @@ class CausalLM(nn.Module):
             hidden, residual = hidden[rows], residual[rows]
         if residual.dtype == hidden.dtype:
             hidden, _ = self.norm.add_and_norm(hidden, residual, self.residual_multiplier)
-        else:  # a float32 stream (Mamba2) is normalized in float32, not in the fused op's activation dtype
-            hidden = self.norm(residual + (hidden if self.residual_multiplier == 1.0 else hidden * self.residual_multiplier))
+            return hidden
+        # a float32 stream (Mamba2) is normalized in float32, not in the fused op's activation dtype
+        return self.norm(residual + (hidden if self.residual_multiplier == 1.0 else hidden * self.residual_multiplier))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of final hidden states. In the head's dtype unless scaled: the sampler widens
+        what it computes on, and a greedy step's argmax needs no float32 copy (17 us of a batch-64
+        step on the H200)."""
         logits = self.lm_head(hidden.to(self.lm_head.weight.dtype))
-        # In the head's dtype unless scaled: the sampler widens what it computes on, and a greedy
-        # step's argmax needs no float32 copy (17 us of a batch-64 step on the H200).
         return logits.float() / self.logits_scaling if self.logits_scaling != 1.0 else logits
 
     def map_weight_name(self, name: str) -> WeightPlace | None:

@@ -16,7 +16,7 @@ from fastapi import FastAPI
 
 from engram.args import ServerArgs
 from engram.engine.async_engine import AsyncEngine
-from engram.server import native_routes, openai_routes, snapshot_routes, startup, transfer_routes
+from engram.server import embedding_routes, native_routes, openai_routes, snapshot_routes, startup, transfer_routes
 from engram.server.auth import AuthMiddleware, KeyRing
 from engram.server.body_limit import BodyLimitMiddleware
 from engram.server.conversations import ConversationTurns, build_manager, run_maintenance
@@ -64,7 +64,7 @@ def create_app(engine: AsyncEngine, args: ServerArgs) -> FastAPI:
     app.state.serving = Serving(engine, args.served_model_name or engine.engine.model_path.name, turns)
     app.state.server_args = args
     install_error_handlers(app)
-    for router in (openai_routes.router, native_routes.router, snapshot_routes.router, transfer_routes.router, *admin_routers):
+    for router in (openai_routes.router, embedding_routes.router, native_routes.router, snapshot_routes.router, transfer_routes.router, *admin_routers):
         app.include_router(router)
     app.add_middleware(BodyLimitMiddleware, max_bytes=args.max_request_bytes, larger={IMPORT_PATH: args.max_import_bytes})
     app.add_middleware(AuthMiddleware, keys=keys)  # outermost: first

@@ -8,7 +8,8 @@ import dataclasses
 import importlib.metadata
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -19,7 +20,7 @@ from engram.engine.request import FinishReason, RequestOutput, SamplingParams, T
 from engram.server.auth import caller_is_admin, caller_of
 from engram.server.errors import APIError
 from engram.server.protocol import AbortRequest, GenerateRequest, GenerateResponse, MetaInfo
-from engram.server.serving import collect, engine_request_id, get_serving
+from engram.server.serving import collect, collect_choices, engine_request_id, get_serving, interleave
 from engram.server.streaming import cancel_on_disconnect, sse, sse_response
 
 router = APIRouter()
@@ -28,33 +29,73 @@ admin_router = APIRouter()  # guarded by --admin-api-key
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 SECRET_ARGS = ("api_key", "admin_api_key")
 PATH_ARGS = ("model_path", "snapshot_dir")  # shown to admins only
+TokenText = Callable[[int], str]
 
 
 @router.post("/generate", response_model=None)
 @cancel_on_disconnect
 async def generate(request: GenerateRequest, raw_request: Request):
     s = get_serving(raw_request)
-    prompt_ids = await s.encode_prompt(request.text if request.text is not None else request.input_ids)
+    s.check_model(request.model)
+    prompts = [await s.encode_prompt(prompt) for prompt in request.prompts]
     params = s.sampling_params(request.sampling_fields())
-    rid = request.rid or uuid.uuid4().hex
     start = time.perf_counter()
     tenant = caller_of(raw_request).tenant
-    outputs = await s.generate(engine_request_id(tenant, rid), prompt_ids, params, initial_state=s.take_staged_state(tenant, rid), cache_prefix=True)
+    n = request.sampling_params.n
+    token_text = s.token_text if request.return_text_in_logprobs else None
+    if not request.is_batch and n == 1:
+        rid = request.rid if isinstance(request.rid, str) else uuid.uuid4().hex
+        outputs = await s.generate(engine_request_id(tenant, rid), prompts[0], params, initial_state=s.take_staged_state(tenant, rid),
+                                   cache_prefix=True)
+        if request.stream:
+            return sse_response(generate_events(rid, request.return_logprob, start, outputs, token_text))
+        out, logprobs = await collect(outputs)
+        return generate_response(rid, out, logprobs if request.return_logprob else None, start, token_text)
+    rids = request.rid if isinstance(request.rid, list) else [request.rid or uuid.uuid4().hex] * len(prompts)
+    names = [rid if n == 1 else f"{rid}-{j}" for rid in rids for j in range(n)]  # prompt-major, as SGLang
+    streams: list[AsyncIterator[RequestOutput]] = []
+    try:
+        for i, (rid, prompt_ids) in enumerate(zip(rids, prompts)):
+            engine_rid = engine_request_id(tenant, rid if isinstance(request.rid, list) else f"{rid}-p{i}")
+            streams += await s.generate_choices(engine_rid, prompt_ids, params, n)
+    except BaseException:
+        for stream in streams:
+            await stream.aclose()  # type: ignore[attr-defined]
+        raise
     if request.stream:
-        return sse_response(generate_events(rid, request.return_logprob, start, outputs))
-    out, logprobs = await collect(outputs)
-    return generate_response(rid, out, logprobs if request.return_logprob else None, start)
+        return sse_response(batch_events(names, request.return_logprob, start, streams, token_text))
+    results = await collect_choices(streams)
+    return [generate_response(name, out, logprobs if request.return_logprob else None, start, token_text)
+            for name, (out, logprobs) in zip(names, results)]
 
 
-async def generate_events(rid: str, return_logprob: bool, start: float, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+async def generate_events(
+    rid: str, return_logprob: bool, start: float, outputs: AsyncIterator[RequestOutput], token_text: TokenText | None = None
+) -> AsyncIterator[str]:
     """SGLang streams cumulative responses: each event holds the text and ids so far."""
     logprobs: list[TokenLogprob] = []
     async for out in outputs:
         logprobs += out.logprobs or []
-        yield sse(generate_response(rid, out, logprobs if return_logprob else None, start))
+        yield sse(generate_response(rid, out, logprobs if return_logprob else None, start, token_text))
 
 
-def generate_response(rid: str, out: RequestOutput, logprobs: list[TokenLogprob] | None, start: float) -> GenerateResponse:
+async def batch_events(
+    names: list[str], return_logprob: bool, start: float, streams: list[AsyncIterator[RequestOutput]], token_text: TokenText | None
+) -> AsyncIterator[str]:
+    """A batch's streams (prompt-major, n per prompt) as they come: each event is `generate_events`'
+    cumulative response of one of them, with its `index` in the batch (as SGLang)."""
+    logprobs: list[list[TokenLogprob]] = [[] for _ in streams]
+    async with aclosing(interleave(streams)) as outputs:
+        async for i, out in outputs:
+            logprobs[i] += out.logprobs or []
+            response = generate_response(names[i], out, logprobs[i] if return_logprob else None, start, token_text)
+            yield sse({**response.model_dump(), "index": i})
+
+
+def generate_response(
+    rid: str, out: RequestOutput, logprobs: list[TokenLogprob] | None, start: float, token_text: TokenText | None = None
+) -> GenerateResponse:
+    """`token_text`: SGLang's return_text_in_logprobs, each logprob's token text beside its id."""
     meta = MetaInfo(
         id=rid,
         finish_reason=_finish_reason(out),
@@ -64,8 +105,11 @@ def generate_response(rid: str, out: RequestOutput, logprobs: list[TokenLogprob]
         e2e_latency=time.perf_counter() - start,
     )
     if logprobs is not None:
-        meta.output_token_logprobs = [(lp.logprob, lp.token_id, None) for lp in logprobs]
-        meta.output_top_logprobs = [[(v, t, None) for t, v in lp.top] for lp in logprobs]
+        def text(token_id: int) -> str | None:
+            return token_text(token_id) if token_text is not None else None
+
+        meta.output_token_logprobs = [(lp.logprob, lp.token_id, text(lp.token_id)) for lp in logprobs]
+        meta.output_top_logprobs = [[(v, t, text(t)) for t, v in lp.top] for lp in logprobs]
     return GenerateResponse(text=out.text, output_ids=out.token_ids, meta_info=meta)
 
 

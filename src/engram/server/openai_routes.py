@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import re
 import time
 import uuid
@@ -37,6 +38,8 @@ from engram.server.protocol import (
     DetokenizeResponse,
     ModelCard,
     ModelList,
+    PromptLogprob,
+    PromptLogprobs,
     TokenizeRequest,
     TokenizeResponse,
     TopLogprob,
@@ -92,7 +95,7 @@ async def chat_completions(request: ChatCompletionRequest, raw_request: Request)
     s.check_model(request.model)
     messages = [m.template_dict() for m in request.messages]
     params = s.sampling_params(request.sampling_fields())
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    rid = f"chatcmpl-{request.request_id or uuid.uuid4().hex}"
     key = _idempotency_key(request, raw_request)
     if request.conversation_id is None:
         where = ConversationFields()
@@ -114,7 +117,9 @@ async def chat_completions(request: ChatCompletionRequest, raw_request: Request)
         for i, (out, logprobs) in enumerate(results)
     ]
     usage = Usage.of(*(out for out, _ in results))
-    return ChatCompletionResponse(id=rid, model=s.model_name, choices=choices, usage=usage, **where.model_dump())
+    prompt_logprobs = _prompt_logprobs(s, results[0][0].prompt_logprobs)
+    return ChatCompletionResponse(id=rid, model=s.model_name, choices=choices, usage=usage, prompt_logprobs=prompt_logprobs,
+                                  **where.model_dump())
 
 
 async def _conversation_turn(
@@ -190,27 +195,53 @@ async def _chat_events(
 async def completions(request: CompletionRequest, raw_request: Request):
     s = get_serving(raw_request)
     s.check_model(request.model)
-    prompt_ids = await s.encode_prompt(request.prompt)
+    prompts = [await s.encode_prompt(prompt, request.add_special_tokens) for prompt in request.prompts]
     params = s.sampling_params(request.sampling_fields())
-    rid = f"cmpl-{uuid.uuid4().hex}"
-    streams = await s.generate_choices(engine_request_id(caller_of(raw_request).tenant, rid), prompt_ids, params, request.n)
+    rid = f"cmpl-{request.request_id or uuid.uuid4().hex}"
+    engine_rid = engine_request_id(caller_of(raw_request).tenant, rid)
+    streams: list[AsyncIterator[RequestOutput]] = []
+    try:
+        for i, prompt_ids in enumerate(prompts):  # prompt-major: choice j of prompt i is i * n + j
+            streams += await s.generate_choices(engine_rid if len(prompts) == 1 else f"{engine_rid}-p{i}", prompt_ids, params, request.n)
+    except BaseException:
+        for stream in streams:
+            await stream.aclose()  # type: ignore[attr-defined]
+        raise
+    echoes = [await _echo(s, prompt, ids) if request.echo else None for prompt, ids in zip(request.prompts, prompts)
+              for _ in range(request.n)]
     if request.stream:
-        return sse_response(_completion_events(s, request, rid, streams))
+        return sse_response(_completion_events(s, request, rid, streams, echoes))
     results = await collect_choices(streams)
-    choices = [
-        CompletionChoice(
+    choices = []
+    for i, ((out, logprobs), echo) in enumerate(zip(results, echoes)):
+        entries = logprobs if params.logprobs is not None else None
+        text = out.text if echo is None else echo.text + out.text
+        choices.append(CompletionChoice(
             index=i,
-            text=out.text,
-            logprobs=_completion_logprobs(s, logprobs if params.logprobs is not None else None, 0),
+            text=text,
+            logprobs=_completion_logprobs(s, entries, 0, echo, out.prompt_logprobs),
+            prompt_logprobs=_prompt_logprobs(s, out.prompt_logprobs),
             **_finish(s, out),
-        )
-        for i, (out, logprobs) in enumerate(results)
-    ]
-    return CompletionResponse(id=rid, model=s.model_name, choices=choices, usage=Usage.of(*(out for out, _ in results)))
+        ))
+    outs = [out for out, _ in results]
+    return CompletionResponse(id=rid, model=s.model_name, choices=choices, usage=Usage.total(outs, request.n))
+
+
+@dataclasses.dataclass
+class _Echo:
+    """An echoed prompt: its text, and its tokens (for their logprobs)."""
+
+    text: str
+    token_ids: list[int]
+
+
+async def _echo(s: Serving, prompt: str | list[int], prompt_ids: list[int]) -> _Echo:
+    """As vLLM: a text prompt as it was sent, token ids decoded."""
+    return _Echo(prompt if isinstance(prompt, str) else await s.decode(prompt_ids), prompt_ids)
 
 
 async def _completion_events(
-    s: Serving, request: CompletionRequest, rid: str, streams: list[AsyncIterator[RequestOutput]]
+    s: Serving, request: CompletionRequest, rid: str, streams: list[AsyncIterator[RequestOutput]], echoes: list[_Echo | None]
 ) -> AsyncIterator[str]:
     created = int(time.time())
 
@@ -219,17 +250,21 @@ async def _completion_events(
 
     text_events = TextEvents(lambda i, text: chunk([CompletionChoice(index=i, text=text)]))
     last: dict[int, RequestOutput] = {}
+    echoed: set[int] = set()
     async with aclosing(interleave(streams)) as outputs:
         async for i, out in outputs:
             last[i] = out
-            if out.new_text and out.logprobs is None and not out.finished:  # most tokens: the chunk serialized once
+            echo = echoes[i] if i not in echoed else None
+            echoed.add(i)
+            if echo is None and out.new_text and out.logprobs is None and not out.finished:  # most tokens: the chunk serialized once
                 yield text_events(i, out.new_text)
-            elif out.new_text or out.logprobs or out.finished:
-                offset = len(out.text) - len(out.new_text)
-                logprobs = _completion_logprobs(s, out.logprobs, offset)
-                yield sse(chunk([CompletionChoice(index=i, text=out.new_text, logprobs=logprobs, **_finish(s, out))]))
+            elif echo is not None or out.new_text or out.logprobs or out.finished:
+                offset = len(out.text) - len(out.new_text) + (len(echoes[i].text) if echoes[i] is not None else 0)
+                logprobs = _completion_logprobs(s, out.logprobs, offset if echo is None else 0, echo, out.prompt_logprobs)
+                text = out.new_text if echo is None else echo.text + out.new_text
+                yield sse(chunk([CompletionChoice(index=i, text=text, logprobs=logprobs, **_finish(s, out))]))
     if request.include_usage:
-        yield sse(chunk([], Usage.of(*last.values())))
+        yield sse(chunk([], Usage.total([last[i] for i in sorted(last)], request.n)))
 
 
 def _finish(s: Serving, out: RequestOutput) -> dict[str, Any]:
@@ -254,17 +289,39 @@ def _chat_logprobs(s: Serving, logprobs: list[TokenLogprob] | None) -> ChatLogpr
     return ChatLogprobs(content=content)
 
 
-def _completion_logprobs(s: Serving, logprobs: list[TokenLogprob] | None, offset: int) -> CompletionLogprobs | None:
+def _completion_logprobs(
+    s: Serving, logprobs: list[TokenLogprob] | None, offset: int, echo: _Echo | None = None,
+    prompt_logprobs: list[TokenLogprob | None] | None = None,
+) -> CompletionLogprobs | None:
+    """OpenAI's logprobs of a completion's tokens; with an echoed prompt, the prompt's tokens first
+    and their `prompt_logprobs` (the first token has none), as vLLM."""
     if logprobs is None:
         return None
-    tokens = [s.token_text(lp.token_id) for lp in logprobs]
+    token_ids = [lp.token_id for lp in logprobs]
+    entries: list[TokenLogprob | None] = list(logprobs)
+    if echo is not None and prompt_logprobs is not None:
+        token_ids, entries = echo.token_ids + token_ids, [*prompt_logprobs, *entries]
+    tokens = [s.token_text(t) for t in token_ids]
     offsets = []
     for token in tokens:
         offsets.append(offset)
         offset += len(token)
     return CompletionLogprobs(
         tokens=tokens,
-        token_logprobs=[lp.logprob for lp in logprobs],
-        top_logprobs=[{s.token_text(t): v for t, v in lp.top} for lp in logprobs],
+        token_logprobs=[lp.logprob if lp is not None else None for lp in entries],
+        top_logprobs=[{s.token_text(t): v for t, v in lp.top} if lp is not None else None for lp in entries],
         text_offset=offsets,
     )
+
+
+def _prompt_logprobs(s: Serving, logprobs: list[TokenLogprob | None] | None) -> PromptLogprobs | None:
+    """vLLM's `prompt_logprobs`: per prompt token (none for the first), its own and the top ones."""
+    if logprobs is None:
+        return None
+    result: PromptLogprobs = [None]
+    for lp in logprobs[1:]:
+        assert lp is not None, "every prompt token but the first has a logprob"
+        entry = {t: PromptLogprob(logprob=v, rank=rank, decoded_token=s.token_text(t)) for rank, (t, v) in enumerate(lp.top, 1)}
+        entry.setdefault(lp.token_id, PromptLogprob(logprob=lp.logprob, rank=lp.rank, decoded_token=s.token_text(lp.token_id)))
+        result.append(entry)
+    return result

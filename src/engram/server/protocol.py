@@ -1,9 +1,11 @@
 """Request and response bodies: OpenAI's (chat, completions, models) and SGLang's (`/generate`).
 
-Requests validate strictly (no "5" for 5) and ignore unknown fields, except SGLang's
-`sampling_params`, where an unknown key is usually a misspelled one (`max_tokens` for
-`max_new_tokens`) and is refused. Each request maps its fields to `SamplingParams` names in
-`sampling_fields()`; `None` means "the engine's default".
+Requests validate strictly (no "5" for 5). OpenAI's bodies ignore unknown fields, as vLLM does;
+every field vLLM knows is either honoured or refused with a 400 naming it (`_UNSUPPORTED`:
+accepted only at its no-op value). SGLang's `/generate` refuses unknown keys, at the top level and
+in `sampling_params`, where an unknown key is usually a misspelled one (`max_tokens` for
+`max_new_tokens`). Each request maps its fields to `SamplingParams` names in `sampling_fields()`;
+`None` means "the engine's default".
 """
 
 from __future__ import annotations
@@ -16,15 +18,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, 
 
 from engram.engine.request import RequestOutput, StructuredOutputsParams
 
-
-def _only_one(n: int) -> int:
-    if n != 1:
-        raise ValueError(f"only n=1 is supported, got {n}")
-    return n
-
-
-SingleChoice = Annotated[int, AfterValidator(_only_one)]
 MAX_CHOICES = 64  # OpenAI's `n`: each choice is its own engine request
+MAX_PROMPTS = 64  # a batch of prompts on /v1/completions, /generate and /v1/embeddings
 # vLLM's older constrained-decoding fields and SGLang's (on OpenAI routes: regex, ebnf): the
 # structured-outputs key each one stands for.
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar",
@@ -38,8 +33,43 @@ LogitBias = dict[Annotated[int, Strict(False)], float]
 IDEMPOTENCY_KEY_PATTERN = r"[\x21-\x7e]{1,256}"  # visible ASCII, as a header value can carry it
 
 
+def is_prompt_batch(prompt: Any) -> bool:
+    """A list of strings or of token-id lists, not one prompt (a string or token ids; [] is an empty one)."""
+    return isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
+
+
+def prompt_batch(prompt: Any) -> Any:
+    """A request's prompts: its batch, or its one prompt in a list."""
+    return prompt if is_prompt_batch(prompt) else [prompt]
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(strict=True)
+    # Keys of the peers' bodies that this server does not honour: accepted only at their no-op value
+    # (key: that value; None too), then dropped, else refused naming them.
+    _UNSUPPORTED: ClassVar[dict[str, Any]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_unsupported_features(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not cls._UNSUPPORTED:
+            return data
+        used = [name for name, no_op in cls._UNSUPPORTED.items() if data.get(name) not in (None, no_op)]
+        if used:
+            raise ValueError(f"{', '.join(used)}: not supported by this server")
+        return {key: value for key, value in data.items() if key not in cls._UNSUPPORTED}
+
+
+def _refused(why: str) -> Any:
+    """A field that is refused whenever it is given, for the reason `why` (given in the error)."""
+    def check(value: Any) -> Any:
+        if value is not None:
+            raise ValueError(why)
+        return value
+    return Annotated[Any, AfterValidator(check)]
+
+
+ConversationIdElsewhere = _refused("server-side conversations are on /v1/chat/completions")
 
 
 # ---- OpenAI requests ------------------------------------------------------------------------
@@ -105,7 +135,7 @@ def only_one_constraint(found: list[StructuredOutputsParams]) -> StructuredOutpu
 
 
 class _OpenAIRequest(_Request):
-    model: str
+    model: str | None = None  # None: the served model
     temperature: float | None = None
     top_p: float | None = None
     n: int = Field(default=1, ge=1, le=MAX_CHOICES)
@@ -135,12 +165,18 @@ class _OpenAIRequest(_Request):
     ebnf: str | None = None
     json_schema: Any = None  # SGLang's /generate name; refused here, where response_format says it
     _structured: StructuredOutputsParams | None = PrivateAttr(default=None)
-    # vLLM's features this server lacks, refused unless they ask for nothing (field: its no-op value)
-    min_tokens: Any = None
-    prompt_logprobs: Any = None
-    use_beam_search: Any = None
-    best_of: Any = None
-    _UNSUPPORTED: ClassVar[dict[str, Any]] = {"min_tokens": 0, "prompt_logprobs": None, "use_beam_search": False}
+    min_tokens: int | None = Field(default=None, ge=0)
+    prompt_logprobs: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    request_id: str | None = Field(default=None, min_length=1, max_length=256)  # the response's id, as vLLM
+    user: str | None = None  # OpenAI's end-user tag: vLLM takes it and does nothing with it, nor does this server
+    best_of: int | None = None  # only as many as n
+    # vLLM's features this server lacks
+    _UNSUPPORTED: ClassVar[dict[str, Any]] = {
+        "use_beam_search": False, "length_penalty": 1.0, "truncate_prompt_tokens": None, "spaces_between_special_tokens": True,
+        "logits_processors": None, "return_tokens_as_token_ids": False, "return_token_ids": False, "priority": 0,
+        "cache_salt": None, "kv_transfer_params": None, "vllm_xargs": None, "mm_processor_kwargs": None}
 
     @model_validator(mode="after")
     def _one_output_constraint(self) -> _OpenAIRequest:
@@ -155,12 +191,11 @@ class _OpenAIRequest(_Request):
         return self
 
     @model_validator(mode="after")
-    def _no_unsupported_features(self) -> _OpenAIRequest:
-        used = [name for name, no_op in self._UNSUPPORTED.items() if getattr(self, name) not in (None, no_op)]
+    def _best_of_is_n(self) -> _OpenAIRequest:
         if self.best_of not in (None, self.n):
-            used.append("best_of")
-        if used:
-            raise ValueError(f"{', '.join(used)}: not supported by this server")
+            raise ValueError("best_of: not supported by this server (unless equal to n)")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs: not available with stream=true (as vLLM)")
         return self
 
     @property
@@ -169,7 +204,8 @@ class _OpenAIRequest(_Request):
 
     def _common_fields(self) -> dict[str, Any]:
         names = ("temperature", "top_p", "stop", "seed", "frequency_penalty", "presence_penalty", "logit_bias", "top_k",
-                 "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens", "include_stop_str_in_output")
+                 "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens", "include_stop_str_in_output",
+                 "min_tokens", "prompt_logprobs", "allowed_token_ids", "bad_words")
         return {**{name: getattr(self, name) for name in names}, "structured_outputs": self._structured}
 
 
@@ -216,7 +252,27 @@ class _ChatTemplateOptions(_Request):
         return options
 
 
-class ChatCompletionRequest(_OpenAIRequest, _ChatTemplateOptions):
+class _ChatExtras(_Request):
+    """vLLM's chat fields beyond the template options that this server does not honour."""
+
+    chat_template: str | None = None
+    echo: bool | None = None
+    add_special_tokens: bool | None = None
+    documents: list[dict[str, Any]] | None = None
+
+    @model_validator(mode="after")
+    def _no_own_template(self) -> _ChatExtras:
+        if self.chat_template is not None:
+            raise ValueError("chat_template: a request's own chat template is refused (as vLLM does without "
+                             "--trust-request-chat-template); the checkpoint's template renders the messages")
+        used = [name for name, no_op in (("echo", False), ("add_special_tokens", False)) if getattr(self, name) not in (None, no_op)]
+        used += ["documents"] if self.documents is not None else []
+        if used:
+            raise ValueError(f"{', '.join(used)}: not supported by this server")
+        return self
+
+
+class ChatCompletionRequest(_OpenAIRequest, _ChatTemplateOptions, _ChatExtras):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -272,15 +328,29 @@ class ChatCompletionRequest(_OpenAIRequest, _ChatTemplateOptions):
 
 
 class CompletionRequest(_OpenAIRequest):
-    prompt: str | list[int]
-    max_tokens: int | None = Field(default=16, ge=1)
+    # one prompt (text or token ids) or a batch of them: the choices are prompt-major (prompt i, choice j: i * n + j)
+    prompt: str | list[int] | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)] \
+        | Annotated[list[list[int]], Field(min_length=1, max_length=MAX_PROMPTS)]
+    max_tokens: int | None = Field(default=16, ge=0)
     logprobs: int | None = None
-    echo: Any = None
-    suffix: Any = None
-    _UNSUPPORTED: ClassVar[dict[str, Any]] = {**_OpenAIRequest._UNSUPPORTED, "echo": False, "suffix": None}
+    echo: bool = False  # the prompt before the completion (with logprobs: its tokens' logprobs first)
+    add_special_tokens: bool = True
+    conversation_id: ConversationIdElsewhere = None
+    _UNSUPPORTED: ClassVar[dict[str, Any]] = {**_OpenAIRequest._UNSUPPORTED, "suffix": None}
+
+    @model_validator(mode="after")
+    def _nothing_to_answer(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens: 0 generates nothing; it is for echo=true (the prompt's logprobs)")
+        return self
+
+    @property
+    def prompts(self) -> list[str] | list[list[int]]:
+        return prompt_batch(self.prompt)
 
     def sampling_fields(self) -> dict[str, Any]:
-        return {**self._common_fields(), "max_tokens": self.max_tokens, "logprobs": self.logprobs}
+        prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else self.prompt_logprobs
+        return {**self._common_fields(), "max_tokens": self.max_tokens, "logprobs": self.logprobs, "prompt_logprobs": prompt_logprobs}
 
 
 class TokenizeRequest(_ChatTemplateOptions):
@@ -324,6 +394,15 @@ class Usage(BaseModel):
         return cls(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                    prompt_tokens_details=PromptTokensDetails(cached_tokens=outs[0].num_cached_tokens))
 
+    @classmethod
+    def total(cls, outs: list[RequestOutput], n: int) -> Usage:
+        """The usage of a batch of prompts, n choices each (prompt-major)."""
+        parts = [cls.of(*outs[i : i + n]) for i in range(0, len(outs), n)]
+        prompt, completion = sum(u.prompt_tokens for u in parts), sum(u.completion_tokens for u in parts)
+        cached = sum(u.prompt_tokens_details.cached_tokens for u in parts)
+        return cls(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
 
 class TopLogprob(BaseModel):
     token: str
@@ -341,9 +420,20 @@ class ChatLogprobs(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # None: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's entry of a token in `prompt_logprobs`."""
+
+    logprob: float
+    rank: int | None = None  # 1 for the most likely token
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[int, PromptLogprob] | None]  # per prompt token: token id -> entry (None for the first)
 
 
 class AssistantMessage(BaseModel):
@@ -382,6 +472,14 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop string or token id that ended it (None for EOS, as vLLM)
+    prompt_logprobs: PromptLogprobs | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unasked(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("prompt_logprobs") is None:
+            data.pop("prompt_logprobs", None)
+        return data
 
 
 class _Response(BaseModel):
@@ -397,11 +495,12 @@ class ConversationFields(BaseModel):
     branch: str | None = None
     turn: int | None = None
     epoch: str | None = None  # the server's, new at every start: a client sees a restart
+    _DROP_IF_UNSET: ClassVar[tuple[str, ...]] = ("conversation_id", "branch", "turn", "epoch")
 
     @model_serializer(mode="wrap")
     def _drop_unset_conversation(self, handler: Any) -> dict[str, Any]:
         data = handler(self)
-        for key in ("conversation_id", "branch", "turn", "epoch"):
+        for key in self._DROP_IF_UNSET:
             if data.get(key) is None:
                 data.pop(key, None)
         return data
@@ -411,6 +510,8 @@ class ChatCompletionResponse(_Response, ConversationFields):
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None
+    _DROP_IF_UNSET: ClassVar[tuple[str, ...]] = (*ConversationFields._DROP_IF_UNSET, "prompt_logprobs")
 
 
 class ChatCompletionChunk(_Response, ConversationFields):
@@ -449,6 +550,40 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class EmbeddingRequest(_Request):
+    """OpenAI's `/v1/embeddings`: the mean of each input's last hidden states."""
+
+    model: str | None = None
+    input: str | list[int] | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)] \
+        | Annotated[list[list[int]], Field(min_length=1, max_length=MAX_PROMPTS)]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None  # only the model's own (an embedding is not truncated)
+    user: str | None = None  # as on the other routes: taken, no effect
+    conversation_id: ConversationIdElsewhere = None
+
+    @property
+    def inputs(self) -> list[str] | list[list[int]]:
+        return prompt_batch(self.input)
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str  # str: base64 of little-endian float32
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
+
+
 # ---- SGLang-native --------------------------------------------------------------------------
 
 
@@ -470,7 +605,8 @@ class NativeSamplingParams(_Request):
     no_stop_trim: bool | None = None  # SGLang's include_stop_str_in_output
     sampling_seed: int | None = None
     logit_bias: LogitBias | None = None
-    n: SingleChoice = 1
+    min_new_tokens: int | None = Field(default=None, ge=0)
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)  # results for a prompt: prompt-major in a batch, as SGLang
     # SGLang's structured outputs (at most one): a JSON schema (its JSON text), a regex, an EBNF grammar
     json_schema: str | dict[str, Any] | None = None
     regex: str | None = None
@@ -497,28 +633,57 @@ class AbortRequest(_Request):
         return self
 
 
+Rid = Annotated[str, Field(min_length=1, max_length=256)]
+
+
 class GenerateRequest(_Request):
-    text: str | None = None
-    input_ids: list[int] | None = None
+    """SGLang's `/generate`: one prompt or a batch (a list of texts or of token-id lists), whose
+    results come as a list, prompt-major with sampling_params.n each."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    model: str | None = None  # not SGLang's, but clients of both APIs send it: the served model, if given
+    text: str | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)] | None = None
+    input_ids: list[int] | Annotated[list[list[int]], Field(min_length=1, max_length=MAX_PROMPTS)] | None = None
     sampling_params: NativeSamplingParams = Field(default_factory=NativeSamplingParams)
     stream: bool = False
-    rid: str | None = Field(default=None, min_length=1, max_length=256)
+    rid: Rid | list[Rid] | None = None  # a batch's: one per prompt
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False
+    conversation_id: ConversationIdElsewhere = None
+    # SGLang's fields this server lacks
+    _UNSUPPORTED: ClassVar[dict[str, Any]] = {
+        "lora_path": None, "lora_id": None, "custom_logit_processor": None, "input_embeds": None, "image_data": None,
+        "audio_data": None, "video_data": None, "session_params": None, "return_hidden_states": False,
+        "logprob_start_len": -1, "token_ids_logprob": None, "data_parallel_rank": None, "bootstrap_host": None,
+        "bootstrap_room": None}
 
     @model_validator(mode="after")
     def _one_prompt(self) -> GenerateRequest:
         if (self.text is None) == (self.input_ids is None):
             raise ValueError("give exactly one of text and input_ids")
+        if isinstance(self.rid, list) and (not self.is_batch or len(self.rid) != len(self.prompts)):
+            raise ValueError("rid: a list of rids is for a batch, one per prompt")
         return self
+
+    @property
+    def is_batch(self) -> bool:
+        """A list of prompts: the response is a list too."""
+        return is_prompt_batch(self.text if self.text is not None else self.input_ids)
+
+    @property
+    def prompts(self) -> list[str] | list[list[int]]:
+        return prompt_batch(self.text if self.text is not None else self.input_ids)
 
     def sampling_fields(self) -> dict[str, Any]:
         fields = self.sampling_params.model_dump(
-            exclude={"max_new_tokens", "sampling_seed", "no_stop_trim", "n", "json_schema", "regex", "ebnf"})
+            exclude={"max_new_tokens", "sampling_seed", "no_stop_trim", "n", "json_schema", "regex", "ebnf", "min_new_tokens"})
         return {
             **fields,
             "structured_outputs": self.sampling_params._structured,
             "max_tokens": self.sampling_params.max_new_tokens,
+            "min_tokens": self.sampling_params.min_new_tokens,
             "seed": self.sampling_params.sampling_seed,
             "include_stop_str_in_output": self.sampling_params.no_stop_trim,
             "logprobs": self.top_logprobs_num if self.return_logprob else None,
@@ -532,8 +697,8 @@ class MetaInfo(BaseModel):
     completion_tokens: int
     cached_tokens: int
     e2e_latency: float
-    output_token_logprobs: list[tuple[float, int, None]] | None = None  # (logprob, token id, text)
-    output_top_logprobs: list[list[tuple[float, int, None]]] | None = None
+    output_token_logprobs: list[tuple[float, int, str | None]] | None = None  # (logprob, token id, text if asked)
+    output_top_logprobs: list[list[tuple[float, int, str | None]]] | None = None
 
 
 class GenerateResponse(BaseModel):
@@ -594,6 +759,12 @@ class RestoreSnapshotRequest(SnapshotSelector):
     max_new_tokens: int | None = None
     sampling_params: NativeSamplingParams = Field(default_factory=NativeSamplingParams)
     stream: bool = False
+
+    @model_validator(mode="after")
+    def _one_answer(self) -> RestoreSnapshotRequest:
+        if self.sampling_params.n != 1:
+            raise ValueError("sampling_params.n: a restored conversation continues with one answer (n must be 1)")
+        return self
 
     def sampling_fields(self) -> dict[str, Any]:
         fields = GenerateRequest(input_ids=[0], sampling_params=self.sampling_params).sampling_fields()

@@ -74,8 +74,9 @@ class Serving:
     def take_staged_state(self, tenant: str | None, rid: str) -> Any:
         return self.staged_states.pop((tenant, rid), None)
 
-    def check_model(self, name: str) -> None:
-        if name != self.model_name:
+    def check_model(self, name: str | None) -> None:
+        """A request's `model`: the served one, or None (OpenAI requires it; vLLM does not)."""
+        if name is not None and name != self.model_name:
             raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
 
@@ -134,7 +135,9 @@ class Serving:
         timer = timer or self.metrics.timer()
         if params.structured_outputs is not None and "grammar" not in kwargs:
             kwargs["grammar"] = await self.compile_grammar(params.structured_outputs)
-        cache = self.conversations.manager.prefix_cache if cache_prefix and kwargs.get("initial_state") is None else None
+        # prompt logprobs read every prompt position: nothing of the prompt may come from the cache
+        from_cache = cache_prefix and kwargs.get("initial_state") is None and params.prompt_logprobs is None
+        cache = self.conversations.manager.prefix_cache if from_cache else None
         if cache is not None and not cache.wants(len(prompt_ids)):
             cache = None
         if cache is not None:
@@ -159,7 +162,7 @@ class Serving:
         timers = [self.metrics.timer() for _ in range(n)]
         grammar = await self.compile_grammar(params.structured_outputs) if params.structured_outputs is not None else None
         state = None
-        if len(prompt_ids) >= SHARED_PREFILL_MIN_TOKENS:
+        if len(prompt_ids) >= SHARED_PREFILL_MIN_TOKENS and params.prompt_logprobs is None:
             with _bad_input_is_400():  # before computing the prefix for nothing
                 self.engine.engine.check_request(prompt_ids, params)
             state = await self._prefill_state(f"{request_id}-prompt", prompt_ids[:-1])
@@ -187,6 +190,16 @@ class Serving:
             return await asyncio.to_thread(self.engine.engine.compile_grammar, params)
         except ValueError as e:
             raise APIError(400, str(e), param=params.source) from None
+
+    async def embed(self, request_id: str, prompt_ids: list[int]) -> list[float]:
+        """The mean of the prompt's last hidden states (the engine's embedding request)."""
+        outputs = self.engine.generate(request_id, prompt_ids, SamplingParams(max_tokens=0), embed=True)
+        async with aclosing(outputs):  # closing it aborts the request (a client gone)
+            with _bad_input_is_400():
+                out, _ = await collect(outputs)
+        if out.embedding is None:  # aborted (by an admin's /abort_request)
+            raise APIError(409, "the embedding request was aborted")
+        return out.embedding
 
     async def _prefill_state(self, request_id: str, prompt_ids: list[int]) -> Any:
         """The state of a sequence after `prompt_ids` (an engine `SequenceState`), from an internal
