@@ -115,9 +115,9 @@ def import_snapshots(source: str | Path, engine: LLMEngine, manager: Conversatio
 
 def _import_turn(found: PredecessorTurn, engine: LLMEngine, manager: ConversationManager, tolerance: float,
                  request_id: Callable[[], str]) -> FileReport:
-    from engram.state.conversations import ConversationError, TurnPlan
     from engram.state.predecessor import difference
     from engram.state.snapshot import SnapshotError
+    from engram.state.turns import ConversationError, TurnPlan
 
     cid, branch, tokens = found.conversation_id, found.branch or "main", found.fill_ids
     report = FileReport(found.label, "imported", conversation_id=cid, branch=branch, predecessor_turn=found.turn_number,

@@ -1,8 +1,6 @@
-"""Conversations: branches of numbered turns, each turn's exact tokens, and where its state lives.
+"""Conversations: their records (state/turns.py) and where each turn's state lives.
 
-A turn records only what it added to its parent turn (the new prompt tokens and the model's reply
-tokens as generated, and the new messages), so a conversation's whole history is rebuilt by
-walking parent links. The record is one JSON file per conversation beside its snapshots,
+The record is one JSON file per conversation beside its snapshots,
 replaced atomically on every change. States live in the warm cache (host memory) and, per the
 trigger policy, in snapshot files; a continuation restores the nearest turn that has one.
 """
@@ -14,9 +12,7 @@ import logging
 import math
 import threading
 import time
-from collections import OrderedDict
-from dataclasses import asdict, dataclass, field
-from enum import Enum
+from dataclasses import asdict
 from pathlib import Path
 from typing import IO
 
@@ -32,7 +28,6 @@ from engram.state.snapshot import (
     RECORD_NAME,
     SnapshotCorruptError,
     SnapshotError,
-    SnapshotLinkError,
     SnapshotMeta,
     SnapshotNotFoundError,
     atomic_write,
@@ -49,194 +44,24 @@ from engram.state.snapshot import (
     validate_id,
 )
 from engram.state.store import Clock, SnapshotWriter, TierStats, WarmCache
+from engram.state.tiers import ActiveTier, SnapshotPolicy, SnapshotTrigger, TierConfig
 from engram.state.transfer import Export, read_export, write_export
+from engram.state.turns import (
+    UNUSABLE_CONVERSATION,
+    Conversation,
+    ConversationBusyError,
+    ConversationConflictError,
+    ConversationNotFoundError,
+    ConversationRecordError,
+    Turn,
+    TurnAnswer,
+    TurnMismatchError,
+    TurnPlan,
+    ref_name,
+    retain_key,
+)
 
 log = logging.getLogger(__name__)
-
-
-class ConversationError(Exception):
-    """Base of conversation failures; the message says what is wrong."""
-
-
-class ConversationNotFoundError(ConversationError):
-    pass
-
-
-class ConversationBusyError(ConversationError):
-    pass
-
-
-class ConversationConflictError(ConversationError):
-    pass
-
-
-class TurnMismatchError(ConversationConflictError):
-    """The turn the client expected to be the latest is not."""
-
-    def __init__(self, message: str, current_turn: int):
-        super().__init__(message)
-        self.current_turn = current_turn
-
-
-class ConversationRecordError(SnapshotCorruptError):
-    """A conversation record that cannot be read (the conversation is unusable until it is fixed)."""
-
-
-# A conversation whose record cannot be read or whose folder holds a link: listings and startup pass it by.
-UNUSABLE_CONVERSATION = (ConversationRecordError, SnapshotLinkError)
-
-
-class SnapshotTrigger(str, Enum):
-    EVERY_TURN = "every_turn"
-    EVERY_N_TURNS = "every_n_turns"
-    ON_TOOL_CALL = "on_tool_call"
-    MANUAL_ONLY = "manual_only"
-
-
-@dataclass(frozen=True)
-class TierConfig:
-    enabled: bool = True  # ACTIVE and WARM tiers; off: every continuation restores from its snapshot file
-    active_timeout: float = 60.0  # seconds idle before a retained engine slot is released
-    warm_timeout: float = 1800.0  # seconds idle before a host copy is dropped (the snapshot file stays)
-    cold_retention: float = 0.0  # seconds idle before a conversation and its files expire; 0: never
-    durability: str = "sync"  # sync: a turn is answered after its snapshot is on disk; async: written behind
-
-    def __post_init__(self) -> None:
-        if self.durability not in ("sync", "async"):
-            raise ValueError(f"--snapshot-durability must be sync or async, got {self.durability!r}")
-
-
-@dataclass(frozen=True)
-class SnapshotPolicy:
-    trigger: SnapshotTrigger = SnapshotTrigger.EVERY_TURN
-    every_n_turns: int = 1
-    retention_count: int = 0  # snapshots kept per branch; 0 keeps all
-
-    def wants_snapshot(self, turn: int, tool_calls: bool) -> bool:
-        if self.trigger == SnapshotTrigger.EVERY_TURN:
-            return True
-        if self.trigger == SnapshotTrigger.EVERY_N_TURNS:
-            return turn % max(1, self.every_n_turns) == 0
-        if self.trigger == SnapshotTrigger.ON_TOOL_CALL:
-            return tool_calls
-        return False
-
-
-def ref_name(branch: str, turn: int) -> str:
-    return f"{branch}/{turn:06d}"
-
-
-@dataclass
-class TurnAnswer:
-    """What the request that made a turn was answered, beyond the turn's tokens and messages: kept so
-    that a retry with the same idempotency key is answered the same."""
-
-    idempotency_key: str | None
-    finish_reason: str | None
-    stop_reason: str | int | None
-    completion_tokens: int  # the reply's tokens, at the end of the turn's new tokens (0: appended without a reply)
-    cached_tokens: int
-
-
-@dataclass
-class Turn:
-    branch: str
-    turn: int
-    parent: str | None  # ref_name of the parent turn
-    new_tokens: list[int]  # tokens added to the parent's history: new prompt part + reply as generated
-    new_messages: list[dict]  # messages added: the request's new messages + the assistant reply
-    state_len: int  # tokens of the full history the turn's state has consumed
-    created_at: float = field(default_factory=time.time)
-    tool_calls: bool = False
-    snapshot: bool = False  # a snapshot file holds this turn's state
-    answer: TurnAnswer | None = None  # None: recorded before answers were (or not through the server)
-
-    def __post_init__(self) -> None:
-        if isinstance(self.answer, dict):  # read from a record
-            self.answer = TurnAnswer(**self.answer)
-
-    @property
-    def ref(self) -> str:
-        return ref_name(self.branch, self.turn)
-
-    @property
-    def reply(self) -> bool:
-        """Whether its messages end with the model's reply (not so for one appended with max_tokens 0)."""
-        return self.answer is None or self.answer.completion_tokens > 0
-
-
-@dataclass
-class Conversation:
-    conversation_id: str
-    turns: dict[str, Turn] = field(default_factory=dict)
-    created_at: float = field(default_factory=time.time)
-    owner: str | None = None  # the tenant that made it; None: made without one (seen only by callers who see all)
-
-    def visible_to(self, tenant: str | None) -> bool:
-        """Whether `tenant` may touch it; None: a caller who sees every conversation."""
-        return tenant is None or tenant == self.owner
-
-    def latest(self, branch: str) -> Turn | None:
-        own = [t for t in self.turns.values() if t.branch == branch]
-        return max(own, key=lambda t: t.turn, default=None)
-
-    def chain(self, turn: Turn | None) -> list[Turn]:
-        """The turns from the first to `turn`, following parent links across branches."""
-        out = []
-        while turn is not None:
-            out.append(turn)
-            turn = self.turns[turn.parent] if turn.parent else None
-        return out[::-1]
-
-    def tokens(self, turn: Turn | None) -> list[int]:
-        return [t for step in self.chain(turn) for t in step.new_tokens]
-
-    def messages(self, turn: Turn | None) -> list[dict]:
-        return [m for step in self.chain(turn) for m in step.new_messages]
-
-    def branches(self) -> list[str]:
-        return sorted({t.branch for t in self.turns.values()})
-
-    def made_by(self, idempotency_key: str) -> Turn | None:
-        """The turn the request with this idempotency key made."""
-        return next((t for t in self.turns.values() if t.answer is not None and t.answer.idempotency_key == idempotency_key), None)
-
-    def to_json(self) -> dict:
-        return {"conversation_id": self.conversation_id, "created_at": self.created_at, "owner": self.owner,
-                "turns": [asdict(t) for t in self.turns.values()]}
-
-    @classmethod
-    def from_json(cls, data: dict) -> Conversation:
-        turns = [Turn(**t) for t in data["turns"]]
-        return cls(data["conversation_id"], {t.ref: t for t in turns}, data.get("created_at", time.time()), data.get("owner"))
-
-
-@dataclass
-class TurnPlan:
-    """What a new turn starts from: the base turn's exact history and the nearest saved state."""
-
-    conversation_id: str
-    branch: str
-    turn: int  # the number the new turn will get
-    parent: str | None
-    history_tokens: list[int]
-    history_messages: list[dict]
-    state: SequenceState | None
-    state_tier: str | None  # "active", "warm" or "cold"; None: the whole history is prefilled
-    resume_key: str | None = None  # the engine slot still holding the base turn's state, if any
-    load_seconds: float = 0.0  # time spent reading and verifying a snapshot file
-    idempotency_key: str | None = None  # the request's, recorded with the turn
-    history_ends_with_reply: bool = False  # the base turn's messages end with the model's reply
-    forked_from: str | None = None  # "<conversation>@<ref>": the first turn of a conversation that starts from another's turn
-
-    @property
-    def ref(self) -> str:
-        return ref_name(self.branch, self.turn)
-
-
-def retain_key(conversation_id: str, ref: str) -> str:
-    """The engine's name for the slot that holds a turn's state (the ACTIVE tier)."""
-    return f"{conversation_id}@{ref}"
 
 
 class ConversationManager:
@@ -277,7 +102,7 @@ class ConversationManager:
         self.warm.clock = clock
         self.warm.on_evict = self._evicted
         self.stats = TierStats()
-        self.active: OrderedDict[tuple[str, str], float] = OrderedDict()  # (conversation, ref) -> last use
+        self.active = ActiveTier()
         self.last_used: dict[str, float] = {}  # conversation -> last use (for cold expiry)
         self._next_expiry_scan = 0.0
         self.writer = SnapshotWriter() if tiers.durability == "async" and self.root is not None else None
@@ -288,7 +113,6 @@ class ConversationManager:
         self._busy: dict[str, str | None] = {}  # conversation -> the idempotency key of its request in flight
         self._unsaved_by_health: set[tuple[str, str]] = set()  # turns whose state the health policy kept off disk
         self._unrecorded: set[str] = set()  # async: conversations whose answered turns a failed record write left out
-        self._pending_release: list[str] = []  # engine slots of forgotten turns, handed out by `maintain`
         self._lock = threading.RLock()
 
     def _count(self, family: str, key: str) -> None:
@@ -439,7 +263,7 @@ class ConversationManager:
             self._busy[conversation_id] = idempotency_key
             self.last_used[conversation_id] = self.clock()
             adoptable = base is not None and source is conv and not self.health.refuses(self.quarantine, conversation_id, base.ref)
-            active_since = self.active.pop((conversation_id, base.ref), None) if adoptable else None
+            active_since = self.active.claim(conversation_id, base.ref) if adoptable else None
         try:
             started = time.perf_counter()
             state, tier = self._nearest_state(source, base)
@@ -447,7 +271,7 @@ class ConversationManager:
         except BaseException:
             with self._lock:
                 if active_since is not None:
-                    self.active[(conversation_id, base.ref)] = active_since
+                    self.active.unclaim(conversation_id, base.ref, active_since)
             self.release(conversation_id)
             raise
         resume_key = None
@@ -547,9 +371,7 @@ class ConversationManager:
                 for t in replaced:
                     self._forget_turn(conv, t)
                 conv.turns[turn.ref] = turn
-                key = retain_key(plan.conversation_id, turn.ref)
-                if key in self._pending_release:  # a forgotten turn's key, now naming this turn's slot
-                    self._pending_release.remove(key)
+                self.active.renamed(plan.conversation_id, turn.ref)  # a forgotten turn's key, now naming this turn's slot
                 now = self.clock()
                 self.last_used[plan.conversation_id] = now
                 wanted = state is not None and self.persistent and self.policy.wants_snapshot(turn.turn, tool_calls)
@@ -561,7 +383,7 @@ class ConversationManager:
                     if state.nbytes > self.warm.max_bytes:  # it cannot stay in memory: written now, as any state leaving it
                         wanted = wanted or self._written_on_leaving_memory(plan.conversation_id, turn.ref)
                     self.warm.put(plan.conversation_id, turn.ref, state)
-                    self.active[(plan.conversation_id, turn.ref)] = now
+                    self.active.keep(plan.conversation_id, turn.ref, now)
             job = lambda: self._commit(conv, turn, state if wanted else None, recorded)  # noqa: E731
             if self.writer is not None:
                 self.writer.submit(job)
@@ -591,8 +413,7 @@ class ConversationManager:
         try:
             self._persist(Conversation(conv.conversation_id, {**turns, turn.ref: turn}, conv.created_at))
         except OSError:
-            self.active.pop((conv.conversation_id, turn.ref), None)
-            self._pending_release.append(retain_key(conv.conversation_id, turn.ref))
+            self.active.hand_back(conv.conversation_id, turn.ref)
             raise
 
     def _commit(self, conv: Conversation, turn: Turn, state: SequenceState | None, recorded: bool = False) -> None:
@@ -867,8 +688,7 @@ class ConversationManager:
 
     def _forget_turn(self, conv: Conversation, turn: Turn) -> None:
         self.warm.drop(conv.conversation_id, turn.ref)
-        if self.active.pop((conv.conversation_id, turn.ref), None) is not None:
-            self._pending_release.append(retain_key(conv.conversation_id, turn.ref))
+        self.active.forget(conv.conversation_id, turn.ref)
         self._unsaved_by_health.discard((conv.conversation_id, turn.ref))
         self.quarantine.release(conv.conversation_id, turn.ref)
         if turn.snapshot and self.persistent:
@@ -883,11 +703,7 @@ class ConversationManager:
         idle past the cold retention. Run periodically."""
         now = self.clock()
         with self._lock:
-            for (cid, ref), used in list(self.active.items()):
-                if now - used > self.tiers.active_timeout:
-                    del self.active[(cid, ref)]
-                    self._pending_release.append(retain_key(cid, ref))
-                    self._count("demotions", "active_to_warm")
+            self.stats.demotions["active_to_warm"] += self.active.demote_idle(now - self.tiers.active_timeout)
             for cid, ref in self.warm.idle(now - self.tiers.warm_timeout):
                 if cid in self._busy:
                     continue
@@ -906,7 +722,7 @@ class ConversationManager:
                             log.warning("not expiring conversation %r: %s", cid, e)
                             continue
                         self.stats.expired_conversations += 1
-            release, self._pending_release = self._pending_release, []
+            release = self.active.take_released()
             sweep = self.store is not None and self._sweep_due and now >= self._next_sweep
             if sweep:
                 self._sweep_due, self._next_sweep = False, now + 60.0
