@@ -7,6 +7,7 @@ trigger policy, in snapshot files; a continuation restores the nearest turn that
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -17,10 +18,11 @@ from pathlib import Path
 from typing import IO
 
 from engram.models.spec import ModelSpec
-from engram.state.chunks import DEFAULT_CHUNK_TOKENS, ORPHAN_GRACE_S, ChunkStore, PrefixHasher, StoredState
+from engram.state.chunks import DEFAULT_CHUNK_TOKENS, ORPHAN_GRACE_S, PrefixHasher, StoredState
+from engram.state.cold import ColdStore, FilesystemColdStore
 from engram.state.health import HealthMonitor, Quarantine
 from engram.state.identity import ModelIdentity
-from engram.state.manifest import load_turn, save_turn, stored_state, turn_file, turn_tokens
+from engram.state.manifest import stored_state
 from engram.state.prefix_cache import PrefixCache
 from engram.state.sequence_state import SequenceState, StateDtypes
 from engram.state.snapshot import (
@@ -33,11 +35,8 @@ from engram.state.snapshot import (
     atomic_write,
     check_no_links,
     check_no_links_under,
-    delete_snapshot,
     dtype_names,
     is_stale_temp_file,
-    list_snapshots,
-    read_manifest,
     read_no_follow,
     reason_without_paths,
     snapshot_label,
@@ -89,7 +88,9 @@ class ConversationManager:
         identity = json.dumps({"model": asdict(model), "tokenizer": tokenizer_sha256, "layout": spec.layout(), "dtypes": dtype_names(dtypes)},
                               sort_keys=True).encode()
         hasher = PrefixHasher(identity, chunk_tokens)
-        self.store = ChunkStore(self.root, spec, dtypes, hasher) if self.root is not None else None
+        self.store: ColdStore | None = (
+            FilesystemColdStore(self.root, spec, dtypes, hasher, model, tokenizer_sha256) if self.root is not None else None
+        )
         # States after whole prompts, for requests of no conversation (0 bytes: prefix caching off).
         self.prefix_cache = PrefixCache(hasher, prefix_cache_bytes, prefix_cache_min_tokens) if prefix_cache_bytes > 0 else None
         self._stored: dict[tuple[str, str], StoredState] = {}  # (conversation, ref) -> its snapshot's store references
@@ -153,11 +154,11 @@ class ConversationManager:
         """Delete snapshot files the record does not point at: a crash between a snapshot's commit
         and its record's leaves one, for a turn that was never recorded (so never answered under
         sync durability)."""
-        recorded = {turn_file(self.root, conv.conversation_id, t.branch, t.turn) for t in conv.turns.values() if t.snapshot}
-        for entry in list_snapshots(self.root, conv.conversation_id):
-            if Path(entry["path"]) not in recorded:
+        recorded = {self._locate(conv.conversation_id, t) for t in conv.turns.values() if t.snapshot}
+        for entry in self.store.snapshots(conv.conversation_id):
+            if entry["path"] not in recorded:
                 log.warning("removing snapshot %s: its conversation record does not list it (left by a crash)", entry["path"])
-                delete_snapshot(entry["path"])
+                self.store.delete(entry["path"])
                 self._sweep_due = True
         for path in self._record_path(conv.conversation_id).parent.rglob(".*.tmp-*"):
             if is_stale_temp_file(path):
@@ -490,9 +491,11 @@ class ConversationManager:
         """The store references of a turn's snapshot (None for a v1 file), from memory or its manifest."""
         stored = self._stored.get((conversation_id, turn.ref))
         if stored is None:
-            path = turn_file(self.root, conversation_id, turn.branch, turn.turn)
-            stored = stored_state(read_manifest(path), snapshot_label(path))
+            stored = self.store.references(self._locate(conversation_id, turn))
         return stored
+
+    def _locate(self, conversation_id: str, turn: Turn) -> str:
+        return self.store.locate(conversation_id, turn.branch, turn.turn)
 
     def _save_file(self, conv: Conversation, turn: Turn, state: SequenceState, base: StoredState | None) -> None:
         """Write the turn's snapshot (counted and timed): the store files its base lacks, then its
@@ -500,7 +503,7 @@ class ConversationManager:
         meta = SnapshotMeta(conversation_id=conv.conversation_id, branch=turn.branch, turn=turn.turn, parent=turn.parent)
         started = time.perf_counter()
         try:
-            _, stored = save_turn(self.store, state, meta, self.model, self.tokenizer_sha256, base)
+            stored = self.store.save(state, meta, base)
         except Exception:
             with self._lock:
                 self.stats.snapshot_write_failures += 1
@@ -540,7 +543,7 @@ class ConversationManager:
         self._stored.pop((conversation_id, turn.ref), None)
         self._sweep_due = True
         try:
-            delete_snapshot(turn_file(self.root, conversation_id, turn.branch, turn.turn))
+            self.store.delete(self._locate(conversation_id, turn))
         except SnapshotNotFoundError:
             pass
 
@@ -565,7 +568,7 @@ class ConversationManager:
                 self._persist_and_prune(conv, target.branch)
             return target
 
-    def _check_belongs(self, manifest: dict, path: Path, conv: Conversation, turn: Turn) -> None:
+    def _check_belongs(self, manifest: dict, path: str, conv: Conversation, turn: Turn) -> None:
         """Raise SnapshotCorruptError unless the file's manifest names this conversation's turn
         and the state length its record holds (the checksum covers the tensors, not the manifest)."""
         named = (manifest.get("conversation_id"), manifest.get("branch"), manifest.get("turn"), manifest.get("state_len"))
@@ -579,8 +582,8 @@ class ConversationManager:
         """Load and verify the turn's snapshot, which must hold its recorded history's tokens."""
         self._require_persistence()
         conv = self.require(conversation_id)
-        path = turn_file(self.root, conversation_id, turn.branch, turn.turn)
-        state, manifest = load_turn(self.store, path, self.spec, self.dtypes, self.model, self.tokenizer_sha256)
+        path = self._locate(conversation_id, turn)
+        state, manifest = self.store.load(path)
         self._check_belongs(manifest, path, conv, turn)
         stored = stored_state(manifest, snapshot_label(path))
         if stored is not None:
@@ -613,16 +616,16 @@ class ConversationManager:
 
     def snapshot_manifest(self, conversation_id: str, turn: Turn) -> dict:
         self._require_persistence()
-        path = turn_file(self.root, conversation_id, turn.branch, turn.turn)
-        if not turn.snapshot or not path.is_file():
+        path = self._locate(conversation_id, turn)
+        if not turn.snapshot or not self.store.exists(path):
             raise SnapshotNotFoundError(f"turn {turn.ref} of conversation {conversation_id!r} has no snapshot")
-        manifest = read_manifest(path)
+        manifest = self.store.manifest(path)
         self._check_belongs(manifest, path, self.require(conversation_id), turn)
-        return {**manifest, "path": str(path)}
+        return {**manifest, "path": path}
 
     def snapshot_tokens(self, manifest: dict) -> list[int]:
         """The token ids a snapshot covers (its `fill_ids`), read without the state tensors."""
-        return turn_tokens(self.store, Path(manifest["path"]), manifest)
+        return self.store.tokens(manifest)
 
     def load_into_warm(self, conversation_id: str, turn: Turn) -> SequenceState:
         """The turn's state, from the warm cache or its verified snapshot file (then kept warm).
@@ -643,7 +646,7 @@ class ConversationManager:
     def delete_snapshot(self, conversation_id: str, branch: str, turn: int) -> None:
         self._require_persistence()
         with self._lock:
-            delete_snapshot(turn_file(self.root, conversation_id, branch, turn))
+            self.store.delete(self.store.locate(conversation_id, branch, turn))
             self._stored.pop((conversation_id, ref_name(branch, turn)), None)
             self._sweep_due = True
             conv = self.get(conversation_id)
@@ -904,17 +907,16 @@ class ConversationManager:
             conv = self.require(conversation_id, tenant)
             export = Export(record=conv.to_json())
             for t in (t for t in conv.turns.values() if t.snapshot):
-                path = turn_file(self.root, conversation_id, t.branch, t.turn)
+                location = self._locate(conversation_id, t)
                 try:
-                    data = read_no_follow(path)
+                    data = self.store.read(location)
                 except FileNotFoundError:
                     continue
-                export.turns[f"turns/{t.branch}/{t.turn:06d}{path.suffix}"] = data
-                stored = stored_state(json.loads(data), snapshot_label(path)) if path.suffix == ".json" else None
-                for p in stored.pieces if stored is not None else ():
-                    export.store_files[f"store/kv/{p.key}.safetensors"] = str(self.store.piece_path(p.key))
+                suffix = Path(location).suffix
+                export.turns[f"turns/{t.branch}/{t.turn:06d}{suffix}"] = data
+                stored = stored_state(json.loads(data), snapshot_label(location)) if suffix == ".json" else None
                 if stored is not None:
-                    export.store_files[f"store/ckpt/{stored.checkpoint}.safetensors"] = str(self.store.checkpoint_path(stored.checkpoint))
+                    export.store_files.update(self.store.store_members(stored))
         write_export(export, out)
 
     def import_conversation(self, src: IO[bytes], tenant: str | None, conversation_id: str | None = None) -> Conversation:
@@ -931,7 +933,7 @@ class ConversationManager:
                 snapshots[ref_name(validate_id(branch, "branch"), number)] = (suffix, data)
             else:
                 store_kind, key, stream = item
-                self.store.adopt_file(store_kind, key, stream)
+                self.store.adopt(store_kind, key, stream)
         try:
             conv = Conversation.from_json(record)
         except (TypeError, KeyError, ValueError, AttributeError) as e:
@@ -947,7 +949,7 @@ class ConversationManager:
                 raise ConversationConflictError(f"conversation {cid!r} exists already; import it under another conversation_id")
             self._busy[cid] = None
             self._conversations[cid] = conv
-        written: list[Path] = []
+        written: list[tuple[str, str]] = []  # (location, ref)
         try:
             for t in (t for t in conv.turns.values() if t.snapshot):
                 suffix, data = snapshots[t.ref]
@@ -955,18 +957,19 @@ class ConversationManager:
                     manifest = json.loads(data)
                     manifest["conversation_id"] = cid
                     data = json.dumps(manifest, sort_keys=True).encode()
-                path = turn_file(self.root, cid, t.branch, t.turn).with_suffix("." + suffix)
-                atomic_write(path, data)
-                written.append(path)
+                location = self.store.locate(cid, t.branch, t.turn, suffix)
+                self.store.write(location, data)
+                written.append((location, t.ref))
                 self._load_turn(cid, t)  # checked like any snapshot; refused whole otherwise
             with self._lock:
                 self._persist(conv)
         except BaseException:
             with self._lock:
                 self._conversations.pop(cid, None)
-                for path in written:
-                    path.unlink(missing_ok=True)
-                    self._stored.pop((cid, ref_name(path.parent.name, int(path.stem))), None)
+                for location, ref in written:
+                    with contextlib.suppress(SnapshotNotFoundError):
+                        self.store.delete(location)
+                    self._stored.pop((cid, ref), None)
                 self._sweep_due = True
             raise
         finally:
