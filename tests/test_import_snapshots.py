@@ -129,6 +129,7 @@ def test_each_file_is_imported_compared_or_refused_with_its_reason(imported):
     assert reasons["conversation_.hidden/turn_0_metadata.json"].startswith("unsafe path")
     assert reasons["conversation_link"].startswith("unsafe path")
     assert (report["imported"], report["differing"], report["refused"]) == (5, 1, 5)
+    assert all(f["snapshot"] for f in files.values() if f["status"] == "imported")
     assert "DIFFERS" in first.stdout and "5 imported (1 of them differ" in first.stdout
 
 

@@ -49,6 +49,7 @@ class FileReport:
     max_abs_diff: float | None = None  # recorded vs recomputed recurrent state
     max_rel_diff: float | None = None
     differs: bool | None = None  # max_rel_diff over the tolerance; None: nothing to compare
+    snapshot: bool = True  # False: recorded without its snapshot (the health policy or a failed write), recomputed when next used
 
     def line(self) -> str:
         if self.status == "refused":
@@ -61,7 +62,8 @@ class FileReport:
         else:
             verdict = "DIFFERS from" if self.differs else "matches"
             check = f"recorded state {verdict} the recomputed one: max |diff| {self.max_abs_diff:.3g}, relative {self.max_rel_diff:.3g}"
-        return f"{self.status:<10} {self.file} -> {where}; {check}"
+        stored = "" if self.snapshot else "; stored WITHOUT a snapshot (see the log): recomputed from its tokens when next used"
+        return f"{self.status:<10} {self.file} -> {where}; {check}{stored}"
 
 
 @dataclass
@@ -145,7 +147,7 @@ def _import_turn(found: PredecessorTurn, engine: LLMEngine, manager: Conversatio
         gap = difference(found.recorded, state.tensors)
         report.max_abs_diff, report.max_rel_diff, report.differs = gap.max_abs, gap.max_rel, not gap.within(tolerance)
     turn = manager.finish(plan, tokens, [], [], state)
-    report.turn = turn.turn
+    report.turn, report.snapshot = turn.turn, turn.snapshot
     return report
 
 
