@@ -22,11 +22,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engram.args import EngineArgs, ServerArgs, add_dataclass_args, from_namespace
+from engram.state.predecessor import PredecessorTurn, RefusedFile, difference, recorded_state, scan
+from engram.state.snapshot import SnapshotError
+from engram.state.turns import Conversation, ConversationError, Turn, TurnPlan
 
 if TYPE_CHECKING:
     from engram.engine.engine import LLMEngine
-    from engram.state.conversations import Conversation, ConversationManager, Turn
-    from engram.state.predecessor import PredecessorTurn
+    from engram.state.conversations import ConversationManager
     from engram.state.sequence_state import SequenceState
 
 # A recorded state differs when some tensor's largest difference exceeds this share of its largest
@@ -88,16 +90,10 @@ class ImportReport:
                 "refused": self.count("refused"), "differing": self.differing}
 
 
-class _Refused(Exception):
-    pass
-
-
 def import_snapshots(source: str | Path, engine: LLMEngine, manager: ConversationManager,
                      tolerance: float = DEFAULT_TOLERANCE) -> ImportReport:
     """Import every turn file under `source` into `manager`'s conversations, computing states with
     `engine` (whose model the files must be of); what was imported, unchanged or refused, per file."""
-    from engram.state.predecessor import scan
-
     root = Path(source)
     if not root.is_dir():
         raise FileNotFoundError(f"{root} is not a folder")
@@ -108,7 +104,7 @@ def import_snapshots(source: str | Path, engine: LLMEngine, manager: Conversatio
     for turn in found.turns:  # main turns before branches, each in turn order
         try:
             report.files.append(_import_turn(turn, engine, manager, tolerance, lambda: f"import-{next(requests)}"))
-        except _Refused as e:
+        except RefusedFile as e:
             report.files.append(FileReport(turn.label, "refused", str(e), turn.conversation_id, turn.branch or "main",
                                            predecessor_turn=turn.turn_number))
     report.files.sort(key=lambda f: f.file)
@@ -117,34 +113,31 @@ def import_snapshots(source: str | Path, engine: LLMEngine, manager: Conversatio
 
 def _import_turn(found: PredecessorTurn, engine: LLMEngine, manager: ConversationManager, tolerance: float,
                  request_id: Callable[[], str]) -> FileReport:
-    from engram.state.predecessor import difference
-    from engram.state.snapshot import SnapshotError
-    from engram.state.turns import ConversationError, TurnPlan
-
     cid, branch, tokens = found.conversation_id, found.branch or "main", found.fill_ids
     report = FileReport(found.label, "imported", conversation_id=cid, branch=branch, predecessor_turn=found.turn_number,
-                        tokens=len(tokens), recorded_state=found.recorded is not None)
+                        tokens=len(tokens), recorded_state=found.state_path is not None)
     try:
         conv = manager.get(cid)
         done = _holding(conv, branch, tokens) if conv is not None else None
         if done is not None:
             report.status, report.turn = "unchanged", done.turn
             return report
+        recorded = recorded_state(found, engine.spec) if found.state_path is not None else None  # before the reservation
         from_turn = _base(conv, branch, tokens) if conv is not None else None
         plan = manager.begin(cid, branch, from_turn=from_turn)
     except (ConversationError, SnapshotError) as e:
-        raise _Refused(str(e)) from e
+        raise RefusedFile(str(e)) from e
     try:
         if not isinstance(plan, TurnPlan):  # a turn made by an idempotency key: none is passed
-            raise _Refused(f"conversation {cid!r} answered with an earlier turn")
+            raise RefusedFile(f"conversation {cid!r} answered with an earlier turn")
         if plan.history_tokens != tokens[: len(plan.history_tokens)]:
-            raise _Refused(f"its token ids do not extend those of turn {plan.parent} of the conversation")
+            raise RefusedFile(f"its token ids do not extend those of turn {plan.parent} of the conversation")
         state = _recompute(engine, tokens, plan.state, request_id())
     except BaseException:
         manager.release(cid)
         raise
-    if found.recorded is not None:
-        gap = difference(found.recorded, state.tensors)
+    if recorded is not None:
+        gap = difference(recorded, state.tensors)
         report.max_abs_diff, report.max_rel_diff, report.differs = gap.max_abs, gap.max_rel, not gap.within(tolerance)
     turn = manager.finish(plan, tokens, [], [], state)
     report.turn, report.snapshot = turn.turn, turn.snapshot
@@ -162,7 +155,7 @@ def _base(conv: Conversation, branch: str, tokens: list[int]) -> int | None:
         return None
     prefixes = [t for t in conv.chain(conv.latest("main")) if tokens[: len(conv.tokens(t))] == conv.tokens(t)]
     if not prefixes:
-        raise _Refused(f"branch {branch!r}: its token ids begin with the history of none of main's turns")
+        raise RefusedFile(f"branch {branch!r}: its token ids begin with the history of none of main's turns")
     return prefixes[-1].turn
 
 
@@ -173,12 +166,12 @@ def _recompute(engine: LLMEngine, tokens: list[int], initial: SequenceState | No
     try:
         engine.add_request(request_id, tokens, SamplingParams(max_tokens=0), initial_state=initial, capture_state=True)
     except ValueError as e:  # too long for the context, or otherwise not a request this engine takes
-        raise _Refused(str(e)) from e
+        raise RefusedFile(str(e)) from e
     final = None
     while engine.has_unfinished_requests():
         final = next((o for o in engine.step() if o.request_id == request_id and o.finished), final)
     if final is None or final.state is None:
-        raise _Refused("the engine returned no state for its token ids")
+        raise RefusedFile("the engine returned no state for its token ids")
     return final.state.wait()
 
 

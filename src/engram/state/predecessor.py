@@ -22,10 +22,9 @@ import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load as load_safetensors
 
 from engram.models.spec import ModelSpec
@@ -50,7 +49,7 @@ class PredecessorTurn:
     turn_number: int
     branch: str | None  # None: a turn_<n> file of the conversation itself
     fill_ids: list[int]
-    recorded: dict[str, torch.Tensor] | None  # this engine's names (layers.<i>.conv/ssm); None: no state file
+    state_path: Path | None  # its recorded recurrent state (shapes checked; read by `recorded_state`); None: no state file
 
 
 @dataclass
@@ -145,51 +144,66 @@ def _read(root: Path, metadata_path: Path, conversation_id: str, branch: bool) -
     if not isinstance(fill_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in fill_ids):
         raise RefusedFile("corrupt file: fill_ids is not a list of token ids")
     state_path = metadata_path.with_name(metadata_path.name[: -len(_METADATA_SUFFIX)] + _STATE_SUFFIX)
-    tensors = _read_state(state_path) if os.path.lexists(state_path) else None
-    return PredecessorTurn(label, conversation_id, turn_number, branch_name, fill_ids, tensors)  # `_fits` maps the tensors
+    return PredecessorTurn(label, conversation_id, turn_number, branch_name, fill_ids,
+                           state_path if os.path.lexists(state_path) else None)
 
 
-def _read_state(path: Path) -> dict[str, torch.Tensor]:
+def _unreadable(e: Exception) -> RefusedFile:
+    return RefusedFile(f"corrupt file: the state file is not readable safetensors ({reason_without_paths(e)})")
+
+
+def _state_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """The tensors' shapes, from the header alone (each file is read whole only when it is imported)."""
     if stat.S_ISLNK(os.lstat(path).st_mode):
         raise RefusedFile("unsafe path: its state file is a symbolic link (never followed)")
     try:
-        return load_safetensors(bytes(read_no_follow(path)))
+        with safe_open(str(path), framework="pt") as f:
+            return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
     except (OSError, SafetensorError, ValueError) as e:
-        raise RefusedFile(f"corrupt file: the state file is not readable safetensors ({reason_without_paths(e)})") from e
+        raise _unreadable(e) from e
 
 
 def _fits(turn: PredecessorTurn, spec: ModelSpec, refused: dict[str, str]) -> bool:
-    """Whether the turn fits this model (if not, the reason is noted); its recorded state is put
-    under this engine's names."""
+    """Whether the turn fits this model (if not, the reason is noted)."""
     try:
         out_of_vocab = [t for t in turn.fill_ids if not 0 <= t < spec.vocab_size]
         if out_of_vocab:
             raise RefusedFile(f"wrong model: token id {out_of_vocab[0]} is outside this model's vocabulary of {spec.vocab_size}")
-        if turn.recorded is not None:
-            turn.recorded = recorded_state(turn.recorded, spec)
+        if turn.state_path is not None:
+            _check_shapes(_state_shapes(turn.state_path), spec)
     except RefusedFile as e:
         refused[turn.label] = str(e)
         return False
     return True
 
 
-def recorded_state(tensors: dict[str, Any], spec: ModelSpec) -> dict[str, torch.Tensor]:
-    """The predecessor's `temporal` and `conv_layer_0` as `layers.<i>.ssm` / `layers.<i>.conv`
-    (float32), after checking their shapes are this model's."""
+def _check_shapes(shapes: dict[str, tuple[int, ...]], spec: ModelSpec) -> None:
+    """Refuse unless the file holds `temporal` and `conv_layer_0` of this model's shapes."""
     if spec.mamba is None:
         raise RefusedFile("wrong model: this model has no recurrent layers, the file holds recurrent state")
     layers = spec.mamba_layers
     temporal_shape = (len(layers), *spec.mamba.ssm_state_shape)
     kernel_rows, conv_dim = spec.mamba.conv_state_shape
     conv_shape = (len(layers), conv_dim, kernel_rows)
-    convs = sorted(k for k in tensors if k.startswith("conv_layer_"))
-    if "temporal" not in tensors or convs != ["conv_layer_0"]:
-        raise RefusedFile(f"wrong model/shape: the state file holds {sorted(tensors)}, expected temporal and conv_layer_0")
+    convs = sorted(k for k in shapes if k.startswith("conv_layer_"))
+    if "temporal" not in shapes or convs != ["conv_layer_0"]:
+        raise RefusedFile(f"wrong model/shape: the state file holds {sorted(shapes)}, expected temporal and conv_layer_0")
     for name, expected in (("temporal", temporal_shape), ("conv_layer_0", conv_shape)):
-        if tuple(tensors[name].shape) != expected:
-            raise RefusedFile(f"wrong model/shape: {name} has shape {tuple(tensors[name].shape)}, this model's is {expected}")
+        if shapes[name] != expected:
+            raise RefusedFile(f"wrong model/shape: {name} has shape {shapes[name]}, this model's is {expected}")
+
+
+def recorded_state(turn: PredecessorTurn, spec: ModelSpec) -> dict[str, torch.Tensor]:
+    """The turn's recorded `temporal` and `conv_layer_0` as `layers.<i>.ssm` / `layers.<i>.conv`
+    (float32), read whole and checked again (the file may have changed since the scan)."""
+    assert turn.state_path is not None and spec.mamba is not None
+    try:
+        tensors = load_safetensors(bytes(read_no_follow(turn.state_path)))
+    except (OSError, SafetensorError, ValueError) as e:
+        raise _unreadable(e) from e
+    _check_shapes({name: tuple(t.shape) for name, t in tensors.items()}, spec)
     out = {}
-    for row, layer in enumerate(layers):
+    for row, layer in enumerate(spec.mamba_layers):
         out[f"layers.{layer}.ssm"] = tensors["temporal"][row].float()
         out[f"layers.{layer}.conv"] = tensors["conv_layer_0"][row].float().T.contiguous()
     return out
