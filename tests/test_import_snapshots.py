@@ -34,6 +34,7 @@ HISTORY_1 = tokens(1, 21)
 HISTORY_2 = HISTORY_1 + tokens(2, 13)
 BRANCH = HISTORY_1 + tokens(3, 9)
 OTHER = tokens(4, 30)
+WRONG = tokens(6, 30)  # its own tokens: the store is content-addressed, a state of tokens another conversation has is shared
 CONTINUATION = tokens(5, 5)
 
 
@@ -73,7 +74,7 @@ def work(checkpoint_dir, hf_model, tmp_path_factory):
     write_turn(src, "alpha", 0, HISTORY_1, predecessor_state(model, spec, HISTORY_1))
     write_turn(src, "alpha", 1, HISTORY_2, predecessor_state(model, spec, HISTORY_2))
     write_turn(src, "alpha", 1, BRANCH, predecessor_state(model, spec, BRANCH), branch="what-if")
-    write_turn(src, "wrong", 0, OTHER, predecessor_state(model, spec, HISTORY_1))  # the state of other tokens
+    write_turn(src, "wrong", 0, WRONG, predecessor_state(model, spec, HISTORY_1))  # the state of other tokens
     write_turn(src, "stateless", 0, OTHER, None)
     good = predecessor_state(model, spec, OTHER)
     write_turn(src, "shape", 0, OTHER, {**good, "temporal": torch.zeros(2, 4, 24, 16)})  # another d_state
@@ -81,6 +82,9 @@ def work(checkpoint_dir, hf_model, tmp_path_factory):
     state = write_turn(src, "torn", 0, OTHER, good)
     state.write_bytes(state.read_bytes()[:-100])
     write_turn(src, ".hidden", 0, OTHER, good)
+    write_turn(src, "fork", 0, HISTORY_1, None)
+    write_turn(src, "fork", 1, OTHER, None)  # not HISTORY_1 followed by more
+    write_turn(src, "vocab", 0, [5, 9999], None)
     (src / "conversation_link").symlink_to(src / "conversation_alpha")
     return work
 
@@ -122,15 +126,18 @@ def test_each_file_is_imported_compared_or_refused_with_its_reason(imported):
     reasons = {name: f["reason"] for name, f in files.items() if f["status"] == "refused"}
     assert reasons.keys() == {"conversation_shape/turn_0_metadata.json", "conversation_no-ids/turn_0_metadata.json",
                               "conversation_torn/turn_0_metadata.json", "conversation_.hidden/turn_0_metadata.json",
-                              "conversation_link"}
+                              "conversation_link", "conversation_fork/turn_1_metadata.json",
+                              "conversation_vocab/turn_0_metadata.json"}
     assert reasons["conversation_shape/turn_0_metadata.json"].startswith("wrong model/shape: temporal has shape (2, 4, 24, 16)")
     assert reasons["conversation_no-ids/turn_0_metadata.json"].startswith("missing token ids")
     assert reasons["conversation_torn/turn_0_metadata.json"].startswith("corrupt file")
     assert reasons["conversation_.hidden/turn_0_metadata.json"].startswith("unsafe path")
     assert reasons["conversation_link"].startswith("unsafe path")
-    assert (report["imported"], report["differing"], report["refused"]) == (5, 1, 5)
+    assert reasons["conversation_fork/turn_1_metadata.json"] == "its token ids do not extend those of turn main/000001 of the conversation"
+    assert reasons["conversation_vocab/turn_0_metadata.json"].startswith("wrong model: token id 9999 is outside")
+    assert (report["imported"], report["differing"], report["refused"]) == (6, 1, 7)
     assert all(f["snapshot"] for f in files.values() if f["status"] == "imported")
-    assert "DIFFERS" in first.stdout and "5 imported (1 of them differ" in first.stdout
+    assert "DIFFERS" in first.stdout and "6 imported (1 of them differ" in first.stdout
 
 
 def test_importing_again_changes_nothing(imported):
@@ -152,7 +159,7 @@ def test_a_server_continues_each_imported_conversation_as_one_generate(imported,
             alpha = http.get("/v1/conversations/alpha").json()["branches"]
             assert (alpha["main"]["latest_turn"], alpha["what-if"]["latest_turn"]) == (2, 2)  # no turn twice
             for cid, branch, history in (("alpha", "main", HISTORY_2), ("alpha", "what-if", BRANCH),
-                                         ("wrong", "main", OTHER), ("stateless", "main", OTHER)):
+                                         ("wrong", "main", WRONG), ("stateless", "main", OTHER)):
                 resumed = http.post("/restore_snapshot", json={"conversation_id": cid, "branch_name": branch, "create_new_request": True,
                                                                "continuation_ids": CONTINUATION, "sampling_params": sampling})
                 assert resumed.status_code == 200, resumed.text
