@@ -299,7 +299,7 @@ def test_a_snapshot_that_cannot_be_written_leaves_the_turn_recorded_without_it(e
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("engram.state.conversations.save_turn", disk_full)
+    monkeypatch.setattr("engram.state.cold.save_turn", disk_full)
     turn, _, _, _ = take_turn(engine, manager, "f", random_prompt(5, 2), max_tokens=3)
     monkeypatch.undo()
     assert turn.turn == 2 and not turn.snapshot and manager.stats.snapshot_write_failures == 1
@@ -364,10 +364,10 @@ def test_a_regenerate_whose_record_cannot_be_written_keeps_the_turns_it_would_re
 def test_retention_deletes_a_snapshot_only_after_the_record_stops_listing_it(engine, tmp_path, monkeypatch):
     import json
 
-    from engram.state import conversations
+    from engram.state import cold, conversations
 
     manager = manager_for(engine, tmp_path, SnapshotPolicy(SnapshotTrigger.EVERY_TURN, retention_count=1))
-    real_delete = conversations.delete_snapshot
+    real_delete = cold.delete_snapshot
     listed_when_deleted = []
 
     def delete(path):
@@ -376,7 +376,7 @@ def test_retention_deletes_a_snapshot_only_after_the_record_stops_listing_it(eng
         listed_when_deleted.append([t["snapshot"] for t in record["turns"] if t["turn"] == turn][0])
         real_delete(path)
 
-    monkeypatch.setattr(conversations, "delete_snapshot", delete)
+    monkeypatch.setattr(cold, "delete_snapshot", delete)
     for i in range(3):
         take_turn(engine, manager, "k", random_prompt(4, i), max_tokens=2)
     assert listed_when_deleted == [False, False]
@@ -409,7 +409,7 @@ def test_idle_demotion_that_cannot_write_keeps_the_state_warm(engine, tmp_path, 
         TierConfig(active_timeout=10, warm_timeout=20), clock=lambda: now[0],
     )
     take_turn(engine, manager, "w", random_prompt(4, 1), max_tokens=2)  # turn 1: no snapshot by the policy
-    monkeypatch.setattr("engram.state.conversations.save_turn", lambda *a, **k: (_ for _ in ()).throw(OSError(28, "disk full")))
+    monkeypatch.setattr("engram.state.cold.save_turn", lambda *a, **k: (_ for _ in ()).throw(OSError(28, "disk full")))
     now[0] = 100.0
     assert manager.maintain() == [retain_key("w", "main/000001")]  # the slot is released all the same
     assert manager.warm.peek("w", "main/000001") is not None
@@ -568,7 +568,7 @@ def test_a_snapshot_retention_cannot_delete_does_not_undo_the_turn(engine, tmp_p
     def io_error(path):
         raise OSError(5, "Input/output error")
 
-    monkeypatch.setattr("engram.state.conversations.delete_snapshot", io_error)
+    monkeypatch.setattr("engram.state.cold.delete_snapshot", io_error)
     turn = take_turn(engine, manager, "e", random_prompt(4, 2), max_tokens=2)[0]
     monkeypatch.undo()
     assert turn.snapshot and [t.turn for t in manager.require("e").turns.values()] == [1, 2]
@@ -583,19 +583,19 @@ def test_another_conversation_begins_while_a_snapshot_file_is_written(engine, tm
     recorded with its snapshot as usual."""
     import threading
 
-    from engram.state import conversations
+    from engram.state import cold
 
     manager = manager_for(engine, tmp_path)
     take_turn(engine, manager, "other", random_prompt(5, 1), max_tokens=3)
     writing, release = threading.Event(), threading.Event()
-    save = conversations.save_turn
+    save = cold.save_turn
 
     def held_save(*args, **kwargs):
         writing.set()
         assert release.wait(30)
         return save(*args, **kwargs)
 
-    monkeypatch.setattr(conversations, "save_turn", held_save)
+    monkeypatch.setattr(cold, "save_turn", held_save)
     held = threading.Thread(target=take_turn, args=(engine, manager, "held", random_prompt(5, 2)), kwargs={"max_tokens": 3})
     held.start()
     assert writing.wait(30)

@@ -249,4 +249,4 @@ def test_a_state_with_a_non_finite_value_is_not_stored(engine, tmp_path):
     k = next(name for name in state.tensors if name.endswith(".k"))
     bad = SequenceState(state.tokens, state.state_len, {**state.tensors, k: state.tensors[k].clone().index_fill_(0, torch.tensor([7]), math.nan)})
     with pytest.raises(ValueError, match="non-finite"):
-        store_manager(engine, tmp_path / "empty").store.save(bad)  # a store without its pieces yet
+        store_manager(engine, tmp_path / "empty").store.chunks.save(bad)  # a store without its pieces yet

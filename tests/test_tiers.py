@@ -228,7 +228,7 @@ def test_startup_reads_no_conversation_until_it_is_used(engine, tmp_path, monkey
 
     monkeypatch.setattr(ConversationManager, "get", counting_get)
     reads = []
-    monkeypatch.setattr("engram.state.conversations.load_turn", lambda *a, **k: reads.append(a) or (_ for _ in ()).throw(AssertionError))
+    monkeypatch.setattr("engram.state.cold.load_turn", lambda *a, **k: reads.append(a) or (_ for _ in ()).throw(AssertionError))
     restarted = manager_for(engine, tmp_path, Clock())
     restarted.maintain()
     assert opened == [] and reads == []
@@ -258,20 +258,20 @@ def test_a_snapshot_whose_record_was_never_written_is_not_listed_and_is_removed(
 def test_a_cold_load_does_not_hold_up_other_conversations(engine, tmp_path, monkeypatch):
     import threading
 
-    from engram.state import conversations as conversations_module
+    from engram.state import cold
 
     m = manager_for(engine, tmp_path, Clock())
     turn(engine, m, "slow", random_prompt(5, 80), max_tokens=2)
     restarted = manager_for(engine, tmp_path, Clock())
     loading, release = threading.Event(), threading.Event()
-    real_load = conversations_module.load_turn
+    real_load = cold.load_turn
 
     def blocking_load(*args, **kwargs):
         loading.set()
         assert release.wait(30)
         return real_load(*args, **kwargs)
 
-    monkeypatch.setattr(conversations_module, "load_turn", blocking_load)
+    monkeypatch.setattr(cold, "load_turn", blocking_load)
     plans = {}
     worker = threading.Thread(target=lambda: plans.setdefault("slow", restarted.begin("slow")))
     worker.start()

@@ -11,13 +11,6 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from engram.engine.async_engine import EngineDeadError
-from engram.state.conversations import (
-    ConversationBusyError,
-    ConversationConflictError,
-    ConversationError,
-    ConversationNotFoundError,
-    TurnMismatchError,
-)
 from engram.state.snapshot import (
     InvalidIdError,
     SnapshotCorruptError,
@@ -26,6 +19,13 @@ from engram.state.snapshot import (
     SnapshotLinkError,
     SnapshotNotFoundError,
     reason_without_paths,
+)
+from engram.state.turns import (
+    ConversationBusyError,
+    ConversationConflictError,
+    ConversationError,
+    ConversationNotFoundError,
+    TurnMismatchError,
 )
 
 log = logging.getLogger(__name__)

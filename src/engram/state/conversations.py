@@ -1,30 +1,28 @@
-"""Conversations: branches of numbered turns, each turn's exact tokens, and where its state lives.
+"""Conversations: their records (state/turns.py) and where each turn's state lives.
 
-A turn records only what it added to its parent turn (the new prompt tokens and the model's reply
-tokens as generated, and the new messages), so a conversation's whole history is rebuilt by
-walking parent links. The record is one JSON file per conversation beside its snapshots,
+The record is one JSON file per conversation beside its snapshots,
 replaced atomically on every change. States live in the warm cache (host memory) and, per the
 trigger policy, in snapshot files; a continuation restores the nearest turn that has one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import threading
 import time
-from collections import OrderedDict
-from dataclasses import asdict, dataclass, field
-from enum import Enum
+from dataclasses import asdict
 from pathlib import Path
 from typing import IO
 
 from engram.models.spec import ModelSpec
-from engram.state.chunks import DEFAULT_CHUNK_TOKENS, ORPHAN_GRACE_S, ChunkStore, PrefixHasher, StoredState
+from engram.state.chunks import DEFAULT_CHUNK_TOKENS, ORPHAN_GRACE_S, PrefixHasher, StoredState
+from engram.state.cold import ColdStore, FilesystemColdStore
 from engram.state.health import HealthMonitor, Quarantine
 from engram.state.identity import ModelIdentity
-from engram.state.manifest import load_turn, save_turn, stored_state, turn_file, turn_tokens
+from engram.state.manifest import stored_state
 from engram.state.prefix_cache import PrefixCache
 from engram.state.sequence_state import SequenceState, StateDtypes
 from engram.state.snapshot import (
@@ -32,211 +30,37 @@ from engram.state.snapshot import (
     RECORD_NAME,
     SnapshotCorruptError,
     SnapshotError,
-    SnapshotLinkError,
     SnapshotMeta,
     SnapshotNotFoundError,
     atomic_write,
     check_no_links,
     check_no_links_under,
-    delete_snapshot,
     dtype_names,
     is_stale_temp_file,
-    list_snapshots,
-    read_manifest,
     read_no_follow,
     reason_without_paths,
     snapshot_label,
     validate_id,
 )
 from engram.state.store import Clock, SnapshotWriter, TierStats, WarmCache
+from engram.state.tiers import ActiveTier, SnapshotPolicy, SnapshotTrigger, TierConfig
 from engram.state.transfer import Export, read_export, write_export
+from engram.state.turns import (
+    UNUSABLE_CONVERSATION,
+    Conversation,
+    ConversationBusyError,
+    ConversationConflictError,
+    ConversationNotFoundError,
+    ConversationRecordError,
+    Turn,
+    TurnAnswer,
+    TurnMismatchError,
+    TurnPlan,
+    ref_name,
+    retain_key,
+)
 
 log = logging.getLogger(__name__)
-
-
-class ConversationError(Exception):
-    """Base of conversation failures; the message says what is wrong."""
-
-
-class ConversationNotFoundError(ConversationError):
-    pass
-
-
-class ConversationBusyError(ConversationError):
-    pass
-
-
-class ConversationConflictError(ConversationError):
-    pass
-
-
-class TurnMismatchError(ConversationConflictError):
-    """The turn the client expected to be the latest is not."""
-
-    def __init__(self, message: str, current_turn: int):
-        super().__init__(message)
-        self.current_turn = current_turn
-
-
-class ConversationRecordError(SnapshotCorruptError):
-    """A conversation record that cannot be read (the conversation is unusable until it is fixed)."""
-
-
-# A conversation whose record cannot be read or whose folder holds a link: listings and startup pass it by.
-UNUSABLE_CONVERSATION = (ConversationRecordError, SnapshotLinkError)
-
-
-class SnapshotTrigger(str, Enum):
-    EVERY_TURN = "every_turn"
-    EVERY_N_TURNS = "every_n_turns"
-    ON_TOOL_CALL = "on_tool_call"
-    MANUAL_ONLY = "manual_only"
-
-
-@dataclass(frozen=True)
-class TierConfig:
-    enabled: bool = True  # ACTIVE and WARM tiers; off: every continuation restores from its snapshot file
-    active_timeout: float = 60.0  # seconds idle before a retained engine slot is released
-    warm_timeout: float = 1800.0  # seconds idle before a host copy is dropped (the snapshot file stays)
-    cold_retention: float = 0.0  # seconds idle before a conversation and its files expire; 0: never
-    durability: str = "sync"  # sync: a turn is answered after its snapshot is on disk; async: written behind
-
-    def __post_init__(self) -> None:
-        if self.durability not in ("sync", "async"):
-            raise ValueError(f"--snapshot-durability must be sync or async, got {self.durability!r}")
-
-
-@dataclass(frozen=True)
-class SnapshotPolicy:
-    trigger: SnapshotTrigger = SnapshotTrigger.EVERY_TURN
-    every_n_turns: int = 1
-    retention_count: int = 0  # snapshots kept per branch; 0 keeps all
-
-    def wants_snapshot(self, turn: int, tool_calls: bool) -> bool:
-        if self.trigger == SnapshotTrigger.EVERY_TURN:
-            return True
-        if self.trigger == SnapshotTrigger.EVERY_N_TURNS:
-            return turn % max(1, self.every_n_turns) == 0
-        if self.trigger == SnapshotTrigger.ON_TOOL_CALL:
-            return tool_calls
-        return False
-
-
-def ref_name(branch: str, turn: int) -> str:
-    return f"{branch}/{turn:06d}"
-
-
-@dataclass
-class TurnAnswer:
-    """What the request that made a turn was answered, beyond the turn's tokens and messages: kept so
-    that a retry with the same idempotency key is answered the same."""
-
-    idempotency_key: str | None
-    finish_reason: str | None
-    stop_reason: str | int | None
-    completion_tokens: int  # the reply's tokens, at the end of the turn's new tokens (0: appended without a reply)
-    cached_tokens: int
-
-
-@dataclass
-class Turn:
-    branch: str
-    turn: int
-    parent: str | None  # ref_name of the parent turn
-    new_tokens: list[int]  # tokens added to the parent's history: new prompt part + reply as generated
-    new_messages: list[dict]  # messages added: the request's new messages + the assistant reply
-    state_len: int  # tokens of the full history the turn's state has consumed
-    created_at: float = field(default_factory=time.time)
-    tool_calls: bool = False
-    snapshot: bool = False  # a snapshot file holds this turn's state
-    answer: TurnAnswer | None = None  # None: recorded before answers were (or not through the server)
-
-    def __post_init__(self) -> None:
-        if isinstance(self.answer, dict):  # read from a record
-            self.answer = TurnAnswer(**self.answer)
-
-    @property
-    def ref(self) -> str:
-        return ref_name(self.branch, self.turn)
-
-    @property
-    def reply(self) -> bool:
-        """Whether its messages end with the model's reply (not so for one appended with max_tokens 0)."""
-        return self.answer is None or self.answer.completion_tokens > 0
-
-
-@dataclass
-class Conversation:
-    conversation_id: str
-    turns: dict[str, Turn] = field(default_factory=dict)
-    created_at: float = field(default_factory=time.time)
-    owner: str | None = None  # the tenant that made it; None: made without one (seen only by callers who see all)
-
-    def visible_to(self, tenant: str | None) -> bool:
-        """Whether `tenant` may touch it; None: a caller who sees every conversation."""
-        return tenant is None or tenant == self.owner
-
-    def latest(self, branch: str) -> Turn | None:
-        own = [t for t in self.turns.values() if t.branch == branch]
-        return max(own, key=lambda t: t.turn, default=None)
-
-    def chain(self, turn: Turn | None) -> list[Turn]:
-        """The turns from the first to `turn`, following parent links across branches."""
-        out = []
-        while turn is not None:
-            out.append(turn)
-            turn = self.turns[turn.parent] if turn.parent else None
-        return out[::-1]
-
-    def tokens(self, turn: Turn | None) -> list[int]:
-        return [t for step in self.chain(turn) for t in step.new_tokens]
-
-    def messages(self, turn: Turn | None) -> list[dict]:
-        return [m for step in self.chain(turn) for m in step.new_messages]
-
-    def branches(self) -> list[str]:
-        return sorted({t.branch for t in self.turns.values()})
-
-    def made_by(self, idempotency_key: str) -> Turn | None:
-        """The turn the request with this idempotency key made."""
-        return next((t for t in self.turns.values() if t.answer is not None and t.answer.idempotency_key == idempotency_key), None)
-
-    def to_json(self) -> dict:
-        return {"conversation_id": self.conversation_id, "created_at": self.created_at, "owner": self.owner,
-                "turns": [asdict(t) for t in self.turns.values()]}
-
-    @classmethod
-    def from_json(cls, data: dict) -> Conversation:
-        turns = [Turn(**t) for t in data["turns"]]
-        return cls(data["conversation_id"], {t.ref: t for t in turns}, data.get("created_at", time.time()), data.get("owner"))
-
-
-@dataclass
-class TurnPlan:
-    """What a new turn starts from: the base turn's exact history and the nearest saved state."""
-
-    conversation_id: str
-    branch: str
-    turn: int  # the number the new turn will get
-    parent: str | None
-    history_tokens: list[int]
-    history_messages: list[dict]
-    state: SequenceState | None
-    state_tier: str | None  # "active", "warm" or "cold"; None: the whole history is prefilled
-    resume_key: str | None = None  # the engine slot still holding the base turn's state, if any
-    load_seconds: float = 0.0  # time spent reading and verifying a snapshot file
-    idempotency_key: str | None = None  # the request's, recorded with the turn
-    history_ends_with_reply: bool = False  # the base turn's messages end with the model's reply
-    forked_from: str | None = None  # "<conversation>@<ref>": the first turn of a conversation that starts from another's turn
-
-    @property
-    def ref(self) -> str:
-        return ref_name(self.branch, self.turn)
-
-
-def retain_key(conversation_id: str, ref: str) -> str:
-    """The engine's name for the slot that holds a turn's state (the ACTIVE tier)."""
-    return f"{conversation_id}@{ref}"
 
 
 class ConversationManager:
@@ -264,7 +88,9 @@ class ConversationManager:
         identity = json.dumps({"model": asdict(model), "tokenizer": tokenizer_sha256, "layout": spec.layout(), "dtypes": dtype_names(dtypes)},
                               sort_keys=True).encode()
         hasher = PrefixHasher(identity, chunk_tokens)
-        self.store = ChunkStore(self.root, spec, dtypes, hasher) if self.root is not None else None
+        self.store: ColdStore | None = (
+            FilesystemColdStore(self.root, spec, dtypes, hasher, model, tokenizer_sha256) if self.root is not None else None
+        )
         # States after whole prompts, for requests of no conversation (0 bytes: prefix caching off).
         self.prefix_cache = PrefixCache(hasher, prefix_cache_bytes, prefix_cache_min_tokens) if prefix_cache_bytes > 0 else None
         self._stored: dict[tuple[str, str], StoredState] = {}  # (conversation, ref) -> its snapshot's store references
@@ -277,7 +103,7 @@ class ConversationManager:
         self.warm.clock = clock
         self.warm.on_evict = self._evicted
         self.stats = TierStats()
-        self.active: OrderedDict[tuple[str, str], float] = OrderedDict()  # (conversation, ref) -> last use
+        self.active = ActiveTier()
         self.last_used: dict[str, float] = {}  # conversation -> last use (for cold expiry)
         self._next_expiry_scan = 0.0
         self.writer = SnapshotWriter() if tiers.durability == "async" and self.root is not None else None
@@ -288,7 +114,6 @@ class ConversationManager:
         self._busy: dict[str, str | None] = {}  # conversation -> the idempotency key of its request in flight
         self._unsaved_by_health: set[tuple[str, str]] = set()  # turns whose state the health policy kept off disk
         self._unrecorded: set[str] = set()  # async: conversations whose answered turns a failed record write left out
-        self._pending_release: list[str] = []  # engine slots of forgotten turns, handed out by `maintain`
         self._lock = threading.RLock()
 
     def _count(self, family: str, key: str) -> None:
@@ -329,11 +154,11 @@ class ConversationManager:
         """Delete snapshot files the record does not point at: a crash between a snapshot's commit
         and its record's leaves one, for a turn that was never recorded (so never answered under
         sync durability)."""
-        recorded = {turn_file(self.root, conv.conversation_id, t.branch, t.turn) for t in conv.turns.values() if t.snapshot}
-        for entry in list_snapshots(self.root, conv.conversation_id):
-            if Path(entry["path"]) not in recorded:
+        recorded = {self._locate(conv.conversation_id, t) for t in conv.turns.values() if t.snapshot}
+        for entry in self.store.snapshots(conv.conversation_id):
+            if entry["path"] not in recorded:
                 log.warning("removing snapshot %s: its conversation record does not list it (left by a crash)", entry["path"])
-                delete_snapshot(entry["path"])
+                self.store.delete(entry["path"])
                 self._sweep_due = True
         for path in self._record_path(conv.conversation_id).parent.rglob(".*.tmp-*"):
             if is_stale_temp_file(path):
@@ -439,7 +264,7 @@ class ConversationManager:
             self._busy[conversation_id] = idempotency_key
             self.last_used[conversation_id] = self.clock()
             adoptable = base is not None and source is conv and not self.health.refuses(self.quarantine, conversation_id, base.ref)
-            active_since = self.active.pop((conversation_id, base.ref), None) if adoptable else None
+            active_since = self.active.claim(conversation_id, base.ref) if adoptable else None
         try:
             started = time.perf_counter()
             state, tier = self._nearest_state(source, base)
@@ -447,7 +272,7 @@ class ConversationManager:
         except BaseException:
             with self._lock:
                 if active_since is not None:
-                    self.active[(conversation_id, base.ref)] = active_since
+                    self.active.unclaim(conversation_id, base.ref, active_since)
             self.release(conversation_id)
             raise
         resume_key = None
@@ -547,9 +372,7 @@ class ConversationManager:
                 for t in replaced:
                     self._forget_turn(conv, t)
                 conv.turns[turn.ref] = turn
-                key = retain_key(plan.conversation_id, turn.ref)
-                if key in self._pending_release:  # a forgotten turn's key, now naming this turn's slot
-                    self._pending_release.remove(key)
+                self.active.renamed(plan.conversation_id, turn.ref)  # a forgotten turn's key, now naming this turn's slot
                 now = self.clock()
                 self.last_used[plan.conversation_id] = now
                 wanted = state is not None and self.persistent and self.policy.wants_snapshot(turn.turn, tool_calls)
@@ -561,7 +384,7 @@ class ConversationManager:
                     if state.nbytes > self.warm.max_bytes:  # it cannot stay in memory: written now, as any state leaving it
                         wanted = wanted or self._written_on_leaving_memory(plan.conversation_id, turn.ref)
                     self.warm.put(plan.conversation_id, turn.ref, state)
-                    self.active[(plan.conversation_id, turn.ref)] = now
+                    self.active.keep(plan.conversation_id, turn.ref, now)
             job = lambda: self._commit(conv, turn, state if wanted else None, recorded)  # noqa: E731
             if self.writer is not None:
                 self.writer.submit(job)
@@ -591,8 +414,7 @@ class ConversationManager:
         try:
             self._persist(Conversation(conv.conversation_id, {**turns, turn.ref: turn}, conv.created_at))
         except OSError:
-            self.active.pop((conv.conversation_id, turn.ref), None)
-            self._pending_release.append(retain_key(conv.conversation_id, turn.ref))
+            self.active.hand_back(conv.conversation_id, turn.ref)
             raise
 
     def _commit(self, conv: Conversation, turn: Turn, state: SequenceState | None, recorded: bool = False) -> None:
@@ -669,9 +491,11 @@ class ConversationManager:
         """The store references of a turn's snapshot (None for a v1 file), from memory or its manifest."""
         stored = self._stored.get((conversation_id, turn.ref))
         if stored is None:
-            path = turn_file(self.root, conversation_id, turn.branch, turn.turn)
-            stored = stored_state(read_manifest(path), snapshot_label(path))
+            stored = self.store.references(self._locate(conversation_id, turn))
         return stored
+
+    def _locate(self, conversation_id: str, turn: Turn) -> str:
+        return self.store.locate(conversation_id, turn.branch, turn.turn)
 
     def _save_file(self, conv: Conversation, turn: Turn, state: SequenceState, base: StoredState | None) -> None:
         """Write the turn's snapshot (counted and timed): the store files its base lacks, then its
@@ -679,7 +503,7 @@ class ConversationManager:
         meta = SnapshotMeta(conversation_id=conv.conversation_id, branch=turn.branch, turn=turn.turn, parent=turn.parent)
         started = time.perf_counter()
         try:
-            _, stored = save_turn(self.store, state, meta, self.model, self.tokenizer_sha256, base)
+            stored = self.store.save(state, meta, base)
         except Exception:
             with self._lock:
                 self.stats.snapshot_write_failures += 1
@@ -719,7 +543,7 @@ class ConversationManager:
         self._stored.pop((conversation_id, turn.ref), None)
         self._sweep_due = True
         try:
-            delete_snapshot(turn_file(self.root, conversation_id, turn.branch, turn.turn))
+            self.store.delete(self._locate(conversation_id, turn))
         except SnapshotNotFoundError:
             pass
 
@@ -744,7 +568,7 @@ class ConversationManager:
                 self._persist_and_prune(conv, target.branch)
             return target
 
-    def _check_belongs(self, manifest: dict, path: Path, conv: Conversation, turn: Turn) -> None:
+    def _check_belongs(self, manifest: dict, path: str, conv: Conversation, turn: Turn) -> None:
         """Raise SnapshotCorruptError unless the file's manifest names this conversation's turn
         and the state length its record holds (the checksum covers the tensors, not the manifest)."""
         named = (manifest.get("conversation_id"), manifest.get("branch"), manifest.get("turn"), manifest.get("state_len"))
@@ -758,8 +582,8 @@ class ConversationManager:
         """Load and verify the turn's snapshot, which must hold its recorded history's tokens."""
         self._require_persistence()
         conv = self.require(conversation_id)
-        path = turn_file(self.root, conversation_id, turn.branch, turn.turn)
-        state, manifest = load_turn(self.store, path, self.spec, self.dtypes, self.model, self.tokenizer_sha256)
+        path = self._locate(conversation_id, turn)
+        state, manifest = self.store.load(path)
         self._check_belongs(manifest, path, conv, turn)
         stored = stored_state(manifest, snapshot_label(path))
         if stored is not None:
@@ -792,16 +616,16 @@ class ConversationManager:
 
     def snapshot_manifest(self, conversation_id: str, turn: Turn) -> dict:
         self._require_persistence()
-        path = turn_file(self.root, conversation_id, turn.branch, turn.turn)
-        if not turn.snapshot or not path.is_file():
+        path = self._locate(conversation_id, turn)
+        if not turn.snapshot or not self.store.exists(path):
             raise SnapshotNotFoundError(f"turn {turn.ref} of conversation {conversation_id!r} has no snapshot")
-        manifest = read_manifest(path)
+        manifest = self.store.manifest(path)
         self._check_belongs(manifest, path, self.require(conversation_id), turn)
-        return {**manifest, "path": str(path)}
+        return {**manifest, "path": path}
 
     def snapshot_tokens(self, manifest: dict) -> list[int]:
         """The token ids a snapshot covers (its `fill_ids`), read without the state tensors."""
-        return turn_tokens(self.store, Path(manifest["path"]), manifest)
+        return self.store.tokens(manifest)
 
     def load_into_warm(self, conversation_id: str, turn: Turn) -> SequenceState:
         """The turn's state, from the warm cache or its verified snapshot file (then kept warm).
@@ -822,7 +646,7 @@ class ConversationManager:
     def delete_snapshot(self, conversation_id: str, branch: str, turn: int) -> None:
         self._require_persistence()
         with self._lock:
-            delete_snapshot(turn_file(self.root, conversation_id, branch, turn))
+            self.store.delete(self.store.locate(conversation_id, branch, turn))
             self._stored.pop((conversation_id, ref_name(branch, turn)), None)
             self._sweep_due = True
             conv = self.get(conversation_id)
@@ -867,8 +691,7 @@ class ConversationManager:
 
     def _forget_turn(self, conv: Conversation, turn: Turn) -> None:
         self.warm.drop(conv.conversation_id, turn.ref)
-        if self.active.pop((conv.conversation_id, turn.ref), None) is not None:
-            self._pending_release.append(retain_key(conv.conversation_id, turn.ref))
+        self.active.forget(conv.conversation_id, turn.ref)
         self._unsaved_by_health.discard((conv.conversation_id, turn.ref))
         self.quarantine.release(conv.conversation_id, turn.ref)
         if turn.snapshot and self.persistent:
@@ -883,11 +706,7 @@ class ConversationManager:
         idle past the cold retention. Run periodically."""
         now = self.clock()
         with self._lock:
-            for (cid, ref), used in list(self.active.items()):
-                if now - used > self.tiers.active_timeout:
-                    del self.active[(cid, ref)]
-                    self._pending_release.append(retain_key(cid, ref))
-                    self._count("demotions", "active_to_warm")
+            self.stats.demotions["active_to_warm"] += self.active.demote_idle(now - self.tiers.active_timeout)
             for cid, ref in self.warm.idle(now - self.tiers.warm_timeout):
                 if cid in self._busy:
                     continue
@@ -906,7 +725,7 @@ class ConversationManager:
                             log.warning("not expiring conversation %r: %s", cid, e)
                             continue
                         self.stats.expired_conversations += 1
-            release, self._pending_release = self._pending_release, []
+            release = self.active.take_released()
             sweep = self.store is not None and self._sweep_due and now >= self._next_sweep
             if sweep:
                 self._sweep_due, self._next_sweep = False, now + 60.0
@@ -1088,17 +907,16 @@ class ConversationManager:
             conv = self.require(conversation_id, tenant)
             export = Export(record=conv.to_json())
             for t in (t for t in conv.turns.values() if t.snapshot):
-                path = turn_file(self.root, conversation_id, t.branch, t.turn)
+                location = self._locate(conversation_id, t)
                 try:
-                    data = read_no_follow(path)
+                    data = self.store.read(location)
                 except FileNotFoundError:
                     continue
-                export.turns[f"turns/{t.branch}/{t.turn:06d}{path.suffix}"] = data
-                stored = stored_state(json.loads(data), snapshot_label(path)) if path.suffix == ".json" else None
-                for p in stored.pieces if stored is not None else ():
-                    export.store_files[f"store/kv/{p.key}.safetensors"] = str(self.store.piece_path(p.key))
+                suffix = Path(location).suffix
+                export.turns[f"turns/{t.branch}/{t.turn:06d}{suffix}"] = data
+                stored = stored_state(json.loads(data), snapshot_label(location)) if suffix == ".json" else None
                 if stored is not None:
-                    export.store_files[f"store/ckpt/{stored.checkpoint}.safetensors"] = str(self.store.checkpoint_path(stored.checkpoint))
+                    export.store_files.update(self.store.store_members(stored))
         write_export(export, out)
 
     def import_conversation(self, src: IO[bytes], tenant: str | None, conversation_id: str | None = None) -> Conversation:
@@ -1115,7 +933,7 @@ class ConversationManager:
                 snapshots[ref_name(validate_id(branch, "branch"), number)] = (suffix, data)
             else:
                 store_kind, key, stream = item
-                self.store.adopt_file(store_kind, key, stream)
+                self.store.adopt(store_kind, key, stream)
         try:
             conv = Conversation.from_json(record)
         except (TypeError, KeyError, ValueError, AttributeError) as e:
@@ -1131,7 +949,7 @@ class ConversationManager:
                 raise ConversationConflictError(f"conversation {cid!r} exists already; import it under another conversation_id")
             self._busy[cid] = None
             self._conversations[cid] = conv
-        written: list[Path] = []
+        written: list[tuple[str, str]] = []  # (location, ref)
         try:
             for t in (t for t in conv.turns.values() if t.snapshot):
                 suffix, data = snapshots[t.ref]
@@ -1139,18 +957,19 @@ class ConversationManager:
                     manifest = json.loads(data)
                     manifest["conversation_id"] = cid
                     data = json.dumps(manifest, sort_keys=True).encode()
-                path = turn_file(self.root, cid, t.branch, t.turn).with_suffix("." + suffix)
-                atomic_write(path, data)
-                written.append(path)
+                location = self.store.locate(cid, t.branch, t.turn, suffix)
+                self.store.write(location, data)
+                written.append((location, t.ref))
                 self._load_turn(cid, t)  # checked like any snapshot; refused whole otherwise
             with self._lock:
                 self._persist(conv)
         except BaseException:
             with self._lock:
                 self._conversations.pop(cid, None)
-                for path in written:
-                    path.unlink(missing_ok=True)
-                    self._stored.pop((cid, ref_name(path.parent.name, int(path.stem))), None)
+                for location, ref in written:
+                    with contextlib.suppress(SnapshotNotFoundError):
+                        self.store.delete(location)
+                    self._stored.pop((cid, ref), None)
                 self._sweep_due = True
             raise
         finally:

@@ -1,0 +1,140 @@
+"""The COLD tier behind one interface: `ColdStore` is what the conversation manager asks of durable
+storage for turn states; `FilesystemColdStore` is today's (v2 manifests over the `ChunkStore`
+under the snapshot folder, v1 files read).
+
+A turn's snapshot is found by `locate` (a string: here a path; an object store would use a key) and
+every listing and manifest carries it as "path". A backend keeps the guarantees in
+docs/ARCHITECTURE.md ("Adding a storage backend"): whole files or none, store files before the
+manifest that names them, and a sweep that spares files touched within its grace period.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import IO, Protocol
+
+from engram.models.spec import ModelSpec
+from engram.state.chunks import ChunkStore, PrefixHasher, StoredState, StoreStats
+from engram.state.identity import ModelIdentity
+from engram.state.manifest import load_turn, save_turn, stored_state, turn_file, turn_tokens
+from engram.state.sequence_state import SequenceState, StateDtypes
+from engram.state.snapshot import (
+    SnapshotMeta,
+    atomic_write,
+    delete_snapshot,
+    list_snapshots,
+    read_manifest,
+    read_no_follow,
+    snapshot_label,
+)
+
+
+class ColdStore(Protocol):
+    """Durable turn states: save, load, delete, list, sweep (and what export/import move)."""
+
+    stats: StoreStats
+
+    def locate(self, conversation_id: str, branch: str, turn: int, fmt: str | None = None) -> str:
+        """Where the turn's snapshot is (or would be written); `fmt` ("json": v2, "safetensors":
+        v1) picks one format's place, else whichever the turn has (v2 if neither)."""
+        ...
+
+    def exists(self, location: str) -> bool: ...
+
+    def save(self, state: SequenceState, meta: SnapshotMeta, base: StoredState | None) -> StoredState:
+        """Store what `base` lacks of the state, then commit the turn's manifest."""
+        ...
+
+    def load(self, location: str) -> tuple[SequenceState, dict]:
+        """The verified state and its manifest (SnapshotError subclasses say what failed)."""
+        ...
+
+    def manifest(self, location: str) -> dict: ...
+
+    def references(self, location: str) -> StoredState | None:
+        """The store files the snapshot names (None: a v1 file, which names none)."""
+        ...
+
+    def tokens(self, manifest: dict) -> list[int]:
+        """The token ids a snapshot covers, read without its state tensors."""
+        ...
+
+    def delete(self, location: str) -> None:
+        """Delete the snapshot (SnapshotNotFoundError if there is none); its store files stay until a sweep."""
+        ...
+
+    def snapshots(self, conversation_id: str) -> list[dict]:
+        """The manifest (with "path") of every readable snapshot the conversation has stored."""
+        ...
+
+    def sweep(self, referenced: set[str], grace_s: float) -> int:
+        """Delete the store files no key in `referenced` names, sparing those touched within `grace_s`."""
+        ...
+
+    def read(self, location: str) -> bytes: ...
+
+    def write(self, location: str, data: bytes) -> None: ...
+
+    def store_members(self, stored: StoredState) -> dict[str, str]:
+        """Export member name -> the store file that holds it."""
+        ...
+
+    def adopt(self, kind: str, key: str, stream: IO[bytes]) -> None:
+        """Store an imported store file under its key (verified when a manifest naming it is loaded)."""
+        ...
+
+
+class FilesystemColdStore:
+    """`<root>/<conversation>/<branch>/<turn:06d>.json` manifests over `<root>/.store/` (ChunkStore)."""
+
+    def __init__(self, root: Path, spec: ModelSpec, dtypes: StateDtypes, hasher: PrefixHasher, model: ModelIdentity,
+                 tokenizer_sha256: str):
+        self.root = root
+        self.chunks = ChunkStore(root, spec, dtypes, hasher)
+        self.stats = self.chunks.stats
+        self.spec, self.dtypes, self.model, self.tokenizer_sha256 = spec, dtypes, model, tokenizer_sha256
+
+    def locate(self, conversation_id: str, branch: str, turn: int, fmt: str | None = None) -> str:
+        path = turn_file(self.root, conversation_id, branch, turn)
+        return str(path if fmt is None else path.with_suffix("." + fmt))
+
+    def exists(self, location: str) -> bool:
+        return Path(location).is_file()
+
+    def save(self, state: SequenceState, meta: SnapshotMeta, base: StoredState | None) -> StoredState:
+        return save_turn(self.chunks, state, meta, self.model, self.tokenizer_sha256, base)[1]
+
+    def load(self, location: str) -> tuple[SequenceState, dict]:
+        return load_turn(self.chunks, Path(location), self.spec, self.dtypes, self.model, self.tokenizer_sha256)
+
+    def manifest(self, location: str) -> dict:
+        return read_manifest(location)
+
+    def references(self, location: str) -> StoredState | None:
+        return stored_state(read_manifest(location), snapshot_label(location))
+
+    def tokens(self, manifest: dict) -> list[int]:
+        return turn_tokens(self.chunks, Path(manifest["path"]), manifest)
+
+    def delete(self, location: str) -> None:
+        delete_snapshot(location)
+
+    def snapshots(self, conversation_id: str) -> list[dict]:
+        return list_snapshots(self.root, conversation_id)
+
+    def sweep(self, referenced: set[str], grace_s: float) -> int:
+        return self.chunks.sweep(referenced, grace_s)
+
+    def read(self, location: str) -> bytes:
+        return bytes(read_no_follow(Path(location)))
+
+    def write(self, location: str, data: bytes) -> None:
+        atomic_write(Path(location), data)
+
+    def store_members(self, stored: StoredState) -> dict[str, str]:
+        members = {f"store/kv/{p.key}.safetensors": str(self.chunks.piece_path(p.key)) for p in stored.pieces}
+        members[f"store/ckpt/{stored.checkpoint}.safetensors"] = str(self.chunks.checkpoint_path(stored.checkpoint))
+        return members
+
+    def adopt(self, kind: str, key: str, stream: IO[bytes]) -> None:
+        self.chunks.adopt_file(kind, key, stream)
