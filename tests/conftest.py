@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
-from checkpoints import write_checkpoint
+from checkpoints import train_demo_smoke, write_checkpoint
 
 torch.set_num_threads(2)
 
@@ -56,3 +58,10 @@ def hf_model():
         return loaded[path]
 
     return load
+
+
+@pytest.fixture(scope="session")
+def demo_checkpoint(tmp_path_factory) -> tuple[Path, str]:
+    """(folder, stdout) of one smoke run of the demo model's training script."""
+    out = tmp_path_factory.mktemp("demo") / "model"
+    return out, train_demo_smoke(out)
