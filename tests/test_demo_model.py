@@ -1,4 +1,4 @@
-"""The demo model's training script (smoke mode, CPU)."""
+"""The demo model's training script (smoke mode, CPU) and the built-in model names."""
 
 from __future__ import annotations
 
@@ -8,10 +8,12 @@ from pathlib import Path
 
 import pytest
 from checkpoints import train_demo_smoke
-from engine_utils import assert_greedy_matches_transformers, make_engine
+from engine_utils import assert_greedy_matches_transformers, greedy, make_engine
 from test_byte_tokenizer_and_embedded import TEXTS
 
-from engram.models.spec import LayerKind, load_model_spec
+import engram.models.builtin as builtin
+from engram import LLM
+from engram.models.spec import ConfigError, LayerKind, load_model_spec
 
 
 @pytest.fixture(scope="module")
@@ -66,3 +68,26 @@ def test_training_is_deterministic(demo_checkpoint, tmp_path):
     train_demo_smoke(tmp_path / "again")
     for name in ("model.safetensors", "tokenizer.json", "config.json"):
         assert (tmp_path / "again" / name).read_bytes() == (path / name).read_bytes(), name
+
+
+def test_builtin_names(demo_checkpoint, tmp_path, monkeypatch):
+    path, _ = demo_checkpoint
+    monkeypatch.setattr(builtin, "DEMO_MODEL_DIR", tmp_path / "absent")
+    with pytest.raises(ConfigError, match="scripts/train_demo_model.py"):
+        builtin.resolve_model("demo")
+    monkeypatch.setattr(builtin, "DEMO_MODEL_DIR", path)
+    assert builtin.resolve_model("demo") == builtin.ResolvedModel(str(path), builtin.DEMO_MODEL_NAME)
+    assert builtin.resolve_model(None) == builtin.resolve_model(builtin.DEFAULT_MODEL)
+    assert builtin.resolve_model("embedded").served_name == "engram-embedded-hybrid"
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "demo").mkdir()
+    assert builtin.resolve_model("demo") == builtin.ResolvedModel("demo", None)  # a folder of that name wins
+
+
+def test_llm_loads_the_demo_by_name(demo_checkpoint, monkeypatch):
+    path, _ = demo_checkpoint
+    monkeypatch.setattr(builtin, "DEMO_MODEL_DIR", path)
+    llm = LLM("demo", max_total_tokens=1024, max_running_requests=2)
+    assert llm.engine.model_path == path
+    out = llm.generate("def add(a, b):", greedy(4))[0]
+    assert len(out.token_ids) == 4

@@ -84,3 +84,10 @@ def test_an_unreadable_quarantine_list_stops_the_start_with_one_line(tmp_path_fa
     lines = done.stderr.strip().splitlines()
     assert "Traceback" not in done.stderr and len(lines) == 1, done.stderr
     assert str(tmp_path / "quarantine.json") in lines[0] and "move it aside" in lines[0]
+
+
+def test_a_model_path_without_a_checkpoint_stops_the_start_with_one_line(tmp_path):
+    cmd = [sys.executable, "-m", "engram", "serve", "--model-path", str(tmp_path / "nothing"), "--port", str(free_port())]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr and done.stderr.strip() == f"engram serve: no config.json at {tmp_path / 'nothing'}"
