@@ -33,11 +33,14 @@ def kernel_dispatch():
 
 
 @pytest.fixture(scope="session")
-def checkpoint_dir(tmp_path_factory):
-    """checkpoint_dir(kind) -> folder of a tiny random checkpoint of that kind (cached per session)."""
+def checkpoint_dir(tmp_path_factory, request):
+    """checkpoint_dir(kind) -> folder of a tiny random checkpoint of that kind (cached per session);
+    kind "demo": the demo model's smoke run (dense Granite MLPs, trained a few steps, bfloat16 weights)."""
     made: dict[str, str] = {}
 
     def make(kind: str) -> str:
+        if kind == "demo":
+            return str(request.getfixturevalue("demo_checkpoint")[0])
         if kind not in made:
             made[kind] = str(write_checkpoint(kind, tmp_path_factory.mktemp(kind)))
         return made[kind]
