@@ -31,6 +31,7 @@ import platform
 import sys
 import sysconfig
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,7 +107,9 @@ def function_turns(text: str) -> list[dict[str, str]]:
     """A file's functions as chat messages: the signature (and docstring) from the user, the body
     from the assistant, dedented to the def line; in source order."""
     try:
-        tree = ast.parse(text)
+        with warnings.catch_warnings():  # Python 3.12 warns of the stdlib's few invalid escapes, once per file
+            warnings.simplefilter("ignore")
+            tree = ast.parse(text)
     except (SyntaxError, ValueError, RecursionError):
         return []
     lines = text.splitlines()
