@@ -3,10 +3,13 @@
 Shapes are deliberately odd (GQA, n_groups > 1, partial rotary, vocab larger than the tokenizer)
 and mamba chunks are small (8), so prompts of 20-60 tokens span several chunks. Weights are
 re-drawn by `randomize_decisively` so that greedy decoding is not decided by numerical noise.
+`train_demo_smoke`: the demo model's training script, run for a few steps on a few files.
 """
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -93,3 +96,17 @@ def write_checkpoint(kind: str, path: str | Path, seed: int = 0, **config_overri
     model.save_pretrained(path)
     tokenizer.save_pretrained(str(path))
     return path
+
+
+# The demo model's training script in smoke mode: 10 files, a 512-token vocabulary, 5 steps of 2 x 64 tokens.
+DEMO_SMOKE_ARGS = ("--device", "cpu", "--minutes", "1", "--steps", "5", "--lr", "1e-2", "--warmup-steps", "1", "--max-files", "10",
+                   "--vocab-size", "512", "--seq-len", "64", "--batch-size", "2", "--eval-tokens", "256")
+
+
+def train_demo_smoke(out: Path) -> str:
+    """Run scripts/train_demo_model.py in smoke mode into `out`; its stdout."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "train_demo_model.py"
+    done = subprocess.run([sys.executable, str(script), "--out", str(out), *DEMO_SMOKE_ARGS],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
-from checkpoints import write_checkpoint
+from checkpoints import train_demo_smoke, write_checkpoint
 
 torch.set_num_threads(2)
 
@@ -31,11 +33,14 @@ def kernel_dispatch():
 
 
 @pytest.fixture(scope="session")
-def checkpoint_dir(tmp_path_factory):
-    """checkpoint_dir(kind) -> folder of a tiny random checkpoint of that kind (cached per session)."""
+def checkpoint_dir(tmp_path_factory, request):
+    """checkpoint_dir(kind) -> folder of a tiny random checkpoint of that kind (cached per session);
+    kind "demo": the demo model's smoke run (dense Granite MLPs, trained a few steps, bfloat16 weights)."""
     made: dict[str, str] = {}
 
     def make(kind: str) -> str:
+        if kind == "demo":
+            return str(request.getfixturevalue("demo_checkpoint")[0])
         if kind not in made:
             made[kind] = str(write_checkpoint(kind, tmp_path_factory.mktemp(kind)))
         return made[kind]
@@ -56,3 +61,10 @@ def hf_model():
         return loaded[path]
 
     return load
+
+
+@pytest.fixture(scope="session")
+def demo_checkpoint(tmp_path_factory) -> tuple[Path, str]:
+    """(folder, stdout) of one smoke run of the demo model's training script."""
+    out = tmp_path_factory.mktemp("demo") / "model"
+    return out, train_demo_smoke(out)

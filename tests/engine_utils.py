@@ -45,6 +45,23 @@ def record_logits(engine: LLMEngine) -> list[torch.Tensor]:
     return seen
 
 
+def assert_greedy_matches_transformers(engine: LLMEngine, ref: torch.nn.Module, prompt: list[int], max_tokens: int) -> list[int]:
+    """Decode `prompt` greedily; every step's logits must match transformers' forward over the same
+    tokens (to 1e-4) and the tokens its generate. Returns the tokens."""
+    logits = record_logits(engine)
+    engine.add_request("parity", prompt, greedy(max_tokens))
+    out = run_to_end(engine)["parity"]
+    with torch.no_grad():
+        ref_tokens = ref.generate(
+            torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+        )[0, len(prompt) :].tolist()
+        ref_logits = ref(torch.tensor([prompt + out.token_ids[:-1]])).logits[0, len(prompt) - 1 :]
+    assert len(logits) == max_tokens and all(step.shape[0] == 1 for step in logits)
+    assert (torch.cat(logits) - ref_logits).abs().max().item() < 1e-4
+    assert out.token_ids == ref_tokens
+    return ref_tokens
+
+
 def random_prompt(n: int, seed: int, vocab: int = 256) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 

@@ -31,6 +31,16 @@ def saved_tokenizer(tmp_path_factory):
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
+@pytest.fixture(params=["byte", "demo"])
+def template_tokenizer(request, saved_tokenizer):
+    """The byte tokenizer as saved, and the demo model's BPE tokenizer (a smoke run's): both carry the chat template."""
+    if request.param == "byte":
+        return saved_tokenizer
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(request.getfixturevalue("demo_checkpoint")[0], local_files_only=True)
+
+
 @pytest.mark.parametrize("text", TEXTS)
 def test_round_trip(tokenizer, saved_tokenizer, text):
     ids = tokenizer.encode(text)
@@ -59,8 +69,8 @@ def _render(tok, messages, **kw) -> list[int]:
     return list(tok.apply_chat_template(messages, tokenize=True, return_dict=False, **kw))
 
 
-def test_chat_template_continues_token_exactly(saved_tokenizer):
-    tok = saved_tokenizer
+def test_chat_template_continues_token_exactly(template_tokenizer):
+    tok = template_tokenizer
     sys_msg = {"role": "system", "content": "Be brief."}
     u1 = {"role": "user", "content": "Hi, ça va? "}
     a1 = {"role": "assistant", "content": " Oui.\n"}
@@ -74,11 +84,11 @@ def test_chat_template_continues_token_exactly(saved_tokenizer):
     assert text == "<|user|>Hi, ça va? <|end|><|assistant|>"
 
 
-def test_chat_template_content_parts_and_bad_role(saved_tokenizer):
+def test_chat_template_content_parts_and_bad_role(template_tokenizer):
     parts = {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
-    assert saved_tokenizer.apply_chat_template([parts], tokenize=False) == "<|user|>ab<|end|>"
+    assert template_tokenizer.apply_chat_template([parts], tokenize=False) == "<|user|>ab<|end|>"
     with pytest.raises(Exception, match="unknown chat role"):
-        saved_tokenizer.apply_chat_template([{"role": "robot", "content": "x"}], tokenize=False)
+        template_tokenizer.apply_chat_template([{"role": "robot", "content": "x"}], tokenize=False)
 
 
 def test_embedded_model_is_deterministic_and_reused(tmp_path, monkeypatch):

@@ -9,7 +9,7 @@ from engine_utils import greedy, make_engine, random_prompt, record_logits, run_
 from engram.engine.request import FinishReason, SamplingParams
 from engram.state.sequence_state import SequenceState
 
-HYBRID_KINDS = ["nemotron", "bamba", "granite_rope"]
+HYBRID_KINDS = ["nemotron", "bamba", "granite_rope", "demo"]
 
 
 def _prefill_logits(path: str, prompt: list[int], chunk: int) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The commands: `engram serve` (the embedded model by default, as a process) and `engram chat`."""
+"""The commands: `engram serve` (the default built-in model, as a process) and `engram chat`."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import pytest
 from server_utils import ServerProcess, free_port
 
 from engram import cli, launch_server
-from engram.models.embedded import EMBEDDED_MODEL_NAME, ensure_embedded_model
+from engram.models.builtin import resolve_model
+from engram.models.embedded import ensure_embedded_model
 
 SERVE_FLAGS = ("--model-path", "--host", "--port", "--served-model-name", "--dtype", "--max-running-requests",
                "--api-key", "--admin-api-key", "--log-level", "--max-num-batched-tokens", "--enable-cuda-graph",
@@ -41,10 +42,11 @@ def served(tmp_path_factory):
     server.kill()
 
 
-def test_serve_embedded_model(served):
+def test_serve_default_model(served):
     url, _ = served
-    assert [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]] == [EMBEDDED_MODEL_NAME]
-    body = {"model": EMBEDDED_MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    name = resolve_model(None).served_name
+    assert [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]] == [name]
+    body = {"model": name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
     r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
 
@@ -54,7 +56,7 @@ def test_chat_client(served, monkeypatch, capsys):
     monkeypatch.setattr(sys, "stdin", io.StringIO("hello\nmore\n/reset\nagain\n/exit\n"))
     cli.main(["chat", "--url", url, "--max-tokens", "4", "--temperature", "0"])
     out = capsys.readouterr().out
-    assert f"chatting with {EMBEDDED_MODEL_NAME}" in out
+    assert f"chatting with {resolve_model(None).served_name}" in out
     assert out.count("assistant> ") == 3 and "(conversation reset)" in out
     cached = [int(n) for n in re.findall(r"\((\d+) restored from saved state\)", out)]
     assert len(cached) == 3 and cached[0] == 0 and cached[1] > 0 and cached[2] == 0  # the second turn continues the first
@@ -84,3 +86,10 @@ def test_an_unreadable_quarantine_list_stops_the_start_with_one_line(tmp_path_fa
     lines = done.stderr.strip().splitlines()
     assert "Traceback" not in done.stderr and len(lines) == 1, done.stderr
     assert str(tmp_path / "quarantine.json") in lines[0] and "move it aside" in lines[0]
+
+
+def test_a_model_path_without_a_checkpoint_stops_the_start_with_one_line(tmp_path):
+    cmd = [sys.executable, "-m", "engram", "serve", "--model-path", str(tmp_path / "nothing"), "--port", str(free_port())]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr and done.stderr.strip() == f"engram serve: no config.json at {tmp_path / 'nothing'}"

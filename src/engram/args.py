@@ -8,10 +8,13 @@ import dataclasses
 import typing
 from dataclasses import dataclass, field
 
+from engram.models.builtin import DEFAULT_MODEL
+
 
 @dataclass
 class EngineArgs:
-    model_path: str | None = field(default=None, metadata={"help": "checkpoint folder (default: the embedded demo model)"})
+    model_path: str | None = field(default=None, metadata={"help": "checkpoint folder, or a built-in model: embedded (tiny, random) or demo (trained on Python's standard library); "
+                                                                      f"default: {DEFAULT_MODEL}"})
     dtype: str = field(default="auto", metadata={"help": "auto|float32|bfloat16|float16 (auto: float32 on CPU, bfloat16 on CUDA)"})
     device: str = field(default="auto", metadata={"help": "auto|cpu|cuda"})
     max_running_requests: int = field(default=16, metadata={"help": "sequences decoded at once; each holds one recurrent-state slot"})
@@ -70,7 +73,7 @@ def from_namespace(cls: type, ns: argparse.Namespace):
 class ServerArgs:
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
     port: int = field(default=30000, metadata={"help": "port to listen on"})
-    served_model_name: str | None = field(default=None, metadata={"help": "model name in the API (default: the model folder's name, or the embedded model's)"})
+    served_model_name: str | None = field(default=None, metadata={"help": "model name in the API (default: the model folder's name, or the built-in model's)"})
     api_key: list[str] = field(
         default_factory=list,
         metadata={"help": "require `Authorization: Bearer <key>` on every route but /health, /health_generate and /metrics; "

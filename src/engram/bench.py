@@ -27,10 +27,9 @@ def run(ns: argparse.Namespace) -> None:
     from engram.engine.request import SamplingParams
 
     args = from_namespace(EngineArgs, ns)
-    if args.model_path is None:
-        from engram.models.embedded import ensure_embedded_model
+    from engram.models.builtin import resolve_model
 
-        args.model_path = str(ensure_embedded_model())
+    args.model_path = resolve_model(args.model_path).path
     engine = LLMEngine(args)
     vocab = engine.spec.vocab_size
     params = SamplingParams(max_tokens=ns.output_len, temperature=0.0, ignore_eos=True)

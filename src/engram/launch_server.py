@@ -28,23 +28,23 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
 
 
 def build_app(engine_args: EngineArgs, server_args: ServerArgs) -> FastAPI:
-    """Load the engine (the embedded model when no --model-path is given) and wrap it in the app."""
+    """Load the engine (a built-in model by name, or the default one when no --model-path is given) and wrap it in the app."""
     from engram.engine.async_engine import AsyncEngine
     from engram.engine.engine import LLMEngine
+    from engram.models.builtin import resolve_model
     from engram.server.app import create_app
 
-    if engine_args.model_path is None:
-        from engram.models.embedded import EMBEDDED_MODEL_NAME, ensure_embedded_model
-
-        engine_args = dataclasses.replace(engine_args, model_path=str(ensure_embedded_model()))
-        server_args = dataclasses.replace(server_args, served_model_name=server_args.served_model_name or EMBEDDED_MODEL_NAME)
+    model = resolve_model(engine_args.model_path)
+    engine_args = dataclasses.replace(engine_args, model_path=model.path)
+    server_args = dataclasses.replace(server_args, served_model_name=server_args.served_model_name or model.served_name)
     return create_app(AsyncEngine(LLMEngine(engine_args)), server_args)
 
 
 def serve(engine_args: EngineArgs, server_args: ServerArgs) -> None:
-    """Exits with status 2 and one line, not a traceback, when the snapshot folder's state stops the start."""
+    """Exits with status 2 and one line, not a traceback, when the model's folder or the snapshot folder's state stops the start."""
     import uvicorn
 
+    from engram.models.spec import ConfigError
     from engram.server.background import UVICORN_LOOP
     from engram.server.startup import banner
     from engram.state.health import QuarantineListError
@@ -52,7 +52,7 @@ def serve(engine_args: EngineArgs, server_args: ServerArgs) -> None:
     logging.basicConfig(level=server_args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         app = build_app(engine_args, server_args)
-    except QuarantineListError as e:
+    except (ConfigError, QuarantineListError) as e:
         print(f"engram serve: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     logging.getLogger("engram.server").info(banner(app.state.serving, server_args, f"http://{server_args.host}:{server_args.port}"))

@@ -9,17 +9,14 @@ from typing import Any, cast
 from engram.args import EngineArgs
 from engram.engine.engine import LLMEngine
 from engram.engine.request import RequestOutput, SamplingParams
+from engram.models.builtin import resolve_model
 
 Prompt = str | dict[str, Any] | list[int]
 
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_args: Any):
-        if model is None:
-            from engram.models.embedded import ensure_embedded_model
-
-            model = str(ensure_embedded_model())
-        self.engine = LLMEngine(EngineArgs(model_path=model, **engine_args))
+        self.engine = LLMEngine(EngineArgs(model_path=resolve_model(model).path, **engine_args))
         self._ids = itertools.count()
 
     def get_tokenizer(self):

@@ -1,7 +1,7 @@
 """A byte-level tokenizer (ids 0-255 are the bytes) with chat special tokens.
 
-Used by the embedded model and by the tests' random checkpoints. Any UTF-8 text round-trips
-exactly. The chat template emits nothing after `<|end|>`, so an assistant message renders as
+Used by the embedded model and by the tests' random checkpoints; `chat_tokenizer` also wraps the
+demo model's BPE tokenizer (scripts/train_demo_model.py). Any UTF-8 text round-trips exactly. The chat template emits nothing after `<|end|>`, so an assistant message renders as
 `<|assistant|>` + content + `<|end|>`: exactly what the model produced after the generation
 prompt when it stopped at EOS. A conversation can therefore be continued token for token.
 """
@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
 PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|end|>"
@@ -39,7 +40,6 @@ def build_byte_tokenizer(vocab_size: int | None = None) -> PreTrainedTokenizerFa
     three printable characters, which encoding never produces and each decode to their text: a
     random model's every token then has text (benchmarks stream one chunk per token)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
 
     vocab = {ch: byte for byte, ch in enumerate(_byte_symbols())}
     printable = [chr(c) for c in range(ord("!"), ord("~") + 1)]
@@ -50,6 +50,13 @@ def build_byte_tokenizer(vocab_size: int | None = None) -> PreTrainedTokenizerFa
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    return chat_tokenizer(tok)
+
+
+def chat_tokenizer(tok: Tokenizer) -> PreTrainedTokenizerFast:
+    """`tok` (which holds SPECIAL_TOKENS) as a transformers tokenizer with the chat template."""
+    from transformers import PreTrainedTokenizerFast
+
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         pad_token=PAD,
