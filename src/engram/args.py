@@ -8,6 +8,9 @@ import dataclasses
 import typing
 from dataclasses import dataclass, field
 
+from engram.server.reasoning_parsers import REASONING_PARSERS
+from engram.server.tool_parsers import TOOL_PARSERS
+
 
 @dataclass
 class EngineArgs:
@@ -111,6 +114,17 @@ class ServerArgs:
     snapshot_preload: int = field(default=0, metadata={"help": "at startup, warm the latest snapshots of the N most recently used conversations"})
     snapshot_health_check_interval: int = field(default=1, metadata={"help": "check state norms for anomalies every N turns of a conversation; 0: structural checks only"})
     snapshot_health_failure_policy: str = field(default="log_and_continue", metadata={"help": "what an anomalous state does", "choices": ["log_and_continue", "skip_snapshot", "refuse_restore"]})
+    tool_call_parser: str | None = field(
+        default=None,
+        metadata={"help": "how the model writes tool calls (read into message.tool_calls)",
+                  "choices": list(TOOL_PARSERS)},
+    )
+    enable_auto_tool_choice: bool = field(default=False, metadata={"help": "allow tool_choice 'auto' (needs --tool-call-parser), as vLLM"})
+    reasoning_parser: str | None = field(
+        default=None,
+        metadata={"help": "how the model marks its reasoning (answered as reasoning_content)",
+                  "choices": list(REASONING_PARSERS)},
+    )
     enable_cross_session_refs: bool = field(
         default=True,
         metadata={"help": "a new conversation may start from a turn of another the caller owns "

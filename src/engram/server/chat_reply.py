@@ -6,6 +6,7 @@ request's tool parser (`--tool-call-parser` under `tool_choice: "auto"`, or the 
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,29 +42,33 @@ class Reply:
 
 @dataclass(frozen=True)
 class ReplyFormat:
-    """How one request's replies are read (the parsers are stateless; each reply gets a reader)."""
+    """How one request's replies are read (the parsers are stateless; each reply gets a reader).
+    A call's id depends only on the request, the choice and the call's index: the response, its
+    stream and the conversation's record of the reply name the same calls alike."""
 
     reasoning: ReasoningParser | None = None
     tools: ToolParser | None = None
+    max_calls: int | None = None
+    call_ids: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
 
     @property
     def plain(self) -> bool:
         return self.reasoning is None and self.tools is None
 
-    def reader(self) -> ReplyReader:
-        return ReplyReader(self)
+    def reader(self, choice: int = 0) -> ReplyReader:
+        return ReplyReader(self, f"call_{self.call_ids}_{choice}")
 
-    def read(self, text: str) -> Reply:
-        reader = self.reader()
+    def read(self, text: str, choice: int = 0) -> Reply:
+        reader = self.reader(choice)
         reader.feed(text, final=True)
         return reader.reply()
 
 
 class ReplyReader:
-    def __init__(self, fmt: ReplyFormat) -> None:
+    def __init__(self, fmt: ReplyFormat, id_prefix: str) -> None:
         self.fmt = fmt
         self.reasoning = ""
-        self.tools = ToolCallReader(fmt.tools) if fmt.tools is not None else None
+        self.tools = ToolCallReader(fmt.tools, fmt.max_calls, id_prefix) if fmt.tools is not None else None
         self.content = ""
 
     def feed(self, text: str, final: bool) -> ReplyDelta:
@@ -104,7 +109,8 @@ class ReplyParsers:
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"--reasoning-parser: {self.reasoning_parser!r} is not one of {', '.join(REASONING_PARSERS)}")
 
-    def format(self, tools: list[ToolDefinition], tool_choice: ToolChoice, template_kwargs: dict[str, Any]) -> ReplyFormat:
+    def format(self, tools: list[ToolDefinition], tool_choice: ToolChoice, template_kwargs: dict[str, Any],
+               parallel_tool_calls: bool = True) -> ReplyFormat:
         """The reply format of a request. A forced choice's reply is all call (no reasoning to split off)."""
         definitions = [t.model_dump() for t in tools]
         if isinstance(tool_choice, NamedToolChoice):
@@ -117,4 +123,4 @@ class ReplyParsers:
         if not self.enable_auto_tool_choice or self.tool_call_parser is None:
             raise APIError(400, '"auto" tool choice needs a server started with --enable-auto-tool-choice and --tool-call-parser',
                            param="tool_choice")
-        return ReplyFormat(reasoning, TOOL_PARSERS[self.tool_call_parser](definitions))
+        return ReplyFormat(reasoning, TOOL_PARSERS[self.tool_call_parser](definitions), None if parallel_tool_calls else 1)

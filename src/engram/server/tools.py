@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from engram.engine.request import StructuredOutputsParams
 
-FUNCTION_NAME = r"[A-Za-z0-9_.:-]{1,64}"
+FUNCTION_NAME = r"^[A-Za-z0-9_.:-]{1,64}$"  # anchored: pydantic searches a pattern
 NO_PARAMETERS = {"type": "object", "properties": {}}
 
 
@@ -102,8 +102,9 @@ def resolve_tools(tools: list[ToolDefinition] | None, tool_choice: ToolChoice | 
     return tools, tool_choice
 
 
-def tool_grammar(tools: list[ToolDefinition], tool_choice: ToolChoice) -> StructuredOutputsParams | None:
-    """The schema a forced choice holds the reply to (compact JSON: no whitespace of its own)."""
+def tool_grammar(tools: list[ToolDefinition], tool_choice: ToolChoice, parallel: bool = True) -> StructuredOutputsParams | None:
+    """The schema a forced choice holds the reply to (compact JSON: no whitespace of its own);
+    `parallel` false (OpenAI's parallel_tool_calls) allows one call."""
     if isinstance(tool_choice, NamedToolChoice):
         tool = next(t for t in tools if t.function.name == tool_choice.function.name)
         return StructuredOutputsParams(json=tool.function.parameters or NO_PARAMETERS, disable_any_whitespace=True,
@@ -113,7 +114,8 @@ def tool_grammar(tools: list[ToolDefinition], tool_choice: ToolChoice) -> Struct
     calls = [{"type": "object",
               "properties": {"name": {"const": t.function.name}, "parameters": t.function.parameters or NO_PARAMETERS},
               "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
-    schema = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+    schema = {"type": "array", "minItems": 1, **({} if parallel else {"maxItems": 1}),
+              "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
     return StructuredOutputsParams(json=schema, disable_any_whitespace=True, source="tool_choice")
 
 

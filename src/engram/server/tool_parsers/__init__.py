@@ -9,7 +9,7 @@ from engram.server.tool_parsers.json_list import GraniteToolParser
 from engram.server.tool_parsers.llama3_json import Llama3JsonToolParser
 from engram.server.tool_parsers.mistral import MistralToolParser
 from engram.server.tool_parsers.qwen3_coder import Qwen3CoderToolParser
-from engram.server.tool_parsers.stream import CallDelta, ToolCall, ToolCallReader, read_all
+from engram.server.tool_parsers.stream import CallDelta, ToolCall, ToolCallReader
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser,
@@ -20,4 +20,4 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "mistral": MistralToolParser,
 }
 
-__all__ = ["TOOL_PARSERS", "CallDelta", "NamedToolParser", "RequiredToolParser", "ToolCall", "ToolCallReader", "ToolParser", "read_all"]
+__all__ = ["TOOL_PARSERS", "CallDelta", "NamedToolParser", "RequiredToolParser", "ToolCall", "ToolCallReader", "ToolParser"]

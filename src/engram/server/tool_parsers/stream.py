@@ -1,6 +1,6 @@
 """Successive scans of a growing reply turned into deltas: text outside the calls, and for each
-call its id and name first, then fragments of its arguments. Reading the whole reply at once
-(`read_all`) gives what a stream's deltas add up to."""
+call its id and name first, then fragments of its arguments. Fed the whole reply at once, a
+reader gives what a stream's deltas add up to."""
 
 from __future__ import annotations
 
@@ -34,15 +34,13 @@ class ToolDeltas:
     calls: list[CallDelta] = field(default_factory=list)
 
 
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
 class ToolCallReader:
     """One reply's reader: `feed` it the reply's whole text so far, each time longer."""
 
-    def __init__(self, parser: ToolParser) -> None:
+    def __init__(self, parser: ToolParser, max_calls: int | None = None, id_prefix: str | None = None) -> None:
         self.parser = parser
+        self.id_prefix = id_prefix or f"call_{uuid.uuid4().hex[:24]}"  # call i gets "<prefix>_<i>"
+        self.max_calls = max_calls  # the calls past it are dropped (OpenAI's parallel_tool_calls false: one)
         self.content = ""
         self.calls: list[ToolCall] = []
         self.failed = False  # the reply is not in the parser's format: all of it is content
@@ -60,11 +58,11 @@ class ToolCallReader:
 
     def _deltas(self, scan: Scan) -> ToolDeltas:
         out = self._content_delta(scan.content)
-        for index, call in enumerate(scan.calls):
+        for index, call in enumerate(scan.calls[: self.max_calls]):
             if call.name is None:
                 break  # a call's name goes out before its arguments, and calls in order
             if index == len(self.calls):
-                self.calls.append(ToolCall(new_call_id(), call.name, ""))
+                self.calls.append(ToolCall(f"{self.id_prefix}_{index}", call.name, ""))
                 out.calls.append(CallDelta(index, self.calls[index].id, call.name))
             sent = self.calls[index]
             if len(call.arguments) > len(sent.arguments) and call.arguments.startswith(sent.arguments):
@@ -82,9 +80,3 @@ class ToolCallReader:
             return ToolDeltas(content=grown)
         return ToolDeltas()
 
-
-def read_all(parser: ToolParser, text: str) -> tuple[str, list[ToolCall]]:
-    """The content and calls of a whole reply."""
-    reader = ToolCallReader(parser)
-    reader.feed(text, final=True)
-    return reader.content, reader.calls
