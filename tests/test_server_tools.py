@@ -123,6 +123,26 @@ def test_tool_choice_none_reads_no_calls_but_still_splits_reasoning(client):
     assert thinking_off.choices[0].message.content == RECORDED  # nemotron without thinking: all content
 
 
+def test_chat_template_kwargs_hold_within_a_conversation(client):
+    """Refused with a conversation_id before: now every rendering of the turn gets them, and the
+    reasoning parser reads them (nemotron without thinking: the reply is all content)."""
+    kw = dict(model=MODEL, messages=MESSAGES, max_tokens=250, temperature=0, extra_body={"structured_outputs": {"choice": [RECORDED]},
+                                                                                          "conversation_id": "thinking"})
+    off = client.chat.completions.create(**{**kw, "extra_body": {**kw["extra_body"], "chat_template_kwargs": {"enable_thinking": False}}})
+    assert off.choices[0].message.content == RECORDED and off.model_extra["turn"] == 1
+    on = client.chat.completions.create(**kw)
+    assert on.model_extra["turn"] == 2 and on.choices[0].message.model_extra["reasoning_content"].startswith("\nThe user asks")
+    assert on.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_a_retried_tool_call_turn_is_answered_with_the_same_calls(server):
+    body = {"model": MODEL, "messages": MESSAGES, "tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False,
+            "max_tokens": 140, "seed": 5, "conversation_id": "retried"}
+    first, again = (httpx.post(server.url + "/v1/chat/completions", json=body, headers={"Idempotency-Key": "k1"}).json() for _ in range(2))
+    assert first["choices"][0]["finish_reason"] == "tool_calls" and first["choices"][0]["message"]["tool_calls"]
+    assert again["choices"] == first["choices"] and again["turn"] == first["turn"] == 1
+
+
 def test_tools_are_rendered_by_the_chat_template(server):
     with_tools = httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, "tools": TOOLS,
                                                                        "tool_choice": "none", "max_tokens": 1}).json()

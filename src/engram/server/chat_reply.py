@@ -43,8 +43,9 @@ class Reply:
 @dataclass(frozen=True)
 class ReplyFormat:
     """How one request's replies are read (the parsers are stateless; each reply gets a reader).
-    A call's id depends only on the request, the choice and the call's index: the response, its
-    stream and the conversation's record of the reply name the same calls alike."""
+    A call's id depends only on `call_ids` (random per request; a conversation turn's follow from
+    its conversation, branch and turn, so that a retry answered from the record names the same
+    calls), the choice and the call's index: the response, its stream and the record agree."""
 
     reasoning: ReasoningParser | None = None
     tools: ToolParser | None = None

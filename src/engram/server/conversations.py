@@ -159,7 +159,7 @@ class ConversationTurns:
                                 "with other messages", param="Idempotency-Key", code="idempotency_key_reused")
         tokens = conv.tokens(turn)
         prompt, reply = tokens[: len(tokens) - answer.completion_tokens], tokens[len(tokens) - answer.completion_tokens :]
-        text = turn.new_messages[-1]["content"] if answer.completion_tokens else ""
+        text = (answer.text if answer.text is not None else turn.new_messages[-1]["content"]) if answer.completion_tokens else ""
         return RequestOutput(
             request_id="", prompt_token_ids=prompt, token_ids=reply, text=text, new_token_ids=reply, new_text=text,
             finished=True, finish_reason=FinishReason(answer.finish_reason), stop_reason=answer.stop_reason,
@@ -276,7 +276,9 @@ class ConversationTurns:
         back (its tool calls, without its reasoning), and its calls are what `on_tool_call` looks for."""
         reply = fmt.read(out.text) if out.token_ids else None
         messages = new_messages + ([reply.message()] if reply is not None else [])
-        answer = TurnAnswer(plan.idempotency_key, out.finish_reason.value, out.stop_reason, len(out.token_ids), out.num_cached_tokens)
+        parsed = reply is not None and reply.content != out.text
+        answer = TurnAnswer(plan.idempotency_key, out.finish_reason.value, out.stop_reason, len(out.token_ids), out.num_cached_tokens,
+                            out.text if parsed else None)
         work = asyncio.ensure_future(asyncio.to_thread(
             self.manager.finish, plan, out.prompt_token_ids, out.token_ids, messages, out.state,
             reply is not None and bool(reply.calls), answer,

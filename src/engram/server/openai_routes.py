@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import hashlib
 import re
 import time
 import uuid
@@ -104,21 +106,28 @@ async def chat_completions(request: ChatCompletionRequest, raw_request: Request)
         streams = await s.generate_choices(engine_request_id(caller_of(raw_request).tenant, rid), prompt, params, request.n)
     else:  # one choice (the protocol refuses n > 1 there)
         where, outputs = await _conversation_turn(s, request, rid, messages, params, caller_of(raw_request), key, fmt)
+        fmt = dataclasses.replace(fmt, call_ids=turn_call_ids(where))
         streams = [outputs]
     if request.stream:
         return sse_response(_chat_events(s, request, rid, streams, where, fmt))
     results = await collect_choices(streams)
+    replies = [fmt.read(out.text, i) for i, (out, _) in enumerate(results)]
     choices = [
         ChatChoice(
             index=i,
-            message=_message(fmt.read(out.text, i)),
+            message=_message(reply),
             logprobs=_chat_logprobs(s, logprobs if params.logprobs is not None else None),
-            **_finish(s, out, fmt.read(out.text, i).calls),
+            **_finish(s, out, reply.calls),
         )
-        for i, (out, logprobs) in enumerate(results)
+        for i, ((out, logprobs), reply) in enumerate(zip(results, replies))
     ]
     usage = Usage.of(*(out for out, _ in results))
     return ChatCompletionResponse(id=rid, model=s.model_name, choices=choices, usage=usage, **where.model_dump())
+
+
+def turn_call_ids(where: ConversationFields) -> str:
+    """The call ids of a conversation turn: the same for a retry answered from the record."""
+    return hashlib.sha256(f"{where.conversation_id}/{where.branch}/{where.turn}".encode()).hexdigest()[:24]
 
 
 def _message(reply: Reply) -> AssistantMessage:
@@ -149,7 +158,7 @@ async def _conversation_turn(
         turns.manager.release(plan.conversation_id)
         raise
     where = ConversationFields(conversation_id=plan.conversation_id, branch=plan.branch, turn=plan.turn, epoch=s.epoch)
-    return where, turns.record(rid, plan, messages, outputs, fmt)
+    return where, turns.record(rid, plan, messages, outputs, dataclasses.replace(fmt, call_ids=turn_call_ids(where)))
 
 
 async def _one(out: RequestOutput) -> AsyncIterator[RequestOutput]:
