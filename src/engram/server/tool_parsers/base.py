@@ -37,6 +37,10 @@ class ToolParser:
         """Raises ValueError when the text is not in the format (it is then all content)."""
         raise NotImplementedError
 
+    def call_id(self, prefix: str, index: int) -> str:
+        """The id of the reply's call `index`, from the reply's `prefix` ("call_<hex>")."""
+        return f"{prefix}_{index}"
+
 
 def held_back(text: str, *markers: str) -> str:
     """`text` without an ending that may be the start of one of `markers` (a stream waits for it)."""

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 from engram.server.tool_parsers.base import PartialCall, scan_call_list
 from engram.server.tool_parsers.json_list import JsonListToolParser
 from engram.server.tool_parsers.json_scan import skip_ws, value_end
@@ -12,6 +14,10 @@ TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"
 
 class MistralToolParser(JsonListToolParser):
     markers = (TOOL_CALLS,)
+
+    def call_id(self, prefix: str, index: int) -> str:
+        """Nine letters and digits: Mistral's chat templates refuse any other id of a call sent back."""
+        return hashlib.sha256(f"{prefix}_{index}".encode()).hexdigest()[:9]
 
     def scan_calls(self, text: str, i: int, calls: list[PartialCall]) -> int | None:
         if text[i] == "[":

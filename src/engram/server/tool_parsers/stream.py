@@ -39,7 +39,7 @@ class ToolCallReader:
 
     def __init__(self, parser: ToolParser, max_calls: int | None = None, id_prefix: str | None = None) -> None:
         self.parser = parser
-        self.id_prefix = id_prefix or f"call_{uuid.uuid4().hex[:24]}"  # call i gets "<prefix>_<i>"
+        self.id_prefix = id_prefix or f"call_{uuid.uuid4().hex[:24]}"  # the parser's call_id makes call i's id of it
         self.max_calls = max_calls  # the calls past it are dropped (OpenAI's parallel_tool_calls false: one)
         self.content = ""
         self.calls: list[ToolCall] = []
@@ -62,7 +62,7 @@ class ToolCallReader:
             if call.name is None:
                 break  # a call's name goes out before its arguments, and calls in order
             if index == len(self.calls):
-                self.calls.append(ToolCall(f"{self.id_prefix}_{index}", call.name, ""))
+                self.calls.append(ToolCall(self.parser.call_id(self.id_prefix, index), call.name, ""))
                 out.calls.append(CallDelta(index, self.calls[index].id, call.name))
             sent = self.calls[index]
             if len(call.arguments) > len(sent.arguments) and call.arguments.startswith(sent.arguments):
