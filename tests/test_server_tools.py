@@ -143,6 +143,20 @@ def test_a_retried_tool_call_turn_is_answered_with_the_same_calls(server):
     assert again["choices"] == first["choices"] and again["turn"] == first["turn"] == 1
 
 
+def test_a_streamed_call_turn_is_recorded_with_the_ids_it_streamed(client):
+    """The client builds the assistant message from the stream's deltas and sends the whole
+    conversation back: it is the recorded history, so only the tool result is new."""
+    kw = dict(model=MODEL, tools=TOOLS, temperature=0, extra_body={"conversation_id": "streamed"})
+    s = streamed_message(client.chat.completions.create(messages=MESSAGES, tool_choice="required", parallel_tool_calls=False,
+                                                        max_tokens=140, stream=True, **kw))
+    (call,) = s["tool_calls"].values()
+    assistant = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": call["id"], "type": "function", "function": {"name": call["name"], "arguments": call["arguments"]}}]}
+    messages = [*MESSAGES, assistant, {"role": "tool", "tool_call_id": call["id"], "content": "sunny"}]
+    answer = client.chat.completions.create(messages=messages, tool_choice="none", max_tokens=4, **kw)
+    assert answer.model_extra["turn"] == 2 and answer.usage.prompt_tokens_details.cached_tokens > 0
+
+
 def test_tools_are_rendered_by_the_chat_template(server):
     with_tools = httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, "tools": TOOLS,
                                                                        "tool_choice": "none", "max_tokens": 1}).json()
