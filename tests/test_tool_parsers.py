@@ -4,11 +4,13 @@ whole reply holds, and that a stream's deltas, cut anywhere, add up to it."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 
 import pytest
 
+from engram.args import ServerArgs
 from engram.server.chat_reply import ReplyFormat, ReplyParsers
 from engram.server.errors import APIError
 from engram.server.reasoning_parsers import REASONING_PARSERS
@@ -156,6 +158,13 @@ def test_reasoning_then_a_tool_call():
     assert [(c.name, c.arguments) for c in reply.calls] == [("get_weather", '{"city": "Rome"}')]
     s = streamed(fmt, text, 2)
     assert s["reasoning"] == reply.reasoning and s["calls"][0]["arguments"] == '{"city": "Rome"}'
+
+
+def test_the_flags_offer_every_parser():
+    """args.py lists the names itself (it is below the server, which it must not import)."""
+    fields = {f.name: f for f in dataclasses.fields(ServerArgs)}
+    assert fields["tool_call_parser"].metadata["choices"] == list(TOOL_PARSERS)
+    assert fields["reasoning_parser"].metadata["choices"] == list(REASONING_PARSERS)
 
 
 def test_auto_needs_the_flags_and_the_flags_need_each_other():

@@ -8,9 +8,6 @@ import dataclasses
 import typing
 from dataclasses import dataclass, field
 
-from engram.server.reasoning_parsers import REASONING_PARSERS
-from engram.server.tool_parsers import TOOL_PARSERS
-
 
 @dataclass
 class EngineArgs:
@@ -117,13 +114,13 @@ class ServerArgs:
     tool_call_parser: str | None = field(
         default=None,
         metadata={"help": "how the model writes tool calls (read into message.tool_calls)",
-                  "choices": list(TOOL_PARSERS)},
+                  "choices": ["hermes", "qwen", "qwen3_coder", "granite", "llama3_json", "mistral"]},  # server.tool_parsers.TOOL_PARSERS
     )
     enable_auto_tool_choice: bool = field(default=False, metadata={"help": "allow tool_choice 'auto' (needs --tool-call-parser), as vLLM"})
     reasoning_parser: str | None = field(
         default=None,
         metadata={"help": "how the model marks its reasoning (answered as reasoning_content)",
-                  "choices": list(REASONING_PARSERS)},
+                  "choices": ["qwen3", "deepseek_r1", "granite", "nemotron"]},  # server.reasoning_parsers.REASONING_PARSERS
     )
     enable_cross_session_refs: bool = field(
         default=True,
