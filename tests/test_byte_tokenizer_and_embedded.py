@@ -96,10 +96,10 @@ def test_embedded_model_is_deterministic_and_reused(tmp_path, monkeypatch):
 
     first = ensure_embedded_model(tmp_path / "a")
     second = ensure_embedded_model(str(tmp_path / "b"))
-    assert first.name == second.name == "embedded-hybrid-v1"
+    assert first.name == second.name == "embedded-hybrid-v2"
     assert (first / "model.safetensors").read_bytes() == (second / "model.safetensors").read_bytes()
     assert (first / "tokenizer.json").read_bytes() == (second / "tokenizer.json").read_bytes()
-    assert [p.name for p in (tmp_path / "a").iterdir()] == ["embedded-hybrid-v1"]  # no temp leftovers
+    assert [p.name for p in (tmp_path / "a").iterdir()] == ["embedded-hybrid-v2"]  # no temp leftovers
 
     mtime = (first / "model.safetensors").stat().st_mtime_ns
     monkeypatch.setenv("ENGRAM_CACHE_DIR", str(tmp_path / "a"))
@@ -125,7 +125,7 @@ def test_embedded_model_is_deterministic_and_reused(tmp_path, monkeypatch):
 def test_embedded_model_lost_race_keeps_winner(tmp_path, monkeypatch):
     import engram.models.embedded as embedded
 
-    target = tmp_path / "embedded-hybrid-v1"
+    target = tmp_path / "embedded-hybrid-v2"
 
     def write_while_another_process_wins(path):
         (path / "config.json").write_text("loser")

@@ -118,6 +118,17 @@ class ServerArgs:
     snapshot_preload: int = field(default=0, metadata={"help": "at startup, warm the latest snapshots of the N most recently used conversations"})
     snapshot_health_check_interval: int = field(default=1, metadata={"help": "check state norms for anomalies every N turns of a conversation; 0: structural checks only"})
     snapshot_health_failure_policy: str = field(default="log_and_continue", metadata={"help": "what an anomalous state does", "choices": ["log_and_continue", "skip_snapshot", "refuse_restore"]})
+    tool_call_parser: str | None = field(
+        default=None,
+        metadata={"help": "how the model writes tool calls (read into message.tool_calls)",
+                  "choices": ["hermes", "qwen", "qwen3_coder", "granite", "llama3_json", "mistral"]},  # server.tool_parsers.TOOL_PARSERS
+    )
+    enable_auto_tool_choice: bool = field(default=False, metadata={"help": "allow tool_choice 'auto' (needs --tool-call-parser), as vLLM"})
+    reasoning_parser: str | None = field(
+        default=None,
+        metadata={"help": "how the model marks its reasoning (answered as reasoning_content)",
+                  "choices": ["qwen3", "deepseek_r1", "granite", "nemotron"]},  # server.reasoning_parsers.REASONING_PARSERS
+    )
     enable_cross_session_refs: bool = field(
         default=True,
         metadata={"help": "a new conversation may start from a turn of another the caller owns "

@@ -20,16 +20,41 @@ PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|end|>"
 ROLES = ("system", "user", "assistant", "tool")
 SPECIAL_TOKENS = (PAD, BOS, EOS, *(f"<|{role}|>" for role in ROLES))
 
+# (A newline right after a block tag is written as an expression: templates render with trim_blocks.)
+# With `tools`, a hermes-style system section lists them (the first system message's text before
+# it) and an assistant message's tool_calls follow its content, each as hermes' <tool_call> JSON.
+TOOLS_SECTION = (
+    "{% if tools %}<|system|>"
+    "{% if messages and messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}{{ '\n\n' }}{% endif %}"
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+    "{% for tool in tools %}{{ '\n' }}{{ tool | tojson }}{% endfor %}{{ '\n' }}</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within <tool_call></tool_call> "
+    "XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|end|>"
+    "{% endif %}"
+)
+TOOL_CALLS = (
+    "{% for call in m['tool_calls'] or [] %}"
+    "{% set f = call['function'] if call['function'] is defined else call %}"
+    "{% if not loop.first or m['content'] %}{{ '\n' }}{% endif %}"
+    "<tool_call>\n{\"name\": {{ f['name'] | tojson }}, \"arguments\": "
+    "{% if f['arguments'] is string %}{{ f['arguments'] }}{% else %}{{ f['arguments'] | tojson }}{% endif %}}\n</tool_call>"
+    "{% endfor %}"
+)
 CHAT_TEMPLATE = (
-    "{% for m in messages %}"
+    TOOLS_SECTION
+    + "{% for m in messages %}"
     "{% if m['role'] not in ['system', 'user', 'assistant', 'tool'] %}"
     "{{ raise_exception('unknown chat role: ' ~ m['role']) }}"
     "{% endif %}"
+    "{% if not (tools and loop.first and m['role'] == 'system') %}"
     "<|{{ m['role'] }}|>"
     "{% if m['content'] is string %}{{ m['content'] }}"
     "{% elif m['content'] %}{% for part in m['content'] %}{{ part['text'] }}{% endfor %}"
     "{% endif %}"
-    "<|end|>"
+    + TOOL_CALLS
+    + "<|end|>"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )

@@ -19,6 +19,7 @@ from engram.engine.async_engine import AsyncEngine
 from engram.server import embedding_routes, native_routes, openai_routes, snapshot_routes, startup, transfer_routes
 from engram.server.auth import AuthMiddleware, KeyRing
 from engram.server.body_limit import BodyLimitMiddleware
+from engram.server.chat_reply import ReplyParsers
 from engram.server.conversations import ConversationTurns, build_manager, run_maintenance
 from engram.server.errors import install_error_handlers
 from engram.server.serving import Serving
@@ -61,7 +62,8 @@ def create_app(engine: AsyncEngine, args: ServerArgs) -> FastAPI:
 
     app = FastAPI(title="Engram", lifespan=lifespan)
     turns = ConversationTurns(manager, engine.engine.tokenizer, cross_session_refs=args.enable_cross_session_refs)
-    app.state.serving = Serving(engine, args.served_model_name or engine.engine.model_path.name, turns)
+    replies = ReplyParsers(args.tool_call_parser, args.enable_auto_tool_choice, args.reasoning_parser)
+    app.state.serving = Serving(engine, args.served_model_name or engine.engine.model_path.name, turns, replies)
     app.state.server_args = args
     install_error_handlers(app)
     for router in (openai_routes.router, embedding_routes.router, native_routes.router, snapshot_routes.router, transfer_routes.router, *admin_routers):

@@ -23,6 +23,7 @@ from engram.engine.async_engine import AsyncEngine
 from engram.engine.engine import LLMEngine
 from engram.engine.request import FinishReason, RequestOutput
 from engram.models.embedded import default_cache_dir
+from engram.server.chat_reply import ReplyFormat
 from engram.server.errors import APIError
 from engram.server.tokens import encode
 from engram.state.conversations import (
@@ -40,7 +41,6 @@ from engram.state.identity import ModelIdentity, tokenizer_fingerprint
 from engram.state.store import WarmCache
 
 log = logging.getLogger(__name__)
-TOOL_CALL_MARKERS = ("<tool_call>", "<|tool_call|>", "[TOOL_CALLS]")
 RECENT_REQUESTS = 4096  # request ids remembered for /save_snapshot by rid
 MAINTENANCE_PERIOD_S = 1.0
 # Messages of the history's tail a new turn's template delta is rendered from: two windows that
@@ -97,10 +97,6 @@ def new_messages(history: list[dict], messages: list[dict]) -> list[dict]:
     how = "and add nothing" if same == len(messages) else f"but message {same} differs from it"
     raise APIError(400, f"the messages repeat the first {same} of the conversation's {len(history)} stored messages {how}: "
                         "send only the new messages, or the whole stored history followed by them", param="messages")
-
-
-def has_tool_call(text: str) -> bool:
-    return any(marker in text for marker in TOOL_CALL_MARKERS)
 
 
 async def run_maintenance(manager: ConversationManager, engine: AsyncEngine, period: float = MAINTENANCE_PERIOD_S) -> None:
@@ -163,7 +159,7 @@ class ConversationTurns:
                                 "with other messages", param="Idempotency-Key", code="idempotency_key_reused")
         tokens = conv.tokens(turn)
         prompt, reply = tokens[: len(tokens) - answer.completion_tokens], tokens[len(tokens) - answer.completion_tokens :]
-        text = turn.new_messages[-1]["content"] if answer.completion_tokens else ""
+        text = (answer.text if answer.text is not None else turn.new_messages[-1]["content"]) if answer.completion_tokens else ""
         return RequestOutput(
             request_id="", prompt_token_ids=prompt, token_ids=reply, text=text, new_token_ids=reply, new_text=text,
             finished=True, finish_reason=FinishReason(answer.finish_reason), stop_reason=answer.stop_reason,
@@ -178,32 +174,35 @@ class ConversationTurns:
             kwargs["retain_key"] = retain_key(plan.conversation_id, plan.ref)
         return kwargs
 
-    def prompt(self, plan: TurnPlan, new_messages: list[dict], generate: bool = True) -> list[int]:
+    def prompt(self, plan: TurnPlan, new_messages: list[dict], generate: bool = True, options: dict[str, Any] | None = None) -> list[int]:
         """The history's exact tokens followed by the template rendering of only the new messages
         (and the generation prompt, unless the turn only appends them). The template is rendered
         over the last messages only (O(new tokens), not O(history)) when two windows of them give
-        the same text (`_tail_delta`); else over the whole conversation."""
+        the same text (`_tail_delta`); else over the whole conversation. `options`: the template's
+        variables (the tools, chat_template_kwargs), the same for every rendering of the turn."""
         if self.tokenizer is None:
             raise APIError(400, "the model has no tokenizer: conversations need a chat template")
+        options = {k: v for k, v in (options or {}).items() if k != "add_generation_prompt"}
         if not plan.history_messages:
-            return encode(self.tokenizer, self._render(new_messages, generate), add_special_tokens=False)
-        delta = self._tail_delta(plan, new_messages, generate)
+            return encode(self.tokenizer, self._render(new_messages, generate, options), add_special_tokens=False)
+        delta = self._tail_delta(plan, new_messages, generate, options)
         if delta is None:
-            delta = self._delta(plan.history_messages, new_messages, plan, generate)
+            delta = self._delta(plan.history_messages, new_messages, plan, generate, options)
         return plan.history_tokens + encode(self.tokenizer, delta, add_special_tokens=False)
 
-    def _delta(self, history: list[dict], new_messages: list[dict], plan: TurnPlan, generate: bool) -> str:
+    def _delta(self, history: list[dict], new_messages: list[dict], plan: TurnPlan, generate: bool,
+               options: dict[str, Any] | None = None) -> str:
         """What the history's rendering lacks of the conversation's: the last reply's closing the
         model did not generate (if the history ends with a reply), then the new messages and the
         generation prompt."""
-        before = self._render(history, False)
-        after = self._render(history + new_messages, generate)
+        before = self._render(history, False, options)
+        after = self._render(history + new_messages, generate, options)
         if not after.startswith(before):
             raise APIError(422, "the chat template does not render this conversation incrementally; send the whole conversation without conversation_id")
-        closing = self._unclosed_reply(history, plan.history_tokens) if plan.history_ends_with_reply else ""
+        closing = self._unclosed_reply(history, plan.history_tokens, options) if plan.history_ends_with_reply else ""
         return closing + after[len(before) :]
 
-    def _tail_delta(self, plan: TurnPlan, new_messages: list[dict], generate: bool) -> str | None:
+    def _tail_delta(self, plan: TurnPlan, new_messages: list[dict], generate: bool, options: dict[str, Any]) -> str | None:
         """`_delta` from two windows of the history: its system message (if first) and its last 2,
         then its last 4 messages. Their agreement says the template renders the new messages
         without reading what lies before the window; None when they differ or one fails."""
@@ -214,18 +213,18 @@ class ConversationTurns:
             if len(head) + size >= len(history):
                 return None  # the windows are (nearly) the whole history: render it
             try:
-                deltas.append(self._delta(head + history[-size:], new_messages, plan, generate))
+                deltas.append(self._delta(head + history[-size:], new_messages, plan, generate, options))
             except APIError:
                 return None
         return deltas[0] if all(d == deltas[0] for d in deltas) else None
 
-    def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+    def _render(self, messages: list[dict], add_generation_prompt: bool, options: dict[str, Any] | None = None) -> str:
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
-        except (ValueError, jinja2.TemplateError) as e:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False, **(options or {}))
+        except (ValueError, TypeError, jinja2.TemplateError) as e:
             raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
 
-    def _unclosed_reply(self, messages: list[dict], history_tokens: list[int]) -> str:
+    def _unclosed_reply(self, messages: list[dict], history_tokens: list[int], options: dict[str, Any] | None = None) -> str:
         """What the template puts after the last reply that the model did not generate itself: it
         has to be fed before the new messages. The template's closing text is found after a marker
         rendered in the reply's place, whatever the reply's text (empty, or a piece of the
@@ -233,7 +232,7 @@ class ConversationTurns:
         end-of-turn token the model generated, or a newline the template would trim), and after an
         end token the model generated on its own, what precedes that token in the closing too."""
         *earlier, reply = messages
-        rendering = self._render(earlier + [{**reply, "content": REPLY_MARKER}], False)
+        rendering = self._render(earlier + [{**reply, "content": REPLY_MARKER}], False, options)
         at = rendering.rfind(REPLY_MARKER)
         closing = rendering[at + len(REPLY_MARKER) :] if at >= 0 else ""
         ids = encode(self.tokenizer, closing, add_special_tokens=False)
@@ -245,7 +244,7 @@ class ConversationTurns:
         return closing[len(fed) :] if closing.startswith(fed) else closing
 
     async def record(
-        self, rid: str, plan: TurnPlan, new_messages: list[dict], outputs: AsyncIterator[RequestOutput]
+        self, rid: str, plan: TurnPlan, new_messages: list[dict], outputs: AsyncIterator[RequestOutput], reply: ReplyFormat | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Pass the outputs through, recording the turn before its final output goes on: a client
         that has read the end of a reply holds a recorded turn (on disk, with sync durability), and
@@ -261,7 +260,7 @@ class ConversationTurns:
                     last = out
                     if out.finished and out.finish_reason != FinishReason.ABORT:  # without a state if preempted at its end
                         recording = True  # from here on `finish` frees the conversation, whatever happens
-                        turn = await self.finish(plan, new_messages, out)
+                        turn = await self.finish(plan, new_messages, out, reply or ReplyFormat())
                         self.by_request[rid] = (plan.conversation_id, turn.branch, turn.turn)
                         while len(self.by_request) > RECENT_REQUESTS:
                             self.by_request.popitem(last=False)
@@ -270,15 +269,19 @@ class ConversationTurns:
             if not recording:
                 self.manager.release(plan.conversation_id)
 
-    async def finish(self, plan: TurnPlan, new_messages: list[dict], out: RequestOutput) -> Turn:
+    async def finish(self, plan: TurnPlan, new_messages: list[dict], out: RequestOutput, fmt: ReplyFormat) -> Turn:
         """Record the turn in a task of the server's own: a client that leaves meanwhile (which
         cancels its request) neither stops the record nor leaves the conversation reserved. A turn
-        that generated nothing records no reply."""
-        reply = [{"role": "assistant", "content": out.text}] if out.token_ids else []
-        answer = TurnAnswer(plan.idempotency_key, out.finish_reason.value, out.stop_reason, len(out.token_ids), out.num_cached_tokens)
+        that generated nothing records no reply; a reply is recorded as the message a client sends
+        back (its tool calls, without its reasoning), and its calls are what `on_tool_call` looks for."""
+        reply = fmt.read(out.text) if out.token_ids else None
+        messages = new_messages + ([reply.message()] if reply is not None else [])
+        parsed = reply is not None and reply.content != out.text
+        answer = TurnAnswer(plan.idempotency_key, out.finish_reason.value, out.stop_reason, len(out.token_ids), out.num_cached_tokens,
+                            out.text if parsed else None)
         work = asyncio.ensure_future(asyncio.to_thread(
-            self.manager.finish, plan, out.prompt_token_ids, out.token_ids, new_messages + reply, out.state,
-            has_tool_call(out.text), answer,
+            self.manager.finish, plan, out.prompt_token_ids, out.token_ids, messages, out.state,
+            reply is not None and bool(reply.calls), answer,
         ))
         try:
             return await asyncio.shield(work)

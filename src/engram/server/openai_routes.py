@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import re
 import time
 import uuid
@@ -16,6 +17,7 @@ from fastapi import APIRouter, Request
 
 from engram.engine.request import RequestOutput, SamplingParams, TokenLogprob
 from engram.server.auth import Caller, caller_is_admin, caller_of
+from engram.server.chat_reply import Reply, ReplyDelta, ReplyFormat
 from engram.server.conversations import new_messages
 from engram.server.errors import APIError
 from engram.server.protocol import (
@@ -54,6 +56,8 @@ from engram.server.serving import (
     message_chars,
 )
 from engram.server.streaming import TextEvents, cancel_on_disconnect, sse, sse_response
+from engram.server.tool_parsers import ToolCall
+from engram.server.tools import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCallMessage
 from engram.state.conversations import Turn
 
 router = APIRouter()
@@ -95,26 +99,29 @@ async def chat_completions(request: ChatCompletionRequest, raw_request: Request)
     s.check_model(request.model)
     messages = [m.template_dict() for m in request.messages]
     params = s.sampling_params(request.sampling_fields())
+    fmt = s.replies.format(*request.tool_setup(), request.chat_template_kwargs or {}, request.parallel_tool_calls)
     rid = f"chatcmpl-{request.request_id or uuid.uuid4().hex}"
     key = _idempotency_key(request, raw_request)
     if request.conversation_id is None:
         where = ConversationFields()
-        prompt = await s.encode_chat(messages, request.template_options())
+        prompt = await s.encode_chat(messages, request.chat_template_options())
         streams = await s.generate_choices(engine_request_id(caller_of(raw_request).tenant, rid), prompt, params, request.n)
     else:  # one choice (the protocol refuses n > 1 there)
-        where, outputs = await _conversation_turn(s, request, rid, messages, params, caller_of(raw_request), key)
+        where, outputs = await _conversation_turn(s, request, rid, messages, params, caller_of(raw_request), key, fmt)
+        fmt = dataclasses.replace(fmt, call_ids=turn_call_ids(where))
         streams = [outputs]
     if request.stream:
-        return sse_response(_chat_events(s, request, rid, streams, where))
+        return sse_response(_chat_events(s, request, rid, streams, where, fmt))
     results = await collect_choices(streams)
+    replies = [fmt.read(out.text, i) for i, (out, _) in enumerate(results)]
     choices = [
         ChatChoice(
             index=i,
-            message=AssistantMessage(content=out.text),
+            message=_message(reply),
             logprobs=_chat_logprobs(s, logprobs if params.logprobs is not None else None),
-            **_finish(s, out),
+            **_finish(s, out, reply.calls),
         )
-        for i, (out, logprobs) in enumerate(results)
+        for i, ((out, logprobs), reply) in enumerate(zip(results, replies))
     ]
     usage = Usage.of(*(out for out, _ in results))
     prompt_logprobs = _prompt_logprobs(s, results[0][0].prompt_logprobs)
@@ -122,9 +129,19 @@ async def chat_completions(request: ChatCompletionRequest, raw_request: Request)
                                   **where.model_dump())
 
 
+def turn_call_ids(where: ConversationFields) -> str:
+    """The call ids of a conversation turn: the same for a retry answered from the record."""
+    return hashlib.sha256(f"{where.conversation_id}/{where.branch}/{where.turn}".encode()).hexdigest()[:24]
+
+
+def _message(reply: Reply) -> AssistantMessage:
+    calls = [ToolCallMessage(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in reply.calls]
+    return AssistantMessage(content=reply.content or (None if calls else ""), reasoning_content=reply.reasoning, tool_calls=calls or None)
+
+
 async def _conversation_turn(
     s: Serving, request: ChatCompletionRequest, rid: str, messages: list[dict], params: SamplingParams, caller: Caller,
-    idempotency_key: str | None,
+    idempotency_key: str | None, fmt: ReplyFormat,
 ) -> tuple[ConversationFields, AsyncIterator[RequestOutput]]:
     """Start the next turn of a server-side conversation: restore its state, feed only the new tokens.
     A retry of a turn already made (same idempotency key) is answered as it was."""
@@ -139,13 +156,13 @@ async def _conversation_turn(
     try:
         messages = new_messages(plan.history_messages, messages)
         # the template and tokenizer, off the event loop
-        prompt = await asyncio.to_thread(turns.prompt, plan, messages, params.max_tokens != 0)
+        prompt = await asyncio.to_thread(turns.prompt, plan, messages, params.max_tokens != 0, request.chat_template_options())
         outputs = await s.generate(engine_request_id(caller.tenant, rid), prompt, params, timer, **turns.engine_kwargs(plan))
     except BaseException:
         turns.manager.release(plan.conversation_id)
         raise
     where = ConversationFields(conversation_id=plan.conversation_id, branch=plan.branch, turn=plan.turn, epoch=s.epoch)
-    return where, turns.record(rid, plan, messages, outputs)
+    return where, turns.record(rid, plan, messages, outputs, dataclasses.replace(fmt, call_ids=turn_call_ids(where)))
 
 
 async def _one(out: RequestOutput) -> AsyncIterator[RequestOutput]:
@@ -167,7 +184,8 @@ def _idempotency_key(request: ChatCompletionRequest, raw_request: Request) -> st
 
 
 async def _chat_events(
-    s: Serving, request: ChatCompletionRequest, rid: str, streams: list[AsyncIterator[RequestOutput]], where: ConversationFields
+    s: Serving, request: ChatCompletionRequest, rid: str, streams: list[AsyncIterator[RequestOutput]], where: ConversationFields,
+    fmt: ReplyFormat,
 ) -> AsyncIterator[str]:
     created = int(time.time())
 
@@ -177,10 +195,17 @@ async def _chat_events(
     text_events = TextEvents(lambda i, text: chunk([ChatChunkChoice(index=i, delta=DeltaMessage(content=text))]))
     yield sse(chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(len(streams))]))
     last: dict[int, RequestOutput] = {}
+    readers = {i: fmt.reader(i) for i in range(len(streams))} if not fmt.plain else {}
     async with aclosing(interleave(streams)) as outputs:
         async for i, out in outputs:
             last[i] = out
-            if out.new_text and out.logprobs is None and not out.finished:  # most tokens: the chunk serialized once
+            if i in readers:  # parsed: what the text so far adds to the reasoning, content and tool calls
+                delta = _delta(readers[i].feed(out.text, out.finished))
+                if delta is not None or out.logprobs or out.finished:
+                    logprobs = _chat_logprobs(s, out.logprobs)
+                    yield sse(chunk([ChatChunkChoice(index=i, delta=delta or DeltaMessage(), logprobs=logprobs,
+                                                     **_finish(s, out, readers[i].calls))]))
+            elif out.new_text and out.logprobs is None and not out.finished:  # most tokens: the chunk serialized once
                 yield text_events(i, out.new_text)
             elif out.new_text or out.logprobs or out.finished:
                 delta = DeltaMessage(content=out.new_text or None)
@@ -267,10 +292,21 @@ async def _completion_events(
         yield sse(chunk([], Usage.total([last[i] for i in sorted(last)], request.n)))
 
 
-def _finish(s: Serving, out: RequestOutput) -> dict[str, Any]:
-    """A choice's finish_reason, and (as vLLM) the stop string or token id that ended it, None for EOS."""
+def _delta(d: ReplyDelta) -> DeltaMessage | None:
+    if not d:
+        return None
+    calls = [DeltaToolCall(index=c.index, id=c.id, type="function" if c.id else None,
+                           function=DeltaFunctionCall(name=c.name, arguments=c.arguments if c.id or c.arguments else None))
+             for c in d.calls]
+    return DeltaMessage(content=d.content or None, reasoning_content=d.reasoning or None, tool_calls=calls or None)
+
+
+def _finish(s: Serving, out: RequestOutput, calls: list[ToolCall] | None = None) -> dict[str, Any]:
+    """A choice's finish_reason ("tool_calls" when it stopped after calling tools), and (as vLLM)
+    the stop string or token id that ended it, None for EOS."""
     stop = None if out.stop_reason in s.engine.engine.eos_token_ids else out.stop_reason
-    return {"finish_reason": out.finish_reason.value if out.finish_reason is not None else None, "stop_reason": stop}
+    reason = out.finish_reason.value if out.finish_reason is not None else None
+    return {"finish_reason": "tool_calls" if calls and reason == "stop" else reason, "stop_reason": stop}
 
 
 def _top_logprob(s: Serving, token_id: int, logprob: float) -> TopLogprob:

@@ -17,6 +17,17 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, Strict, model_serializer, model_validator
 
 from engram.engine.request import RequestOutput, StructuredOutputsParams
+from engram.server.tools import (
+    DeltaToolCall,
+    FunctionDefinition,
+    FunctionName,
+    ToolCallMessage,
+    ToolChoice,
+    ToolDefinition,
+    resolve_tools,
+    template_tool_calls,
+    tool_grammar,
+)
 
 MAX_CHOICES = 64  # OpenAI's `n`: each choice is its own engine request
 MAX_PROMPTS = 64  # a batch of prompts on /v1/completions, /generate and /v1/embeddings
@@ -218,13 +229,20 @@ class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallMessage] | None = None  # an assistant's
+    tool_call_id: str | None = None  # a tool's: the call it answers
 
-    def template_dict(self) -> dict[str, str]:
-        """The message as chat templates expect it (content parts joined into one string)."""
+    def template_dict(self) -> dict[str, Any]:
+        """The message as chat templates expect it (content parts joined into one string, tool call
+        arguments as objects)."""
         content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
-        message = {"role": self.role, "content": content}
+        message: dict[str, Any] = {"role": self.role, "content": content}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = template_tool_calls([(c.id, c.function.name, c.function.arguments) for c in self.tool_calls])
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
 
 
@@ -278,11 +296,13 @@ class ChatCompletionRequest(_OpenAIRequest, _ChatTemplateOptions, _ChatExtras):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    # Named so that a request relying on them is refused rather than answered as if they were honored.
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    functions: list[dict[str, Any]] | None = None  # the deprecated form of tools
-    function_call: str | dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None
+    functions: list[FunctionDefinition] | None = None  # the deprecated form of tools
+    function_call: Literal["none", "auto"] | FunctionName | None = None
+    parallel_tool_calls: bool = True  # false: at most one call (the grammar of "required"; the first call read under "auto")
+    _tools: list[ToolDefinition] = PrivateAttr(default_factory=list)
+    _tool_choice: ToolChoice = PrivateAttr(default="none")
     # Engram's extensions: continue a server-side conversation (send only the new messages).
     conversation_id: str | None = None
     branch: str | None = None
@@ -300,18 +320,27 @@ class ChatCompletionRequest(_OpenAIRequest, _ChatTemplateOptions, _ChatExtras):
             raise ValueError("max_tokens 0 appends the messages to a conversation without generating: it needs a conversation_id")
         if self.conversation_id is not None and self.n != 1:
             raise ValueError("a conversation turn has one answer: n must be 1 with a conversation_id")
-        if self.conversation_id is not None and self.template_options() != {"add_generation_prompt": True}:
-            raise ValueError("a conversation turn renders its own template: add_generation_prompt, continue_final_message "
-                             "and chat_template_kwargs are for requests without a conversation_id")
+        if self.conversation_id is not None and (not self.add_generation_prompt or self.continue_final_message):
+            raise ValueError("a conversation turn renders its own template delta: add_generation_prompt and "
+                             "continue_final_message are for requests without a conversation_id")
         return self
 
     @model_validator(mode="after")
-    def _no_tool_calls(self) -> ChatCompletionRequest:
-        for tools, choice in ((self.tools, self.tool_choice), (self.functions, self.function_call)):
-            if choice not in (None, "none") or (tools and choice is None):
-                raise ValueError("tool calling is not supported; send tool_choice (or function_call) 'none' to have "
-                                 "the tools ignored")
+    def _tool_choice(self) -> ChatCompletionRequest:
+        self._tools, self._tool_choice = resolve_tools(self.tools, self.tool_choice, self.functions, self.function_call)
+        grammar = tool_grammar(self._tools, self._tool_choice, self.parallel_tool_calls)
+        if grammar is not None:
+            self._structured = only_one_constraint([p for p in (self._structured, grammar) if p is not None])
         return self
+
+    def tool_setup(self) -> tuple[list[ToolDefinition], ToolChoice]:
+        """The tools and the tool choice, the deprecated fields mapped to them."""
+        return self._tools, self._tool_choice
+
+    def chat_template_options(self) -> dict[str, Any]:
+        """`template_options()` with the tools, which the chat template renders."""
+        tools = {"tools": [t.model_dump(exclude_none=True) for t in self._tools]} if self._tools else {}
+        return {**self.template_options(), **tools}
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
@@ -438,12 +467,20 @@ PromptLogprobs = list[dict[int, PromptLogprob] | None]  # per prompt token: toke
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    reasoning_content: str | None = None  # with --reasoning-parser
+    tool_calls: list[ToolCallMessage] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None or k == "content"}
 
 
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: Any) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import secrets
 import time
 from collections import OrderedDict
@@ -21,6 +22,7 @@ from fastapi import Request
 
 from engram.engine.async_engine import AsyncEngine
 from engram.engine.request import SEED_RANGE, RequestOutput, SamplingParams, StructuredOutputsParams, TokenLogprob
+from engram.server.chat_reply import ReplyParsers
 from engram.server.conversations import ConversationTurns
 from engram.server.errors import APIError
 from engram.server.metrics import Metrics, RequestTimer
@@ -50,8 +52,10 @@ def engine_request_id(tenant: str | None, rid: str) -> str:
 
 
 class Serving:
-    def __init__(self, engine: AsyncEngine, model_name: str, conversations: ConversationTurns) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str, conversations: ConversationTurns,
+                 replies: ReplyParsers | None = None) -> None:
         self.engine = engine
+        self.replies = replies or ReplyParsers()  # --tool-call-parser, --reasoning-parser
         self.model_name = model_name
         self.metrics = Metrics(engine, conversations.manager, model_name)
         self.tokenizer = engine.engine.tokenizer
@@ -92,7 +96,7 @@ class Serving:
             raise APIError(400, f"{param}: {chars} characters, more than the {self.max_prompt_chars} that the context of "
                                 f"{self.engine.engine.max_context_length} tokens can hold", param=param)
 
-    async def encode_chat(self, messages: list[dict[str, str]], template_options: dict[str, Any]) -> list[int]:
+    async def encode_chat(self, messages: list[dict[str, Any]], template_options: dict[str, Any]) -> list[int]:
         """The messages through the chat template, off the event loop; `template_options`
         (add_generation_prompt, continue_final_message, the template's own variables) go to the template."""
         tokenizer = self._require_tokenizer()
@@ -211,8 +215,8 @@ class Serving:
         return out.state
 
 
-def message_chars(messages: list[dict[str, str]]) -> int:
-    return sum(len(value) for message in messages for value in message.values())
+def message_chars(messages: list[dict[str, Any]]) -> int:
+    return sum(len(v) if isinstance(v, str) else len(json.dumps(v)) for message in messages for v in message.values())
 
 
 def _longest_token(tokenizer: Any) -> int:
@@ -221,7 +225,7 @@ def _longest_token(tokenizer: Any) -> int:
     return max(map(len, tokenizer.get_vocab()), default=1) if tokenizer is not None else 1
 
 
-def _render_and_encode(tokenizer: Any, messages: list[dict[str, str]], template_options: dict[str, Any]) -> list[int]:
+def _render_and_encode(tokenizer: Any, messages: list[dict[str, Any]], template_options: dict[str, Any]) -> list[int]:
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False, **template_options)
     except (ValueError, TypeError, jinja2.TemplateError) as e:

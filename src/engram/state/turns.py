@@ -60,6 +60,7 @@ class TurnAnswer:
     stop_reason: str | int | None
     completion_tokens: int  # the reply's tokens, at the end of the turn's new tokens (0: appended without a reply)
     cached_tokens: int
+    text: str | None = None  # the reply's text, when the recorded message is not all of it (a reply read for tool calls or reasoning)
 
 
 @dataclass
