@@ -37,6 +37,12 @@ class EngineArgs:
         default=True,
         metadata={"help": "pick tokens on the device (greedy, or sampled without penalties, logprobs or a seed) and launch the next step before reading them back, so that the host's work overlaps the GPU's"},
     )
+    speculative_config: str | None = field(
+        default=None,
+        metadata={"help": "speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": k, "
+                          "\"prompt_lookup_max\": n, \"prompt_lookup_min\": m} (prompt lookup, no extra weights; exact under greedy "
+                          "and sampling). Verify steps run eagerly, and overlap scheduling is off while it is on"},
+    )
 
 
 def _flag(name: str) -> str:

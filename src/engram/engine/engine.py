@@ -29,6 +29,8 @@ from engram.engine.sampler import (
 )
 from engram.engine.scheduler import ScheduledChunk, Scheduler
 from engram.engine.sequence import Sequence, SequenceStatus
+from engram.engine.spec_config import SpeculativeConfig
+from engram.engine.speculative import Speculator
 from engram.engine.token_masks import bad_words_token_ids, mask_logits
 from engram.engine.warmup import WarmupReport, install_compile_counter, kernel_compilations, name_late_compilations, warm_up
 from engram.models.loader import load_model, load_model_from_state_dict
@@ -61,6 +63,10 @@ class EngineStats:
     graph_captures: int
     kernel_compilations: int  # Triton compilations in this process (0 without Triton)
     compilations_after_ready: int  # graph captures and compilations since `mark_ready` (should stay 0)
+    spec_drafts_total: int = 0  # verify rows with a draft
+    spec_draft_tokens_total: int = 0  # speculative tokens proposed and verified
+    spec_accepted_tokens_total: int = 0  # of those, kept
+    spec_accepted_per_position: tuple[int, ...] = ()  # drafts whose i-th token was kept, i < num_speculative_tokens
 
 
 @dataclass
@@ -132,6 +138,12 @@ class LLMEngine:
             self.model, self.state_pool, self.kv_pool, self.device,
             enable_cuda_graph=args.enable_cuda_graph, max_context_length=self.max_context_length,
         )
+        self.speculator = (
+            Speculator(SpeculativeConfig.parse(args.speculative_config), self.state_pool, self.kv_pool, self.max_context_length)
+            if args.speculative_config is not None else None
+        )
+        # a speculative step's drafter reads the tokens of the step before: none may be in flight
+        self._overlap = args.enable_overlap_schedule and self.speculator is None
         self.eos_token_ids = set(self.spec.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -296,8 +308,11 @@ class LLMEngine:
                     torch.cuda.synchronize(self.device)  # a real load into the pool, not a queued copy
                 seq.restore_seconds = time.perf_counter() - started
         logits, completing, launched = None, [], None
+        verify = self.speculator.propose(chunks) if self.speculator is not None else None
         if chunks:
-            if any(c.prompt_rows for c in chunks):
+            if verify is not None:
+                logits = self.runner.run(chunks, verify)
+            elif any(c.prompt_rows for c in chunks):
                 logits, hidden = self.runner.run_with_prompt_rows(chunks)
                 for chunk, rows in zip(chunks, hidden):
                     if rows is not None:
@@ -314,16 +329,45 @@ class LLMEngine:
             outputs += [self._finish_prefill_only(seq) for seq in completing if seq.params.max_tokens == 0]
             if all(seq.is_finished for seq in completing):
                 completing = []
-            if completing and self.args.enable_overlap_schedule and all(self._overlappable(s.params) for s in completing):
+            if completing and self._overlap and all(self._overlappable(s.params) for s in completing):
                 launched = self._sample_on_device(logits, completing)
         if self._inflight is not None:
             outputs += self._collect(self._inflight)
         self._inflight = launched
         if launched is not None:
             self._mark_inflight(launched)
+        elif verify is not None:
+            outputs += self._verify_and_append(logits, chunks)
         elif completing:
             outputs += self._sample_and_append(logits, completing)
         return outputs
+
+    def _verify_and_append(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> list[RequestOutput]:
+        """A speculative step's tokens (engine/speculative.py): row r of a chunk follows its r-th
+        fed token; each sequence samples row after row, as plain decoding would, and goes on to
+        row r + 1 while row r's token is its draft's r-th (and it has not finished)."""
+        assert self.speculator is not None
+        first, at = [], 0
+        for c in chunks:
+            first.append(at)
+            at += c.length
+        live = [(c, row) for c, row in zip(chunks, first) if not c.seq.is_finished]
+        outputs = [c.seq for c, _ in live]
+        r = 0
+        while live:
+            for c, _ in live:
+                self.speculator.keep(c.seq, r + 1)
+            rows = torch.tensor([row + r for _, row in live], device=logits.device)
+            tokens = self._append_sampled(logits[rows], [c.seq for c, _ in live])
+            going = []
+            for (c, row), token in zip(live, tokens):
+                if r < len(c.draft) and token == c.draft[r]:
+                    self.speculator.accepted(r)
+                    if not c.seq.is_finished:
+                        going.append((c, row))
+            live, r = going, r + 1
+        self.speculator.end_step()
+        return [self._output(seq) for seq in outputs]
 
     @torch.inference_mode()
     def _take_prompt_rows(self, chunk: ScheduledChunk, hidden: torch.Tensor) -> None:
@@ -391,22 +435,26 @@ class LLMEngine:
         if len(going) < len(completing):
             logits = logits[torch.tensor(going, device=logits.device)]
             completing = [completing[i] for i in going]
-        if any(seq.matcher is not None for seq in completing):
-            self.grammars.mask_logits(logits, [seq.matcher for seq in completing])
-        if any(seq.params.masks_tokens for seq in completing):
-            mask_logits(logits, completing, self.eos_token_ids)
+        self._append_sampled(logits, completing)
+        return [self._output(seq) for seq in completing]
+
+    def _append_sampled(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        """Sample a token for each sequence from its row (grammar masks, token masks, penalties,
+        its own generator) and append it; the tokens."""
+        if any(seq.matcher is not None for seq in seqs):
+            self.grammars.mask_logits(logits, [seq.matcher for seq in seqs])
+        if any(seq.params.masks_tokens for seq in seqs):
+            mask_logits(logits, seqs, self.eos_token_ids)
         tokens = sample_batch(
             logits,
-            [seq.params for seq in completing],
-            lambda i: (self._prompt_mask(completing[i], logits), self._output_counts(completing[i], logits)),
-            [seq.generator for seq in completing],
+            [seq.params for seq in seqs],
+            lambda i: (self._prompt_mask(seqs[i], logits), self._output_counts(seqs[i], logits)),
+            [seq.generator for seq in seqs],
             self._default_generator,
         )
-        outputs = []
-        for row, seq in enumerate(completing):
+        for row, seq in enumerate(seqs):
             self._append_token(seq, logits[row], tokens[row])
-            outputs.append(self._output(seq))
-        return outputs
+        return tokens
 
     @staticmethod
     def _prompt_mask(seq: Sequence, logits: torch.Tensor) -> torch.Tensor | None:
@@ -463,6 +511,8 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, reason: FinishReason, stop_reason: str | int | None = None) -> None:
         if reason != FinishReason.ABORT and seq.slot is not None:
+            if self.speculator is not None:  # mid-verify: the state after the tokens kept, before it is captured
+                self.speculator.commit([seq])
             if seq.capture_state:
                 seq.captured_state = capture_state(
                     self.state_pool, self.kv_pool, self.copier, seq.slot, seq.blocks, seq.token_ids, seq.num_computed
@@ -566,7 +616,15 @@ class LLMEngine:
             graph_captures=self.runner.num_graph_captures,
             kernel_compilations=kernel_compilations(),
             compilations_after_ready=after_ready,
+            **self._spec_stats(),
         )
+
+    def _spec_stats(self) -> dict[str, Any]:
+        if self.speculator is None:
+            return {}
+        st = self.speculator.stats
+        return {"spec_drafts_total": st.drafts, "spec_draft_tokens_total": st.draft_tokens, "spec_accepted_tokens_total": st.accepted_tokens,
+                "spec_accepted_per_position": tuple(st.accepted_per_position)}
 
     def flush_cache(self) -> bool:
         """Free every retained slot (the ACTIVE tier); refused while requests are running."""

@@ -10,6 +10,16 @@ from engram.engine.pools import KVPool, StatePool
 
 
 @dataclass
+class VerifyStates:
+    """A speculative verify step's recurrent states at every position, by layer (ops/verify.py):
+    the recurrent layers fill these instead of writing the pool, and the engine commits the one
+    after each sequence's accepted tokens (engine/speculative.py)."""
+
+    conv: dict[int, torch.Tensor]  # [S, K-1 + L, C]: the old conv state, then the step's inputs
+    ssm: dict[int, torch.Tensor]  # [S, L, H, P, N]: the SSM state after each position
+
+
+@dataclass
 class ForwardBatch:
     input_ids: torch.Tensor  # [T] all new tokens of the step, sequence after sequence
     positions: torch.Tensor  # [T] position of each token in its sequence
@@ -25,8 +35,9 @@ class ForwardBatch:
     # step replayed from a CUDA graph sees only these): int64 [S + 1] and int64 [S].
     cu_seqlens: torch.Tensor | None = None
     context_lens_t: torch.Tensor | None = None
+    verify: VerifyStates | None = None  # a speculative step: recurrent layers keep every position's state
 
     @property
     def is_decode(self) -> bool:
         """Every sequence feeds exactly one token on top of an existing state."""
-        return all(n == 1 for n in self.seq_lens) and all(c > 0 for c in self.context_lens)
+        return self.verify is None and all(n == 1 for n in self.seq_lens) and all(c > 0 for c in self.context_lens)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engram.engine.forward_batch import ForwardBatch
+from engram.engine.forward_batch import ForwardBatch, VerifyStates
 from engram.engine.pools import KVPool, StatePool
 from engram.engine.scheduler import ScheduledChunk
 from engram.models.base import CausalLM
@@ -114,7 +114,7 @@ class ModelRunner:
 
     # ---- eager batches (prefill, mixed steps, CPU) --------------------------------------------
 
-    def build_batch(self, chunks: list[ScheduledChunk]) -> ForwardBatch:
+    def build_batch(self, chunks: list[ScheduledChunk], verify: VerifyStates | None = None) -> ForwardBatch:
         dev = self.device
         bs = self.kv_pool.block_size
         n = len(chunks)
@@ -132,7 +132,7 @@ class ModelRunner:
         offset = 0
         for i, c in enumerate(chunks):
             end = offset + c.length
-            known = c.seq.token_ids[c.start : c.start + c.length]
+            known = c.seq.token_ids[c.start : c.start + c.length - len(c.draft)] + c.draft
             input_ids[offset : offset + len(known)] = known
             if len(known) < c.length:
                 feed_at.append(end - 1)
@@ -148,7 +148,9 @@ class ModelRunner:
             cu[i + 1] = offset
             rows = c.prompt_rows
             logits_indices += [end - c.length + p - c.start for p in rows]
-            if c.completes and not (rows and rows[-1] == c.start + c.length - 1):
+            if c.draft:  # a verify chunk: a logits row after each fed token
+                logits_indices += range(end - c.length, end)
+            elif c.completes and not (rows and rows[-1] == c.start + c.length - 1):
                 logits_indices.append(end - 1)
 
         def put(a: np.ndarray) -> torch.Tensor:
@@ -173,6 +175,7 @@ class ModelRunner:
             kv_pool=self.kv_pool,
             cu_seqlens=put(cu),
             context_lens_t=put(np.asarray(context_lens, dtype=np.int64)),
+            verify=verify,
         )
 
     # ---- CUDA graphs for decode steps -----------------------------------------------------------
@@ -535,9 +538,13 @@ class ModelRunner:
         return self.model.compute_logits(hidden[sample]), per_chunk
 
     @torch.inference_mode()
-    def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+    def run(self, chunks: list[ScheduledChunk], verify: VerifyStates | None = None) -> torch.Tensor:
         """Logits [number of completing chunks, vocab] (as the model returns them, on its device), valid until
-        the next call (graph replays reuse their output buffers)."""
+        the next call (graph replays reuse their output buffers). A speculative step (`verify`: its
+        recurrent states by position) runs eagerly, with a row after every fed token of a verify chunk."""
+        if verify is not None:
+            self.argmax_in_sampled = False
+            return self.model(self.build_batch(chunks, verify))
         self.argmax_in_sampled = self._graphs_usable(chunks)
         if self.argmax_in_sampled:
             return self._run_graph(chunks)

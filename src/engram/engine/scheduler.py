@@ -13,7 +13,7 @@ does not need: they are reclaimed, least recently used first, before anything is
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engram.engine.pools import KVPool, StatePool
 from engram.engine.sequence import Sequence, SequenceStatus
@@ -23,12 +23,13 @@ from engram.engine.sequence import Sequence, SequenceStatus
 class ScheduledChunk:
     seq: Sequence
     start: int  # first token position fed this step (== seq.num_computed)
-    length: int
+    length: int  # tokens fed, the draft's included
+    draft: list[int] = field(default_factory=list)  # speculative tokens fed after the sequence's own (engine/speculative.py)
 
     @property
     def completes(self) -> bool:
         """After this chunk the state covers every token: the next token can be sampled."""
-        return self.start + self.length == self.seq.num_tokens
+        return self.start + self.length - len(self.draft) == self.seq.num_tokens
 
     @property
     def prompt_rows(self) -> range:

@@ -43,7 +43,11 @@ class Mamba2Mixer(nn.Module):
             gate, xbc, dt = zxbcdt.split([s.intermediate_size, s.conv_dim, heads], dim=-1)
         else:
             gate, xbc, dt = self.in_proj(hidden).split([s.intermediate_size, s.conv_dim, heads], dim=-1)
-            xbc = k.causal_conv1d_varlen(xbc, weight, self.conv1d.bias, conv_pool, slots, batch.seq_lens, batch.cu_seqlens)
+            if batch.verify is not None:  # a speculative step: every position's state kept, the pool left as it is
+                xbc = k.causal_conv1d_verify(xbc, weight, self.conv1d.bias, conv_pool, slots, batch.seq_lens,
+                                             batch.verify.conv[self.layer_index])
+            else:
+                xbc = k.causal_conv1d_varlen(xbc, weight, self.conv1d.bias, conv_pool, slots, batch.seq_lens, batch.cu_seqlens)
 
         x, B, C = xbc.split([s.intermediate_size, groups * n, groups * n], dim=-1)
         x = x.reshape(-1, heads, head_dim)
@@ -53,10 +57,14 @@ class Mamba2Mixer(nn.Module):
                 ssm_pool, slots, x, dt, self.dt_bias, s.time_step_limit, self.A_log, B, C, self.D, gate, self.norm.weight,
                 s.norm_eps, s.intermediate_size // groups, self.out_proj.weight, self.out_proj.bias,
             )
-        y = k.ssd_varlen(
-            x, dt, self.dt_bias, s.time_step_limit, self.A_log, B, C, self.D, s.chunk_size, batch.seq_lens, ssm_pool, slots,
-            batch.cu_seqlens,
-        )
+        if batch.verify is not None:
+            y = k.ssd_verify(x, dt, self.dt_bias, s.time_step_limit, self.A_log, B, C, self.D, batch.seq_lens, ssm_pool, slots,
+                             batch.verify.ssm[self.layer_index])
+        else:
+            y = k.ssd_varlen(
+                x, dt, self.dt_bias, s.time_step_limit, self.A_log, B, C, self.D, s.chunk_size, batch.seq_lens, ssm_pool, slots,
+                batch.cu_seqlens,
+            )
         y = k.gated_rms_norm(
             y.reshape(-1, s.intermediate_size), gate, self.norm.weight, s.norm_eps, s.intermediate_size // groups, hidden.dtype
         )

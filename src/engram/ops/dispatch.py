@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 import torch.nn.functional as F
 
-from engram.ops import activation, attention, conv, moe, norm, sample, ssd, staging
+from engram.ops import activation, attention, conv, moe, norm, sample, ssd, staging, verify
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,10 @@ class KernelSet:
     softmax_topk_experts: Callable = moe.softmax_topk_experts
     argmax: Callable = sample.argmax
     take_decode_inputs: Callable = staging.take_decode_inputs
+    # A speculative step's per-position states and their commit (ops/verify.py); run eagerly.
+    causal_conv1d_verify: Callable = verify.causal_conv1d_verify
+    ssd_verify: Callable = verify.ssd_verify
+    commit_verified: Callable = verify.commit_verified
     # Every op a decode step runs is free of host syncs and of data-dependent shapes, and
     # tolerates padding rows (slot -1, context -1): the step can be captured in a CUDA graph.
     graph_safe_decode: bool = False

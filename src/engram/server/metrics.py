@@ -70,6 +70,15 @@ class _EngineCollector(Collector):
         yield gauge("kv_blocks_used", "KV pages in use", s.kv_blocks_used)
         yield gauge("kv_blocks_total", "KV pages", s.kv_blocks_total)
         yield gauge("kv_pool_usage", "fraction of KV pages in use", s.kv_blocks_used / max(s.kv_blocks_total, 1))
+        if s.spec_accepted_per_position:  # speculative decoding on (vLLM's spec_decode_* series)
+            yield counter("spec_decode_num_drafts", "verify rows with a draft", s.spec_drafts_total)
+            yield counter("spec_decode_num_draft_tokens", "speculative tokens proposed and verified", s.spec_draft_tokens_total)
+            yield counter("spec_decode_num_accepted_tokens", "speculative tokens kept", s.spec_accepted_tokens_total)
+            per_pos = CounterMetricFamily("engram:spec_decode_num_accepted_tokens_per_pos",
+                                          "drafts whose token at this position was kept", labels=["model_name", "position"])
+            for position, accepted in enumerate(s.spec_accepted_per_position):
+                per_pos.add_metric([self.model_name, str(position)], accepted)
+            yield per_pos
 
 
 class _StateCollector(Collector):

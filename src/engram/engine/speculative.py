@@ -1,0 +1,131 @@
+"""Speculative decoding: drafts for a step's decode rows, their verification buffers, and the
+commit of each sequence's recurrent state after its accepted tokens.
+
+A verify chunk feeds a sequence's last sampled token and its draft d_1..d_k in one forward
+(`ScheduledChunk.draft`); its k + 1 logits rows are sampled in order by the engine
+(`LLMEngine._verify_and_append`), and row r's token is kept while row r - 1's was the draft's
+d_r. With a drafter that proposes tokens, not distributions (n-gram: q is one-hot), that is
+Leviathan et al.'s rejection rule exactly: d_r is accepted with probability p(d_r), and on
+rejection the token drawn from p conditioned on "not d_r" is the residual norm(max(0, p - q)).
+So every kept token is a draw from the target distribution given its prefix, with the request's
+own sampler (penalties, grammar masks, logprobs and seeds included). A drafter with a
+distribution of its own (MTP) would replace this rule with the general one.
+
+Attention wrote KV for all k + 1 positions; the rejected entries lie past `num_computed` and are
+overwritten when those positions are fed again (pages past the kept tokens go back to the pool).
+Recurrent layers wrote nothing to the pool (ops/verify.py); `commit` writes the state after the
+kept tokens, lazily: before a finishing sequence's state is captured, or at the end of the step.
+
+Speculative steps run eagerly (no CUDA graph), and overlap scheduling is off while speculation
+is on: the drafter needs each step's tokens on the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engram.engine.drafter import Drafter, NgramDrafter
+from engram.engine.forward_batch import VerifyStates
+from engram.engine.pools import KVPool, StatePool
+from engram.engine.scheduler import ScheduledChunk
+from engram.engine.sequence import Sequence
+from engram.engine.spec_config import SpeculativeConfig
+from engram.ops.dispatch import kernels
+
+
+@dataclass
+class SpeculativeStats:
+    draft_tokens: int = 0  # tokens proposed and verified
+    accepted_tokens: int = 0  # of those, kept
+    drafts: int = 0  # verify chunks with a draft
+    accepted_per_position: list[int] = field(default_factory=list)  # [k]: drafts whose token at position i was kept
+
+
+@dataclass
+class _Pending:
+    row: int  # the sequence's row in the step's VerifyStates
+    start: int  # its num_computed before the step
+    fed: int = 1  # tokens of its chunk that its state keeps
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, state_pool: StatePool, kv_pool: KVPool, max_context_length: int):
+        self.config = config
+        self.state_pool, self.kv_pool = state_pool, kv_pool
+        self.max_context_length = max_context_length
+        self.drafter: Drafter = NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.stats = SpeculativeStats(accepted_per_position=[0] * config.num_speculative_tokens)
+        self._pending: dict[Sequence, _Pending] = {}
+        self._verify: VerifyStates | None = None
+
+    def _draft_limit(self, seq: Sequence) -> int:
+        """Draft tokens this sequence may verify: never past max_tokens (a step keeps at most the
+        draft plus one token) nor the context length (the last fed position)."""
+        k = self.config.num_speculative_tokens
+        if seq.params.max_tokens is not None:
+            k = min(k, seq.params.max_tokens - seq.num_output_tokens - 1)
+        return min(k, self.max_context_length - len(seq.token_ids))
+
+    def propose(self, chunks: list[ScheduledChunk]) -> VerifyStates | None:
+        """Drafts onto the decode rows of a step of decode rows only (a prefill chunk would need every
+        position's state too), in free KV pages only (never reclaiming a retained slot's nor
+        preempting); the step's buffers, or None: no draft."""
+        if not chunks or not all(c.length == 1 and c.start > 0 and c.completes and not c.seq.num_inflight for c in chunks):
+            return None
+        for c in chunks:
+            seq = c.seq
+            draft = self.drafter.propose(seq.token_ids, self._draft_limit(seq))
+            need = self.kv_pool.blocks_for(c.start + 1 + len(draft)) - len(seq.blocks)
+            if draft and need <= self.kv_pool.num_free:
+                if need > 0:
+                    seq.blocks.extend(self.kv_pool.allocate(need))
+                c.draft = draft
+                c.length += len(draft)
+        if not any(c.draft for c in chunks):
+            return None
+        self._pending = {c.seq: _Pending(row, c.start) for row, c in enumerate(chunks)}
+        self._verify = self._buffers(len(chunks), max(c.length for c in chunks))
+        self.stats.drafts += sum(bool(c.draft) for c in chunks)
+        self.stats.draft_tokens += sum(len(c.draft) for c in chunks)
+        return self._verify
+
+    def _buffers(self, num_seqs: int, length: int) -> VerifyStates:
+        pool = self.state_pool
+        conv = {i: torch.empty(num_seqs, t.shape[1] + length, t.shape[2], dtype=t.dtype, device=t.device) for i, t in pool.conv.items()}
+        ssm = {i: torch.empty(num_seqs, length, *t.shape[1:], dtype=t.dtype, device=t.device) for i, t in pool.ssm.items()}
+        return VerifyStates(conv, ssm)
+
+    def keep(self, seq: Sequence, fed: int) -> None:
+        """The sequence's state is to cover `fed` tokens of its verify chunk (its num_computed now says so)."""
+        pending = self._pending[seq]
+        pending.fed = fed
+        seq.num_computed = pending.start + fed
+
+    def accepted(self, position: int) -> None:
+        self.stats.accepted_tokens += 1
+        self.stats.accepted_per_position[position] += 1
+
+    def commit(self, seqs: list[Sequence]) -> None:
+        """Write the kept state of these sequences into their slots and free their pages past it."""
+        done = [(seq, self._pending.pop(seq)) for seq in seqs if seq in self._pending and seq.slot is not None]
+        if not done or self._verify is None:
+            return
+        dev = next(iter(self.state_pool.ssm.values())).device if self.state_pool.ssm else None
+        if dev is not None:
+            slots = torch.tensor([seq.slot for seq, _ in done], device=dev)
+            rows = torch.tensor([p.row for _, p in done], device=dev)
+            fed = torch.tensor([p.fed for _, p in done], device=dev)
+            for i in self.state_pool.conv:
+                kernels().commit_verified(self.state_pool.conv[i], self.state_pool.ssm[i], slots,
+                                          self._verify.conv[i], self._verify.ssm[i], rows, fed)
+        for seq, _ in done:
+            keep = self.kv_pool.blocks_for(seq.num_tokens)
+            self.kv_pool.free(seq.blocks[keep:])
+            del seq.blocks[keep:]
+
+    def end_step(self) -> None:
+        """Commit every sequence still pending and drop the step's buffers."""
+        self.commit(list(self._pending))
+        self._pending, self._verify = {}, None

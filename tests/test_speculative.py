@@ -1,0 +1,227 @@
+"""Speculative decoding (engine/speculative.py): output with speculation equals output without it,
+token for token, whatever the drafts; a rejected draft leaves no trace in the recurrent state; sampled
+output keeps the target distribution; max_tokens, stop tokens and grammars hold; metrics count."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from engine_utils import greedy, make_engine, run_to_end
+from scipy.stats import chisquare
+
+from engram.engine.drafter import NgramDrafter
+from engram.engine.request import FinishReason, SamplingParams, StructuredOutputsParams
+from engram.engine.spec_config import SpeculativeConfig
+from engram.ops import verify
+from engram.ops.dispatch import kernels, use_kernels
+
+ARCHS = ["mamba2", "granite", "nemotron", "bamba"]
+K = 3
+NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+# mixed lengths, some repeating (prompt lookup finds drafts), one longer than a mamba chunk
+PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7], [10, 11, 12] * 7, list(range(20, 60)), [3, 4]]
+
+
+class ReferenceDrafter:
+    """Drafts the target's own greedy continuation (transformers), or with `wrong` a token off by one
+    at each position: every draft accepted, or every draft rejected."""
+
+    def __init__(self, ref: torch.nn.Module, wrong: bool = False):
+        self.ref, self.wrong = ref, wrong
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        draft: list[int] = []
+        for _ in range(k):  # full forwards, no cache: transformers' cached generate drifts after some prompt lengths
+            with torch.no_grad():
+                draft.append(int(self.ref(torch.tensor([token_ids + draft])).logits[0, -1].argmax()))
+        return [(t + 1) % self.ref.config.vocab_size for t in draft] if self.wrong else draft
+
+
+def generate(engine, prompts, params, drafter=None) -> list[list[int]]:
+    if drafter is not None:
+        engine.speculator.drafter = drafter
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params if isinstance(params, SamplingParams) else params(i))
+    out = run_to_end(engine)
+    return [out[f"r{i}"].token_ids for i in range(len(prompts))]
+
+
+def spec_counts(engine) -> tuple[int, int]:
+    s = engine.stats()
+    return s.spec_draft_tokens_total, s.spec_accepted_tokens_total
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_with_speculation_equals_greedy_without(arch, checkpoint_dir, hf_model):
+    path = checkpoint_dir(arch)
+    plain = generate(make_engine(path), PROMPTS, greedy(20))
+    engine = make_engine(path, speculative_config=NGRAM)
+
+    assert generate(engine, PROMPTS, greedy(20)) == plain
+    drafted, _ = spec_counts(engine)
+    assert drafted > 0  # prompt lookup found drafts in the repeating prompts
+
+    ref = hf_model(path)
+    before = spec_counts(engine)
+    assert generate(engine, PROMPTS, greedy(20), ReferenceDrafter(ref)) == plain
+    drafted, accepted = (a - b for a, b in zip(spec_counts(engine), before))
+    assert drafted > 0 and accepted == drafted  # forced right: every draft kept
+    steps_right = engine.stats()
+
+    before = spec_counts(engine)
+    assert generate(engine, PROMPTS, greedy(20), ReferenceDrafter(ref, wrong=True)) == plain
+    drafted, accepted = (a - b for a, b in zip(spec_counts(engine), before))
+    assert drafted > 0 and accepted == 0  # forced wrong: every draft rejected, and still exact
+    assert steps_right.spec_accepted_per_position[K - 1] > 0
+
+
+def test_a_broken_rollback_is_caught(checkpoint_dir, hf_model):
+    """Committing the state after the last fed position (the rejected drafts included) instead of the
+    one after the kept tokens changes the output: the test above would fail."""
+    path = checkpoint_dir("granite")
+    plain = generate(make_engine(path), PROMPTS, greedy(20))
+    engine = make_engine(path, speculative_config=NGRAM)
+
+    def commit_last(conv_pool, ssm_pool, slots, windows, states, rows, fed):
+        verify.commit_verified(conv_pool, ssm_pool, slots, windows, states, rows, torch.full_like(fed, states.shape[1]))
+
+    correct = kernels()
+    use_kernels(dataclasses.replace(correct, commit_verified=commit_last))
+    try:
+        assert generate(engine, PROMPTS, greedy(20), ReferenceDrafter(hf_model(path), wrong=True)) != plain
+    finally:
+        use_kernels(correct)
+
+
+def test_max_tokens_and_stop_tokens_hold(checkpoint_dir, hf_model):
+    path = checkpoint_dir("nemotron")
+    ref = hf_model(path)
+    engine = make_engine(path, speculative_config=NGRAM)
+    for n in (1, 2, 3, 5):  # never more tokens than asked, though a step could keep K + 1
+        out = generate(engine, PROMPTS, greedy(n), ReferenceDrafter(ref))
+        assert [len(t) for t in out] == [n] * len(PROMPTS)
+    full = generate(make_engine(path), PROMPTS[:1], greedy(12))[0]
+    stop = full[6]
+    params = SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[stop])
+    engine.speculator.drafter = ReferenceDrafter(ref)
+    engine.add_request("s", PROMPTS[0], params)
+    out = run_to_end(engine)["s"]
+    assert out.token_ids == full[: full.index(stop) + 1] and out.finish_reason == FinishReason.STOP
+
+
+def test_a_speculative_turn_snapshot_resumes_exactly(checkpoint_dir, hf_model):
+    """The state captured after a speculative turn is the committed one: continuing from it (in an engine
+    without speculation) equals a full prefill of the whole history."""
+    path = checkpoint_dir("bamba")
+    engine = make_engine(path, speculative_config=NGRAM)
+    engine.speculator.drafter = ReferenceDrafter(hf_model(path), wrong=True)
+    engine.add_request("t1", PROMPTS[1], greedy(9), capture_state=True)
+    first = run_to_end(engine)["t1"]
+    assert engine.stats().spec_draft_tokens_total > 0
+    history = PROMPTS[1] + first.token_ids
+    assert first.state.tokens == history and first.state.state_len == len(history) - 1
+    new = [7, 8, 9]
+    resumed = make_engine(path)
+    resumed.add_request("t2", history + new, greedy(8), initial_state=first.state)
+    prefilled = make_engine(path)
+    prefilled.add_request("t2", history + new, greedy(8))
+    assert run_to_end(resumed)["t2"].token_ids == run_to_end(prefilled)["t2"].token_ids
+
+
+def test_seeded_sampling_is_the_same_with_speculation(checkpoint_dir, hf_model):
+    """Each kept token is a draw of the request's own generator from the target distribution, one
+    draw per token as without speculation: seeded outputs agree token for token."""
+    path = checkpoint_dir("granite")
+
+    def params(i):
+        return SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=i, ignore_eos=True, frequency_penalty=0.3)
+
+    plain = generate(make_engine(path), PROMPTS, params)
+    engine = make_engine(path, speculative_config=NGRAM)
+    assert generate(engine, PROMPTS, params, ReferenceDrafter(hf_model(path))) == plain
+    drafted, accepted = spec_counts(engine)
+    assert 0 < accepted < drafted  # some drafts kept, some rejected
+
+
+def test_sampled_distribution_matches_the_target(checkpoint_dir, hf_model):
+    """Unseeded sampling (the engine's generator, drawn in another order than without speculation):
+    the empirical distribution of the second and third tokens, whose rows verify drafts, against the
+    target's exact one from transformers (top-k 3: 27 outcomes), by a chi-square test."""
+    path = checkpoint_dir("mamba2")
+    ref = hf_model(path)
+    prompt, n = [5, 6, 7, 8, 9, 5, 6], 1200
+    engine = make_engine(path, speculative_config=json.dumps({"method": "ngram", "num_speculative_tokens": 2}),
+                         max_running_requests=16, seed=3)
+    engine.speculator.drafter = ReferenceDrafter(ref)
+    params = SamplingParams(max_tokens=3, temperature=1.0, top_k=3, ignore_eos=True)
+    outs = generate(engine, [prompt] * n, params)
+    drafted, accepted = spec_counts(engine)
+    assert 0 < accepted < drafted
+
+    def top3(tokens):
+        with torch.no_grad():
+            logits = ref(torch.tensor([tokens])).logits[0, -1]
+        top = torch.topk(logits, 3)
+        return dict(zip(top.indices.tolist(), torch.softmax(top.values, -1).tolist()))
+
+    expected = {}
+    for t1, p1 in top3(prompt).items():
+        for t2, p2 in top3(prompt + [t1]).items():
+            for t3, p3 in top3(prompt + [t1, t2]).items():
+                expected[(t1, t2, t3)] = p1 * p2 * p3
+    seen = [tuple(o) for o in outs]
+    assert set(seen) <= set(expected)
+    cells = [c for c in expected if expected[c] * n >= 5]
+    rest = n - sum(expected[c] * n for c in cells)
+    observed = [seen.count(c) for c in cells] + [n - sum(seen.count(c) for c in cells)]
+    _, p = chisquare(observed, [expected[c] * n for c in cells] + [rest])
+    assert p > 1e-3, (observed, p)
+
+
+def test_a_draft_the_grammar_refuses_is_rejected(checkpoint_dir, hf_model):
+    path = checkpoint_dir("mamba2")
+    regex = r"[a-c]{3,6}-[0-9]{2}"
+
+    def params(i):
+        return SamplingParams(max_tokens=12, temperature=0.0, structured_outputs=StructuredOutputsParams(regex=regex))
+
+    prompts = [list(b"say abc-12 "), list(b"abab")]
+    plain_engine = make_engine(path)
+    plain = generate(plain_engine, prompts, params)
+    engine = make_engine(path, speculative_config=NGRAM)
+    # drafts of the target's unconstrained continuation: the grammar refuses most of them
+    assert generate(engine, prompts, params, ReferenceDrafter(hf_model(path))) == plain
+    drafted, accepted = spec_counts(engine)
+    assert drafted > 0 and accepted < drafted
+
+
+def test_ngram_drafter_proposes_what_followed_the_latest_match():
+    d = NgramDrafter(min_n=1, max_n=3)
+    assert d.propose([1, 2, 3, 4, 1, 2], 3) == [3, 4, 1]
+    assert d.propose([1, 2, 9, 1, 2, 7, 1, 2], 2) == [7, 1]  # the latest occurrence of [1, 2]
+    assert d.propose([5, 6, 7], 2) == []
+    assert NgramDrafter(min_n=2, max_n=2).propose([1, 2, 3, 1], 2) == []  # a 1-gram match is too short
+
+
+@pytest.mark.parametrize(("raw", "says"), [
+    ("{", "not JSON"),
+    ('{"method": "mtp", "num_speculative_tokens": 1}', "MTP layers"),
+    ('{"method": "eagle", "num_speculative_tokens": 1}', "method must be one of"),
+    ('{"method": "ngram"}', "num_speculative_tokens is required"),
+    ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens must be a positive integer"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}', "prompt_lookup_min"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "draft_model": "x"}', "unknown field"),
+])
+def test_a_bad_speculative_config_names_the_field(raw, says):
+    with pytest.raises(ValueError, match=says):
+        SpeculativeConfig.parse(raw)
+
+
+def test_speculative_config_defaults_follow_vllm():
+    c = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3})
+    assert (c.prompt_lookup_min, c.prompt_lookup_max) == (3, 3)
+    c = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 4}')
+    assert (c.prompt_lookup_min, c.prompt_lookup_max) == (5, 5)
