@@ -225,3 +225,13 @@ def test_speculative_config_defaults_follow_vllm():
     assert (c.prompt_lookup_min, c.prompt_lookup_max) == (3, 3)
     c = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 4}')
     assert (c.prompt_lookup_min, c.prompt_lookup_max) == (5, 5)
+
+
+def test_the_memory_plan_reserves_a_full_verify_step(checkpoint_dir):
+    path = checkpoint_dir("bamba")
+    plain, spec = make_engine(path), make_engine(path, speculative_config=NGRAM)
+    reserved = spec.plan.scratch_bytes - plain.plan.scratch_bytes
+    buffers = spec.speculator._buffers(spec.args.max_running_requests, K + 1)
+    used = sum(t.numel() * t.element_size() for t in (*buffers.conv.values(), *buffers.ssm.values()))
+    logits = spec.args.max_running_requests * K * spec.spec.vocab_size * 4  # the k more rows each sequence samples from
+    assert reserved >= used + logits

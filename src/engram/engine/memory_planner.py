@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from engram.args import EngineArgs
+from engram.engine.spec_config import speculative_tokens
 from engram.models.spec import ModelSpec, load_model_spec
 from engram.state.identity import safetensors_header
 from engram.state.sequence_state import StateDtypes, expected_tensors
@@ -178,6 +179,20 @@ def scratch_bytes(spec: ModelSpec, max_num_batched_tokens: int, max_running_requ
     return projections + scan + logits
 
 
+def verify_bytes(spec: ModelSpec, dtypes: StateDtypes, max_running_requests: int, num_speculative_tokens: int) -> int:
+    """A speculative step's buffers (ops/verify.py) for every running sequence: each Mamba layer's SSM
+    state after each of the k + 1 positions and its conv window, and k more float32 logits rows."""
+    if num_speculative_tokens == 0:
+        return 0
+    positions = num_speculative_tokens + 1
+    per_seq = LOGIT_COPIES * num_speculative_tokens * spec.vocab_size * torch.float32.itemsize
+    if spec.mamba is not None:
+        m = spec.mamba
+        window = (m.conv_kernel - 1 + positions, m.conv_dim)
+        per_seq += len(spec.mamba_layers) * (positions * _nbytes(m.ssm_state_shape, dtypes.ssm) + _nbytes(window, dtypes.conv))
+    return max_running_requests * per_seq
+
+
 def device_memory_bytes(device: str, cpu_memory_gb: float) -> int:
     """Total memory of a CUDA device; on CPU, where there is nothing to query, `cpu_memory_gb` GiB."""
     dev = torch.device(device)
@@ -336,15 +351,17 @@ def plan_for_args(
     spec: ModelSpec, args: EngineArgs, *, model_dtype: torch.dtype, total_memory_bytes: int, weights_bytes: int
 ) -> MemoryPlan:
     """`plan_memory` for an engine configuration: the same figures at startup and in `engram plan`."""
+    dtypes = state_dtypes(spec, model_dtype, args.mamba_ssm_dtype, args.kv_cache_dtype)
     return plan_memory(
         spec,
         total_memory_bytes=total_memory_bytes,
         mem_fraction_static=args.mem_fraction_static,
         weights_bytes=weights_bytes,
-        scratch_bytes=scratch_bytes(spec, args.max_num_batched_tokens, args.max_running_requests, model_dtype),
+        scratch_bytes=scratch_bytes(spec, args.max_num_batched_tokens, args.max_running_requests, model_dtype)
+        + verify_bytes(spec, dtypes, args.max_running_requests, speculative_tokens(args.speculative_config)),
         max_running_requests=args.max_running_requests,
         context_length=args.context_length,
-        dtypes=state_dtypes(spec, model_dtype, args.mamba_ssm_dtype, args.kv_cache_dtype),
+        dtypes=dtypes,
         kv_block_size=args.kv_block_size,
         max_total_tokens=args.max_total_tokens,
     )

@@ -50,6 +50,11 @@ class SpeculativeConfig:
         return cls(str(method), k, lookup_max, lookup_min)
 
 
+def speculative_tokens(raw: str | dict[str, Any] | None) -> int:
+    """k of a --speculative-config (0: none), for the memory plan."""
+    return 0 if raw is None else SpeculativeConfig.parse(raw).num_speculative_tokens
+
+
 def _int(raw: dict[str, Any], name: str, required: bool = False) -> int:
     """A positive integer field; 0 when absent and not required."""
     if name not in raw:

@@ -1,0 +1,182 @@
+"""Speculative decoding (engine/speculative.py) against plain decoding, in-process, one run.
+
+    python benchmarks/bench_spec.py --config granite-4.0-h-tiny [--out results.json]
+    python benchmarks/bench_spec.py --model-path CHECKPOINT --device cpu   (a dry run of the script)
+
+Two engines on the same random weights (from a config, as bench_speed.py builds them) or a
+checkpoint: plain (CUDA graphs, overlap schedule) and with `--speculative-config` n-gram.
+1. Step cost: with B sequences decoding, the mean time of a plain decode step vs a verify step
+   of k drafted tokens per sequence (drafts forced to length k; the verify step runs eagerly with
+   the reference verify ops, see ops/verify.py), for each B in --batches and k in --ks.
+2. Decode tok/s at batch 1 on a prompt that repeats one random block: plain; n-gram prompt lookup
+   (its acceptance is what random weights give); and "forced acceptance": drafts taken from the
+   plain run's own greedy output, every one kept, standing in for a model whose output repeats
+   its prompt (clearly not a measurement of n-gram acceptance).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_speed as bs  # noqa: E402  (config lookup, logging)
+
+from engram.args import EngineArgs  # noqa: E402
+from engram.engine import engine as engine_mod  # noqa: E402
+from engram.engine.drafter import NgramDrafter  # noqa: E402
+from engram.engine.request import SamplingParams  # noqa: E402
+
+
+class FixedDrafter:
+    """Always k tokens (the last one repeated): a verify step of a known width."""
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        return [token_ids[-1]] * min(self.k, k)
+
+
+class ForcedDrafter:
+    """The continuation a plain greedy run produced: every draft is kept (forced acceptance)."""
+
+    def __init__(self, full: list[int]):
+        self.full = full
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        return self.full[len(token_ids) : len(token_ids) + k]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def build_engines(args) -> tuple[engine_mod.LLMEngine, engine_mod.LLMEngine]:
+    common = dict(device=args.device, max_running_requests=max(args.batches), max_total_tokens=args.max_total_tokens,
+                  context_length=args.prompt_block * args.prompt_repeats + args.max_tokens + 64, max_num_batched_tokens=8192)
+    if args.model_path:
+        base = EngineArgs(model_path=args.model_path, **common)
+    else:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        workdir = Path(tempfile.mkdtemp())
+        cfg = json.loads(bs.find_config(args.config).read_text())
+        cfg.setdefault("eos_token_id", 0)
+        (workdir / "config.json").write_text(json.dumps(cfg))
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(workdir), dtype=torch.bfloat16).eval()
+        state = hf.state_dict()
+        engine_mod.load_model = lambda spec, path, dtype, device: engine_mod.load_model_from_state_dict(spec, state, dtype, device)
+        base = EngineArgs(model_path=str(workdir), dtype="bfloat16", **common)
+    spec_cfg = json.dumps({"method": "ngram", "num_speculative_tokens": max(args.ks), "prompt_lookup_min": 2, "prompt_lookup_max": 4})
+    return engine_mod.LLMEngine(base), engine_mod.LLMEngine(dataclasses.replace(base, speculative_config=spec_cfg))
+
+
+def tokens(n: int, vocab: int, seed: int) -> list[int]:
+    return torch.randint(1, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def mean_step_seconds(eng, batch: int, steps: int, prompt_len: int) -> float:
+    """B sequences past their prefill, then `steps` steps timed together (none finishes meanwhile,
+    whatever it accepts: they are aborted afterwards)."""
+    params = SamplingParams(max_tokens=8 * steps + 16, temperature=0.0, ignore_eos=True)
+    ids = [f"s{batch}-{i}-{time.monotonic_ns()}" for i in range(batch)]
+    for i, rid in enumerate(ids):
+        eng.add_request(rid, tokens(prompt_len, eng.spec.vocab_size, i), params)
+    while any(s.num_computed < s.num_prompt_tokens for s in eng.scheduler.running + list(eng.scheduler.waiting)):
+        eng.step()
+    for _ in range(2):  # a graph capture or a first verify step is not timed
+        eng.step()
+    sync(eng.device)
+    started = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    sync(eng.device)
+    elapsed = (time.perf_counter() - started) / steps
+    for rid in ids:
+        eng.abort_request(rid)
+    while eng.has_unfinished_requests():
+        eng.step()
+    return elapsed
+
+
+def decode_rate(eng, prompt: list[int], max_tokens: int) -> tuple[float, list[int]]:
+    """Output tokens/s after the first one (the prefill excluded), and the output."""
+    eng.add_request(f"d{time.monotonic_ns()}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    first, out = None, None
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if first is None and o.token_ids:
+                sync(eng.device)
+                first, n_first = time.perf_counter(), len(o.token_ids)
+            out = o
+    sync(eng.device)
+    return (len(out.token_ids) - n_first) / (time.perf_counter() - first), out.token_ids
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="granite-4.0-h-tiny")
+    ap.add_argument("--model-path", default=None, help="a checkpoint folder instead of --config's random weights")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--ks", default="1,2,4")
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--prompt-block", type=int, default=48, help="the repeating workload: a random block of this many tokens ...")
+    ap.add_argument("--prompt-repeats", type=int, default=6, help="... repeated this many times")
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--max-total-tokens", type=int, default=65536)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    args.batches = [int(x) for x in args.batches.split(",")]
+    args.ks = [int(x) for x in args.ks.split(",")]
+    results: dict = {"command": " ".join(sys.argv)}
+    plain, spec = build_engines(args)
+    results["device"] = torch.cuda.get_device_name(0) if plain.device.type == "cuda" else "cpu"
+
+    steps: dict = {}
+    for b in args.batches:
+        base = mean_step_seconds(plain, b, args.steps, args.prompt_len)
+        row = {"decode_ms": base * 1e3}
+        for k in args.ks:
+            spec.speculator.drafter = FixedDrafter(k)
+            t = mean_step_seconds(spec, b, args.steps, args.prompt_len)
+            row[f"verify_k{k}_ms"], row[f"verify_k{k}_vs_decode"] = t * 1e3, t / base
+        steps[f"batch_{b}"] = row
+        bs.log(f"step cost, batch {b}: {json.dumps({key: round(v, 3) for key, v in row.items()})}")
+    results["step_cost"] = steps
+
+    prompt = tokens(args.prompt_block, plain.spec.vocab_size, 99) * args.prompt_repeats
+    rate, out = decode_rate(plain, prompt, args.max_tokens)
+    rates = {"plain_tok_s": rate}
+    cfg = spec.speculator.config
+    for mode, drafter in (("ngram", NgramDrafter(cfg.prompt_lookup_min, cfg.prompt_lookup_max)), ("forced_acceptance", ForcedDrafter(prompt + out))):
+        spec.speculator.drafter = drafter
+        before = spec.stats()
+        r, got = decode_rate(spec, prompt, args.max_tokens)
+        after = spec.stats()
+        drafted = after.spec_draft_tokens_total - before.spec_draft_tokens_total
+        accepted = after.spec_accepted_tokens_total - before.spec_accepted_tokens_total
+        rates[f"{mode}_tok_s"], rates[f"{mode}_vs_plain"] = r, r / rate
+        rates[f"{mode}_acceptance"] = accepted / drafted if drafted else None
+        rates[f"{mode}_same_output"] = got == out
+    results["decode_batch_1_repeating"] = rates
+    bs.log(f"decode at batch 1, repeating prompt: {json.dumps(rates, default=str)}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
