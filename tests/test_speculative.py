@@ -235,3 +235,52 @@ def test_the_memory_plan_reserves_a_full_verify_step(checkpoint_dir):
     used = sum(t.numel() * t.element_size() for t in (*buffers.conv.values(), *buffers.ssm.values()))
     logits = spec.args.max_running_requests * K * spec.spec.vocab_size * 4  # the k more rows each sequence samples from
     assert reserved >= used + logits
+
+
+def test_verify_ops_keep_the_state_after_every_position():
+    """ops/verify.py against the definitions: the conv state and SSM state after f tokens of each
+    sequence are those of `causal_conv1d` and `ssd_sequential` over its first f tokens, and the pool is
+    written only by the commit, with each sequence's own f."""
+    from engram.ops.conv import causal_conv1d
+    from engram.ops.ssd import discretize, ssd_sequential
+
+    g = torch.Generator().manual_seed(0)
+    heads, head_dim, groups, n, chans, k1 = 4, 3, 2, 5, 7, 3
+    lens = [3, 1, 4]
+    slots = torch.tensor([2, 0, 3])
+    total = sum(lens)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g)
+
+    x, dt, B, C = rand(total, heads, head_dim), rand(total, heads), rand(total, groups, n), rand(total, groups, n)
+    dt_bias, A_log, D = rand(heads), rand(heads), rand(heads)
+    xc, weight, bias = rand(total, chans), rand(chans, k1 + 1), rand(chans)
+    conv_pool, ssm_pool = rand(4, k1, chans), rand(4, heads, head_dim, n)
+    conv_before, ssm_before = conv_pool.clone(), ssm_pool.clone()
+    windows, states = torch.empty(3, k1 + max(lens), chans), torch.empty(3, max(lens), heads, head_dim, n)
+
+    yc = verify.causal_conv1d_verify(xc, weight, bias, conv_pool, slots, lens, windows)
+    y = verify.ssd_verify(x, dt, dt_bias, (0.0, float("inf")), A_log, B, C, D, lens, ssm_pool, slots, states)
+    assert torch.equal(conv_pool, conv_before) and torch.equal(ssm_pool, ssm_before)
+
+    dtd, A = discretize(dt, dt_bias, (0.0, float("inf")), A_log)
+    fed = torch.tensor([2, 1, 4])
+    start = 0
+    for i, length in enumerate(lens):
+        rows = slice(start, start + length)
+        ref_y, _ = causal_conv1d(xc[rows], weight, bias, conv_before[slots[i]])
+        torch.testing.assert_close(yc[rows], ref_y)
+        ref_ssm_y, _ = ssd_sequential(x[rows], dtd[rows], A, B[rows], C[rows], D, ssm_before[slots[i]])
+        torch.testing.assert_close(y[rows], ref_ssm_y)
+        start += length
+    verify.commit_verified(conv_pool, ssm_pool, slots, windows, states, torch.arange(3), fed)
+    start = 0
+    for i, f in enumerate(fed.tolist()):
+        rows = slice(start, start + f)
+        _, conv_ref = causal_conv1d(xc[rows], weight, bias, conv_before[slots[i]])
+        _, ssm_ref = ssd_sequential(x[rows], dtd[rows], A, B[rows], C[rows], D, ssm_before[slots[i]])
+        torch.testing.assert_close(conv_pool[slots[i]], conv_ref)
+        torch.testing.assert_close(ssm_pool[slots[i]], ssm_ref)
+        start += lens[i]
+    assert torch.equal(conv_pool[1], conv_before[1]) and torch.equal(ssm_pool[1], ssm_before[1])  # no row of this step
