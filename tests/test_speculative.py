@@ -103,6 +103,13 @@ def test_max_tokens_and_stop_tokens_hold(checkpoint_dir, hf_model):
     for n in (1, 2, 3, 5):  # never more tokens than asked, though a step could keep K + 1
         out = generate(engine, PROMPTS, greedy(n), ReferenceDrafter(ref))
         assert [len(t) for t in out] == [n] * len(PROMPTS)
+    lps = []
+    for e in (make_engine(path), engine):  # each token's logprobs come from its own row
+        e.add_request("lp", PROMPTS[2], greedy(9, logprobs=2))
+        lps.append([lp for _ in iter(e.has_unfinished_requests, False) for out in e.step() for lp in out.logprobs])
+    plain_lp, spec_lp = lps
+    assert len(spec_lp) == 9 and [lp.token_id for lp in spec_lp] == [lp.token_id for lp in plain_lp]
+    assert all(abs(a.logprob - b.logprob) < 1e-4 and [t for t, _ in a.top] == [t for t, _ in b.top] for a, b in zip(spec_lp, plain_lp))
     full = generate(make_engine(path), PROMPTS[:1], greedy(12))[0]
     stop = full[6]
     params = SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[stop])

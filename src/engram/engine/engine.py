@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import time
@@ -561,16 +562,19 @@ class LLMEngine:
 
     def warm_up(self, on_stage: Callable[[str, int, int], None] | None = None) -> WarmupReport:
         """Capture every CUDA graph and compile every kernel path now (engine/warmup.py). Its
-        requests are not traffic: the token counters, preemption count and default generator are
-        left as they were."""
+        requests are not traffic: the token counters, preemption count, speculative counts and
+        default generator are left as they were."""
         counters, preemptions = dict(self._counters), self.scheduler.num_preemptions
         generator = self._default_generator.get_state()
+        spec_stats = copy.deepcopy(self.speculator.stats) if self.speculator is not None else None
         try:
             return warm_up(self, on_stage)
         finally:
             self._counters.update(counters)
             self.scheduler.num_preemptions = preemptions
             self._default_generator.set_state(generator)
+            if self.speculator is not None and spec_stats is not None:
+                self.speculator.stats = spec_stats
 
     def mark_ready(self) -> None:
         """From now on graph captures and compilations are counted as happening on a request's path."""
