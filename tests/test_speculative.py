@@ -291,3 +291,24 @@ def test_verify_ops_keep_the_state_after_every_position():
         torch.testing.assert_close(ssm_pool[slots[i]], ssm_ref)
         start += lens[i]
     assert torch.equal(conv_pool[1], conv_before[1]) and torch.equal(ssm_pool[1], ssm_before[1])  # no row of this step
+
+
+def test_engram_plan_takes_the_speculative_config(capsys):
+    """`engram plan` reserves what the engine reserves (Granite-4.0-H-tiny's shape, batch 8, k 4)."""
+    from pathlib import Path
+
+    from engram.engine.memory_planner import state_dtypes, verify_bytes
+    from engram.models.spec import load_model_spec
+    from engram.plan import main as plan_main
+
+    config = Path(__file__).parent / "data" / "configs" / "granite-4.0-h-tiny.json"
+    base = ["--model-path", str(config), "--max-running-requests", "8", "--json"]
+    plan_main(base)
+    plain = json.loads(capsys.readouterr().out)
+    plan_main([*base, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}'])
+    spec = json.loads(capsys.readouterr().out)
+    model = load_model_spec(config)
+    reserve = verify_bytes(model, state_dtypes(model, torch.bfloat16, "float32", "auto"), 8, 4)
+    assert spec["scratch_bytes"] - plain["scratch_bytes"] == reserve > 2 << 30
+    assert plan_main([*base, "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}']) == 2
+    assert "MTP layers" in capsys.readouterr().err

@@ -36,6 +36,7 @@ _ENGINE_FLAGS = (
     "kv_block_size",
     "mamba_ssm_dtype",
     "kv_cache_dtype",
+    "speculative_config",
 )
 
 
