@@ -76,6 +76,21 @@ def test_greedy_with_speculation_equals_greedy_without(arch, checkpoint_dir, hf_
     drafted, accepted = (a - b for a, b in zip(spec_counts(engine), before))
     assert drafted > 0 and accepted == 0  # forced wrong: every draft rejected, and still exact
     assert steps_right.spec_accepted_per_position[K - 1] > 0
+    done = engine.stats()
+    assert done.kv_blocks_used == 0 and done.state_slots_used == 0  # the draft's pages went back
+
+
+def test_speculation_under_kv_pressure_equals_plain(checkpoint_dir, hf_model):
+    """Few KV pages: sequences are preempted and recomputed, drafts get only free pages; still exact."""
+    path = checkpoint_dir("nemotron")
+    prompts = [list(range(10 + i, 40 + i)) for i in range(4)]
+    small = dict(max_total_tokens=160, kv_block_size=8, context_length=80)
+    plain_engine = make_engine(path, **small)
+    plain = generate(plain_engine, prompts, greedy(40))
+    engine = make_engine(path, speculative_config=NGRAM, **small)
+    assert generate(engine, prompts, greedy(40), ReferenceDrafter(hf_model(path), wrong=True)) == plain
+    assert engine.stats().num_preemptions > 0 and engine.stats().spec_draft_tokens_total > 0
+    assert engine.stats().kv_blocks_used == 0
 
 
 def test_a_broken_rollback_is_caught(checkpoint_dir, hf_model):
