@@ -78,11 +78,16 @@ def test_the_least_recently_used_states_leave_first_under_the_budget():
     assert cache.lookup([1] * 7) is None and cache.lookup([0] * 7) is a and cache.lookup([2] * 7) is c
 
 
-def _resend_history_dialogue(srv, turns: int = 3) -> tuple[list[str], list[int], list[int]]:
-    """A client that sends its whole history every turn: replies, cached and prompt tokens per turn."""
-    messages, replies, cached, prompts = [{"role": "system", "content": "You are terse. " * 20}], [], [], []
+def _resend_history_dialogue(srv, turns: int = 3, messages: list[dict] | None = None) -> tuple[list[str], list[int], list[int]]:
+    """A client that sends its whole history every turn: replies, cached and prompt tokens per turn.
+    `messages`: a dialogue to continue (extended in place)."""
+    if messages is None:
+        messages = []
+    if not messages:
+        messages.append({"role": "system", "content": "You are terse. " * 20})
+    replies, cached, prompts = [], [], []
     with httpx.Client(base_url=srv.url, timeout=60) as http:
-        for i in range(turns):
+        for i in range(len(messages) // 2, len(messages) // 2 + turns):
             messages.append({"role": "user", "content": f"question {i}: " + "why " * (5 + i)})
             body = {"model": MODEL, "messages": messages, "temperature": 0, "max_tokens": 8, "ignore_eos": True}
             r = http.post("/v1/chat/completions", json=body)

@@ -139,8 +139,9 @@ class StoreStats:
     files_swept: int = 0
 
 
-def _kv_names(spec: ModelSpec) -> list[tuple[str, str]]:
-    return [(f"layers.{i}.k", f"layers.{i}.v") for i in spec.attention_layers] if spec.attention is not None else []
+def kv_tensor_names(spec: ModelSpec) -> list[str]:
+    """The names of a state's KV tensors (the rest are recurrent)."""
+    return [f"layers.{i}.{kv}" for i in spec.attention_layers for kv in "kv"] if spec.attention is not None else []
 
 
 class ChunkStore:
@@ -153,7 +154,7 @@ class ChunkStore:
         self.hasher = hasher
         self.identity = hasher.seed.hex()
         self.stats = StoreStats()
-        self._kv = [name for pair in _kv_names(spec) for name in pair]
+        self._kv = kv_tensor_names(spec)
 
     # ---- paths -------------------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ manifest that names them, and a sweep that spares files touched within its grace
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import IO, Protocol
 
@@ -21,12 +22,16 @@ from engram.state.sequence_state import SequenceState, StateDtypes
 from engram.state.snapshot import (
     SnapshotMeta,
     atomic_write,
+    check_no_links,
     delete_snapshot,
+    is_stale_temp_file,
     list_snapshots,
     read_manifest,
     read_no_follow,
     snapshot_label,
 )
+
+PREFIX_NAME = "prefix"  # <root>/.store/prefix/<key>.json: the prefix cache's entries on disk
 
 
 class ColdStore(Protocol):
@@ -81,6 +86,28 @@ class ColdStore(Protocol):
 
     def adopt(self, kind: str, key: str, stream: IO[bytes]) -> None:
         """Store an imported store file under its key (verified when a manifest naming it is loaded)."""
+        ...
+
+    # The prefix cache's disk tier (state/prefix_disk.py): states stored without a turn, and a
+    # small entry per state naming its store references. Entries are whole or absent, and are
+    # written after the files they name.
+
+    def save_state(self, state: SequenceState, base: StoredState | None) -> StoredState:
+        """Store what `base` lacks of the state; no manifest."""
+        ...
+
+    def load_state(self, stored: StoredState) -> SequenceState:
+        """The verified state `stored` names (SnapshotError subclasses say what failed)."""
+        ...
+
+    def prefix_entries(self) -> dict[str, bytes]:
+        """Every prefix entry: name -> its bytes."""
+        ...
+
+    def put_prefix_entry(self, name: str, data: bytes) -> None: ...
+
+    def drop_prefix_entry(self, name: str) -> None:
+        """Delete the entry (none: nothing to do); the store files it names stay until a sweep."""
         ...
 
 
@@ -138,3 +165,32 @@ class FilesystemColdStore:
 
     def adopt(self, kind: str, key: str, stream: IO[bytes]) -> None:
         self.chunks.adopt_file(kind, key, stream)
+
+    def save_state(self, state: SequenceState, base: StoredState | None) -> StoredState:
+        return self.chunks.save(state, base)
+
+    def load_state(self, stored: StoredState) -> SequenceState:
+        return self.chunks.load(stored)
+
+    def _prefix_entry(self, name: str) -> Path:
+        if not name.isalnum():
+            raise ValueError(f"malformed prefix entry name {name!r:.80}")
+        return check_no_links(self.root, self.chunks.dir / PREFIX_NAME / f"{name}.json")
+
+    def prefix_entries(self) -> dict[str, bytes]:
+        folder = self.chunks.dir / PREFIX_NAME
+        entries = {}
+        for path in sorted(folder.iterdir()) if folder.is_dir() else ():
+            with contextlib.suppress(FileNotFoundError):  # dropped meanwhile
+                if is_stale_temp_file(path):  # a write that a crash cut short
+                    path.unlink()
+                elif path.suffix == ".json":
+                    entries[path.stem] = bytes(read_no_follow(self._prefix_entry(path.stem)))
+        return entries
+
+    def put_prefix_entry(self, name: str, data: bytes) -> None:
+        atomic_write(self._prefix_entry(name), data)
+
+    def drop_prefix_entry(self, name: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self._prefix_entry(name).unlink()

@@ -18,12 +18,13 @@ from pathlib import Path
 from typing import IO
 
 from engram.models.spec import ModelSpec
-from engram.state.chunks import DEFAULT_CHUNK_TOKENS, ORPHAN_GRACE_S, PrefixHasher, StoredState
+from engram.state.chunks import DEFAULT_CHUNK_TOKENS, ORPHAN_GRACE_S, PrefixHasher, StoredState, kv_tensor_names
 from engram.state.cold import ColdStore, FilesystemColdStore
 from engram.state.health import HealthMonitor, Quarantine
 from engram.state.identity import ModelIdentity
 from engram.state.manifest import stored_state
 from engram.state.prefix_cache import PrefixCache
+from engram.state.prefix_disk import PrefixDisk
 from engram.state.sequence_state import SequenceState, StateDtypes
 from engram.state.snapshot import (
     QUARANTINE_NAME,
@@ -81,6 +82,7 @@ class ConversationManager:
         chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
         prefix_cache_bytes: int = 0,
         prefix_cache_min_tokens: int = 1,
+        prefix_cache_disk_bytes: int = 0,
     ):
         self.spec, self.dtypes, self.model, self.tokenizer_sha256 = spec, dtypes, model, tokenizer_sha256
         self.policy = policy
@@ -91,8 +93,17 @@ class ConversationManager:
         self.store: ColdStore | None = (
             FilesystemColdStore(self.root, spec, dtypes, hasher, model, tokenizer_sha256) if self.root is not None else None
         )
-        # States after whole prompts, for requests of no conversation (0 bytes: prefix caching off).
-        self.prefix_cache = PrefixCache(hasher, prefix_cache_bytes, prefix_cache_min_tokens) if prefix_cache_bytes > 0 else None
+        # States after whole prompts, for requests of no conversation (0 bytes: prefix caching off),
+        # also kept on disk (0 bytes, or no store: memory only).
+        self.prefix_disk = (
+            PrefixDisk(self.store, hasher, prefix_cache_disk_bytes, kv_tensor_names(spec), clock)
+            if prefix_cache_bytes > 0 and prefix_cache_disk_bytes > 0 and self.store is not None else None
+        )
+        if self.prefix_disk is not None:
+            self.prefix_disk.on_evict = self._mark_sweep_due
+        self.prefix_cache = (
+            PrefixCache(hasher, prefix_cache_bytes, prefix_cache_min_tokens, self.prefix_disk) if prefix_cache_bytes > 0 else None
+        )
         self._stored: dict[tuple[str, str], StoredState] = {}  # (conversation, ref) -> its snapshot's store references
         self.orphan_grace_s = ORPHAN_GRACE_S  # store files younger than this are never swept (a save may still reference them)
         # Due at start (a crash may have left unreferenced files), but not at once: startup reads no record.
@@ -115,6 +126,9 @@ class ConversationManager:
         self._unsaved_by_health: set[tuple[str, str]] = set()  # turns whose state the health policy kept off disk
         self._unrecorded: set[str] = set()  # async: conversations whose answered turns a failed record write left out
         self._lock = threading.RLock()
+
+    def _mark_sweep_due(self) -> None:
+        self._sweep_due = True
 
     def _count(self, family: str, key: str) -> None:
         getattr(self.stats, family)[key] += 1
@@ -511,6 +525,11 @@ class ConversationManager:
         with self._lock:
             self._stored[(conv.conversation_id, turn.ref)] = stored
             self.stats.snapshot_write_seconds.observe(time.perf_counter() - started)
+        if self.prefix_disk is not None and self.prefix_cache is not None and self.prefix_cache.wants(state.state_len):
+            try:  # the turn's end is a prefix other requests may begin with: its entry names the snapshot's files
+                self.prefix_disk.index(state, stored)
+            except OSError as e:
+                log.warning("prefix cache entry of %s turn %d not written: %s", conv.conversation_id, turn.turn, e)
 
     def _beyond_retention(self, conv: Conversation, branch: str, extra: Turn | None = None) -> list[Turn]:
         """The turns of `branch` whose snapshots the retention count drops (counting `extra` as saved)."""
@@ -758,6 +777,8 @@ class ConversationManager:
                         continue
                     if stored is not None:
                         referenced |= stored.keys
+        if self.prefix_disk is not None:
+            referenced |= self.prefix_disk.referenced()
         removed = self.store.sweep(referenced, self.orphan_grace_s)
         if removed:
             log.info("store sweep: %d unreferenced files removed", removed)
@@ -860,8 +881,10 @@ class ConversationManager:
             }
 
     def _prefix_cache_stats(self) -> dict | None:
-        cache = self.prefix_cache
-        return None if cache is None else {"entries": len(cache), "bytes": cache.nbytes, **asdict(cache.stats)}
+        cache, disk = self.prefix_cache, self.prefix_disk
+        if cache is None:
+            return None
+        return {"entries": len(cache), "bytes": cache.nbytes, **asdict(cache.stats), "disk": disk.summary() if disk is not None else None}
 
     def close(self, snapshot_budget_s: float = 0.0) -> None:
         """Graceful shutdown: finish every write still queued, then write the states only memory
@@ -872,6 +895,8 @@ class ConversationManager:
         self._write_unsaved(snapshot_budget_s)
         if self.writer is not None:
             self.writer.close()
+        if self.prefix_disk is not None:
+            self.prefix_disk.close()
 
     def _write_unrecorded(self) -> None:
         """Write the records that a failed write left behind memory (async durability)."""
