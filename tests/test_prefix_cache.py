@@ -11,6 +11,7 @@ from server_utils import running_server
 from test_conversations import full_generation
 
 from engram.state.chunks import PrefixHasher
+from engram.state.eviction import ComputeSavedPolicy, PrefillCost
 from engram.state.prefix_cache import PrefixCache
 from engram.state.sequence_state import SequenceState
 
@@ -113,3 +114,23 @@ def test_a_client_that_resends_its_history_restores_its_previous_prompt(checkpoi
     assert cached[0] == 0 and all(cached[i] >= prompts[i - 1] for i in range(1, len(cached))), (cached, prompts)
     assert without[1] == [0, 0, 0]
     assert replies == without[0] and prompts == without[2]
+
+
+def test_eviction_keeps_the_state_that_saves_more_compute_where_lru_would_not():
+    long, short, medium = _state(list(range(12))), _state([50, 51, 52]), _state([60, 61, 62, 63, 64, 65])
+    kept = {}
+    for name, policy in (("compute", ComputeSavedPolicy()), ("lru", ComputeSavedPolicy(alpha=0.0))):  # alpha 0: recency alone
+        cache = PrefixCache(PrefixHasher(b"id", 4), max_bytes=40, policy=policy)  # room for two
+        for s in (long, short, medium):  # the long prefix is the least recently used when the third arrives
+            cache.admit(s)
+        kept[name] = {s.state_len for s in (long, short, medium) if cache.lookup(s.tokens + [1]) is s}
+    assert kept == {"compute": {12, 6}, "lru": {3, 6}}
+
+
+def test_a_longer_prefix_saves_more_compute_per_byte_on_a_hybrid_model(checkpoint_dir):
+    from engram.models.spec import load_model_spec
+
+    spec = load_model_spec(checkpoint_dir("nemotron"))
+    cost = PrefillCost.of(spec)
+    assert spec.is_hybrid and cost.per_token > 0 and cost.per_pair > 0
+    assert cost.flops(2000) > 2 * cost.flops(1000)  # attention's quadratic term

@@ -170,3 +170,15 @@ def test_restart_and_kill_9_keep_the_resend_history_prefix_exact(engine, checkpo
         off.kill()
     assert without[1] == [0, 0, 0]
     assert first[0] + after[0] == without[0] and first[2] + after[2] == without[2]
+
+
+def test_the_disk_tier_evicts_the_state_that_saves_least_compute_per_byte(engine, tmp_path):
+    long, short, medium = (prompt_state(engine, random_prompt(n, 20 + n)) for n in (60, 20, 40))
+    manager = prefix_manager(engine, tmp_path, disk_bytes=long.nbytes + medium.nbytes + short.nbytes // 2)
+    for s in (long, short, medium):  # unrelated prompts: no shared pieces; the long one is the least recently used
+        manager.prefix_cache.admit(s)
+        manager.prefix_disk.flush()
+    assert manager.prefix_disk.stats.evicted == 1
+    fresh = prefix_manager(engine, tmp_path)
+    found = {n: fresh.prefix_cache.lookup(s.tokens + [1]) is not None for n, s in ((60, long), (20, short), (40, medium))}
+    assert found == {60: True, 20: False, 40: True}

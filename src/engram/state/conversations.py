@@ -20,6 +20,7 @@ from typing import IO
 from engram.models.spec import ModelSpec
 from engram.state.chunks import DEFAULT_CHUNK_TOKENS, ORPHAN_GRACE_S, PrefixHasher, StoredState, kv_tensor_names
 from engram.state.cold import ColdStore, FilesystemColdStore
+from engram.state.eviction import ComputeSavedPolicy, PrefillCost
 from engram.state.health import HealthMonitor, Quarantine
 from engram.state.identity import ModelIdentity
 from engram.state.manifest import stored_state
@@ -94,15 +95,16 @@ class ConversationManager:
             FilesystemColdStore(self.root, spec, dtypes, hasher, model, tokenizer_sha256) if self.root is not None else None
         )
         # States after whole prompts, for requests of no conversation (0 bytes: prefix caching off),
-        # also kept on disk (0 bytes, or no store: memory only).
+        # also kept on disk (0 bytes, or no store: memory only); both tiers evict by the compute a byte saves.
+        eviction = ComputeSavedPolicy(PrefillCost.of(spec))
         self.prefix_disk = (
-            PrefixDisk(self.store, hasher, prefix_cache_disk_bytes, kv_tensor_names(spec), clock)
+            PrefixDisk(self.store, hasher, prefix_cache_disk_bytes, kv_tensor_names(spec), eviction, clock)
             if prefix_cache_bytes > 0 and prefix_cache_disk_bytes > 0 and self.store is not None else None
         )
         if self.prefix_disk is not None:
             self.prefix_disk.on_evict = self._mark_sweep_due
         self.prefix_cache = (
-            PrefixCache(hasher, prefix_cache_bytes, prefix_cache_min_tokens, self.prefix_disk) if prefix_cache_bytes > 0 else None
+            PrefixCache(hasher, prefix_cache_bytes, prefix_cache_min_tokens, self.prefix_disk, eviction) if prefix_cache_bytes > 0 else None
         )
         self._stored: dict[tuple[str, str], StoredState] = {}  # (conversation, ref) -> its snapshot's store references
         self.orphan_grace_s = ORPHAN_GRACE_S  # store files younger than this are never swept (a save may still reference them)

@@ -5,7 +5,8 @@ An entry is a `SequenceState` after `state_len` tokens, keyed by the prefix hash
 position (state/chunks.py's `PrefixHasher`, the chunk store's addressing) and indexed by the hash
 of the chunk boundary below it (`PrefixIndex`), so a lookup hashes the prompt's chunks once and
 tests only the entries that sit in chunks the prompt shares. Host memory is the first tier, under
-a byte budget, least recently used entries leaving first; the store on disk (`PrefixDisk`,
+a byte budget, the entries that save the least compute per byte leaving first (state/eviction.py);
+the store on disk (`PrefixDisk`,
 state/prefix_disk.py) is the second, which survives restarts: every admitted state is also
 written there, behind the request, and a lookup that finds a longer prefix on disk than in memory
 loads it from there.
@@ -13,13 +14,14 @@ loads it from there.
 
 from __future__ import annotations
 
+import itertools
 import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from engram.state.chunks import PrefixHasher
+from engram.state.eviction import Candidate, ComputeSavedPolicy
 from engram.state.sequence_state import SequenceState
 
 if TYPE_CHECKING:
@@ -75,14 +77,18 @@ class PrefixCache:
     """Thread-safe; `lookup` and `admit` hash the tokens given (O(length)); a lookup may load a
     state from the disk tier."""
 
-    def __init__(self, hasher: PrefixHasher, max_bytes: int, min_tokens: int = 1, disk: PrefixDisk | None = None):
+    def __init__(self, hasher: PrefixHasher, max_bytes: int, min_tokens: int = 1, disk: PrefixDisk | None = None,
+                 policy: ComputeSavedPolicy = ComputeSavedPolicy()):
         self.hasher = hasher
+        self.policy = policy
         self.max_bytes = max_bytes
         self.min_tokens = min_tokens  # shorter prompts cost less to compute again than their state costs to copy out
         self.disk = disk
         self.nbytes = 0
         self.stats = PrefixCacheStats()
-        self._entries: OrderedDict[bytes, tuple[SequenceState, bytes]] = OrderedDict()  # key -> (state, its chunk boundary's hash)
+        self._entries: dict[bytes, tuple[SequenceState, bytes]] = {}  # key -> (state, its chunk boundary's hash)
+        self._last_use: dict[bytes, int] = {}
+        self._ticks = itertools.count()  # recency: only the order of uses counts
         self._index = PrefixIndex(hasher)
         self._lock = threading.Lock()
 
@@ -123,14 +129,14 @@ class PrefixCache:
             entry = self._entries.get(found[1])
             if entry is None:  # evicted since
                 return None
-            self._entries.move_to_end(found[1])
+            self._last_use[found[1]] = next(self._ticks)
             self.stats.hits += 1
             self.stats.tokens_reused += found[0]
             return entry[0]
 
     def admit(self, state: SequenceState) -> None:
         """Keep `state` (the state after its first `state_len` tokens) in memory, pushing out the
-        least recently used entries beyond the budget, and have the disk tier write it."""
+        entries the policy values least beyond the budget, and have the disk tier write it."""
         n = state.state_len
         if n == 0 or not self.wants(n):
             return
@@ -146,11 +152,16 @@ class PrefixCache:
         with self._lock:
             self._drop(key)
             self._entries[key] = (state, boundary)
+            self._last_use[key] = next(self._ticks)
             self._index.add(boundary, n, key)
             self.nbytes += state.nbytes
             self.stats.admitted += 1
             while self.nbytes > self.max_bytes:
-                self._drop(next(iter(self._entries)))
+                candidates = [Candidate(k, s.state_len, s.nbytes, self._last_use[k]) for k, (s, _) in self._entries.items()]
+                victim = self.policy.victim(candidates, keep=key)
+                if victim is None:
+                    break
+                self._drop(victim)
                 self.stats.evicted += 1
 
     def _drop(self, key: bytes) -> None:
@@ -158,11 +169,13 @@ class PrefixCache:
         if entry is None:
             return
         state, boundary = entry
+        del self._last_use[key]
         self.nbytes -= state.nbytes
         self._index.remove(boundary, state.state_len)
 
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+            self._last_use.clear()
             self._index.clear()
             self.nbytes = 0

@@ -8,7 +8,8 @@ pieces, so a resent history writes only its new tokens' KV), then named by a sma
 written after the files it names, so a crash leaves no entry naming a missing file. Writes run on
 this tier's own thread, behind the request; when they fall behind, new states are skipped. A turn
 end already in the store (its snapshot) costs only its entry. The entries' store files count as
-referenced in the manager's sweep; an entry evicted under `max_bytes` leaves its files to it.
+referenced in the manager's sweep; an entry evicted under `max_bytes` (by the compute its bytes
+save: state/eviction.py) leaves its files to it.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import asdict, dataclass
 
 from engram.state.chunks import PrefixHasher, StoredState
 from engram.state.cold import ColdStore
+from engram.state.eviction import Candidate, ComputeSavedPolicy
 from engram.state.prefix_cache import PrefixIndex
 from engram.state.sequence_state import SequenceState
 from engram.state.snapshot import SnapshotCorruptError, SnapshotError
@@ -73,8 +75,9 @@ class PrefixDisk:
     """Thread-safe. Entries are read from the store on first use, not at start-up."""
 
     def __init__(self, store: ColdStore, hasher: PrefixHasher, max_bytes: int, kv_names: Collection[str],
-                 clock: Callable[[], float] = time.time):
+                 policy: ComputeSavedPolicy = ComputeSavedPolicy(), clock: Callable[[], float] = time.time):
         self.store, self.hasher, self.max_bytes = store, hasher, max_bytes
+        self.policy = policy
         self.kv_names = set(kv_names)
         self.clock = clock
         self.identity = hasher.seed.hex()
@@ -220,10 +223,10 @@ class PrefixDisk:
     def _evict(self, keep: bytes | None) -> None:
         evicted = False
         while self.nbytes > self.max_bytes:
-            candidates = [k for k in self._entries if k != keep]
-            if not candidates:
+            victim = self.policy.victim([Candidate(k, e.position, e.nbytes, e.last_use) for k, e in self._entries.items()], keep)
+            if victim is None:
                 break
-            self._remove(min(candidates, key=lambda k: self._entries[k].last_use))
+            self._remove(victim)
             self.stats.evicted += 1
             evicted = True
         if evicted:
