@@ -5,6 +5,7 @@ mid-write leaves no entry naming a missing file."""
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import threading
@@ -18,6 +19,7 @@ from test_crash_recovery import serve_args
 from test_prefix_cache import _resend_history_dialogue
 from test_store import _bytes, store_files
 
+from engram.state import chunks
 from engram.state.chunks import STORE_NAME
 from engram.state.conversations import ConversationManager, SnapshotPolicy
 from engram.state.identity import ModelIdentity, tokenizer_fingerprint
@@ -182,3 +184,28 @@ def test_the_disk_tier_evicts_the_state_that_saves_least_compute_per_byte(engine
     fresh = prefix_manager(engine, tmp_path)
     found = {n: fresh.prefix_cache.lookup(s.tokens + [1]) is not None for n, s in ((60, long), (20, short), (40, medium))}
     assert found == {60: True, 20: False, 40: True}
+
+
+def test_a_disk_load_reads_only_the_pieces_memory_does_not_hold(engine, tmp_path, monkeypatch):
+    first = random_prompt(40, 30)
+    second = first + random_prompt(30, 31)
+    before = prefix_manager(engine, tmp_path)
+    for prompt in (first, second):
+        before.prefix_cache.admit(prompt_state(engine, prompt))
+    before.close()
+    after = prefix_manager(engine, tmp_path)
+    assert after.prefix_cache.lookup(first + [1]).state_len == len(first)  # from disk: now in memory
+    read: list[str] = []
+    real = chunks.read_no_follow
+    monkeypatch.setattr(chunks, "read_no_follow", lambda path: read.append(path.parent.parent.name) or real(path))
+    longer = second + random_prompt(5, 32)
+    stats = after.store.stats
+    read_before = stats.pieces_read
+    state = after.prefix_cache.lookup(longer)
+    assert state.state_len == len(second) and state.tokens == second
+    # first's pieces (cut at multiples of CHUNK and at its end) come from memory; only those past it are read
+    assert stats.pieces_resident == math.ceil(len(first) / CHUNK)
+    assert read.count("kv") == stats.pieces_read - read_before == math.ceil((len(second) - len(first)) / CHUNK) + 1
+    assert read.count("ckpt") == 1
+    engine.add_request("r", longer, greedy(6), initial_state=state)
+    assert run_to_end(engine)["r"].token_ids == full_generation(engine, longer, 6)

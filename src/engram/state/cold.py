@@ -50,8 +50,9 @@ class ColdStore(Protocol):
         """Store what `base` lacks of the state, then commit the turn's manifest."""
         ...
 
-    def load(self, location: str) -> tuple[SequenceState, dict]:
-        """The verified state and its manifest (SnapshotError subclasses say what failed)."""
+    def load(self, location: str, resident: SequenceState | None = None) -> tuple[SequenceState, dict]:
+        """The verified state and its manifest (SnapshotError subclasses say what failed); the KV
+        pieces whose prefix `resident` (a state in memory) holds are taken from it, not read."""
         ...
 
     def manifest(self, location: str) -> dict: ...
@@ -96,8 +97,9 @@ class ColdStore(Protocol):
         """Store what `base` lacks of the state; no manifest."""
         ...
 
-    def load_state(self, stored: StoredState) -> SequenceState:
-        """The verified state `stored` names (SnapshotError subclasses say what failed)."""
+    def load_state(self, stored: StoredState, resident: SequenceState | None = None) -> SequenceState:
+        """The verified state `stored` names (SnapshotError subclasses say what failed); the KV
+        pieces whose prefix `resident` (a state in memory) holds are taken from it, not read."""
         ...
 
     def prefix_entries(self) -> dict[str, bytes]:
@@ -131,8 +133,8 @@ class FilesystemColdStore:
     def save(self, state: SequenceState, meta: SnapshotMeta, base: StoredState | None) -> StoredState:
         return save_turn(self.chunks, state, meta, self.model, self.tokenizer_sha256, base)[1]
 
-    def load(self, location: str) -> tuple[SequenceState, dict]:
-        return load_turn(self.chunks, Path(location), self.spec, self.dtypes, self.model, self.tokenizer_sha256)
+    def load(self, location: str, resident: SequenceState | None = None) -> tuple[SequenceState, dict]:
+        return load_turn(self.chunks, Path(location), self.spec, self.dtypes, self.model, self.tokenizer_sha256, resident)
 
     def manifest(self, location: str) -> dict:
         return read_manifest(location)
@@ -169,8 +171,8 @@ class FilesystemColdStore:
     def save_state(self, state: SequenceState, base: StoredState | None) -> StoredState:
         return self.chunks.save(state, base)
 
-    def load_state(self, stored: StoredState) -> SequenceState:
-        return self.chunks.load(stored)
+    def load_state(self, stored: StoredState, resident: SequenceState | None = None) -> SequenceState:
+        return self.chunks.load(stored, resident=resident)
 
     def _prefix_entry(self, name: str) -> Path:
         if not name.isalnum():

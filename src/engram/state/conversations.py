@@ -604,7 +604,7 @@ class ConversationManager:
         self._require_persistence()
         conv = self.require(conversation_id)
         path = self._locate(conversation_id, turn)
-        state, manifest = self.store.load(path)
+        state, manifest = self.store.load(path, self._resident_prefix(conv, turn))
         self._check_belongs(manifest, path, conv, turn)
         stored = stored_state(manifest, snapshot_label(path))
         if stored is not None:
@@ -613,6 +613,19 @@ class ConversationManager:
         if list(state.tokens[: state.state_len]) != conv.tokens(turn)[: state.state_len]:
             raise SnapshotCorruptError(f"{snapshot_label(path)}: its tokens are not the recorded history of turn {turn.ref}")
         return state
+
+    def _resident_prefix(self, conv: Conversation, turn: Turn) -> SequenceState | None:
+        """The state in memory of this conversation that shares the longest prefix with the turn's
+        history (a later turn, a sibling branch), whose KV a load takes instead of reading it."""
+        tokens = conv.tokens(turn)
+        with self._lock:
+            candidates = self.warm.states_of(conv.conversation_id)
+        best, best_len = None, 0
+        for state in candidates:
+            n = _common_prefix(state.tokens, tokens, state.state_len)
+            if n > best_len:
+                best, best_len = state, n
+        return best
 
     def snapshots(self, conversation_id: str | None = None) -> list[dict]:
         """Manifest and path of every snapshot the conversation records point at, in order of
@@ -1006,3 +1019,9 @@ class ConversationManager:
     def _require_persistence(self) -> None:
         if not self.persistent:
             raise SnapshotError("snapshot persistence is disabled (start the server with --enable-snapshot-persistence)")
+
+
+def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    """How many leading tokens `a` and `b` share, at most `limit`."""
+    n = min(len(a), len(b), limit)
+    return next((i for i in range(n) if a[i] != b[i]), n)

@@ -115,7 +115,10 @@ class PrefixCache:
         except (OverflowError, TypeError):  # not token ids at all: the engine refuses the request with its reason
             return None
         if on_disk is not None and (found is None or on_disk[0] > found[0]):
-            state = self.disk.load(on_disk[1]) if self.disk is not None else None
+            with self._lock:
+                held = self._entries.get(found[1]) if found is not None else None
+            # what memory holds of the longer prefix (its first found[0] tokens' KV) is not read again
+            state = self.disk.load(on_disk[1], held[0] if held is not None else None) if self.disk is not None else None
             if state is not None:
                 self._admit_in_memory(state)
                 with self._lock:

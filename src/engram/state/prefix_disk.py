@@ -105,14 +105,15 @@ class PrefixDisk:
             self._ensure_loaded()
             return self._index.longest(tokens, chain, usable)
 
-    def load(self, key: bytes) -> SequenceState | None:
-        """The entry's state, every file verified; None (and the entry dropped) if it cannot be loaded."""
+    def load(self, key: bytes, resident: SequenceState | None = None) -> SequenceState | None:
+        """The entry's state, every file verified (the pieces `resident` holds copied from it, not
+        read); None (and the entry dropped) if it cannot be loaded."""
         with self._lock:
             entry = self._entries.get(key)
         if entry is None:
             return None
         try:
-            state = self.store.load_state(entry.stored)
+            state = self.store.load_state(entry.stored, resident)
         except SnapshotError as e:
             log.warning("prefix cache entry %s dropped: %s", key.hex()[:12], e)
             with self._lock:
