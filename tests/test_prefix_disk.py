@@ -119,6 +119,7 @@ def test_turn_ends_are_found_by_requests_of_no_conversation(engine, tmp_path):
 
     manager = prefix_manager(engine, tmp_path)
     take_turn(engine, manager, "c", random_prompt(30, 9))
+    manager.prefix_disk.flush()
     assert manager.prefix_disk.stats.indexed == 1 and manager.prefix_disk.stats.written == 0
     history = manager.snapshot_tokens(manager.snapshots("c")[0])
     fresh = prefix_manager(engine, tmp_path)

@@ -100,7 +100,7 @@ class ServerArgs:
     prefix_cache_memory_gb: float = field(default=2.0, metadata={"help": "host memory for the prefix cache's states"})
     prefix_cache_disk_gb: float = field(
         default=16.0,
-        metadata={"help": "disk under --snapshot-dir for the prefix cache's states, which survive restarts (0: host memory only)"},
+        metadata={"help": "disk under --snapshot-dir for the prefix cache's states, which survive restarts (0, or no snapshot persistence: host memory only)"},
     )
     prefix_cache_min_tokens: int = field(
         default=2048,

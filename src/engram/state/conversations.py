@@ -528,10 +528,7 @@ class ConversationManager:
             self._stored[(conv.conversation_id, turn.ref)] = stored
             self.stats.snapshot_write_seconds.observe(time.perf_counter() - started)
         if self.prefix_disk is not None and self.prefix_cache is not None and self.prefix_cache.wants(state.state_len):
-            try:  # the turn's end is a prefix other requests may begin with: its entry names the snapshot's files
-                self.prefix_disk.index(state, stored)
-            except OSError as e:
-                log.warning("prefix cache entry of %s turn %d not written: %s", conv.conversation_id, turn.turn, e)
+            self.prefix_disk.index(state, stored)  # a prefix other requests may begin with: an entry naming the snapshot's files
 
     def _beyond_retention(self, conv: Conversation, branch: str, extra: Turn | None = None) -> list[Turn]:
         """The turns of `branch` whose snapshots the retention count drops (counting `extra` as saved)."""

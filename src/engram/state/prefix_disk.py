@@ -159,11 +159,20 @@ class PrefixDisk:
                 self._pending -= 1
 
     def index(self, state: SequenceState, stored: StoredState) -> None:
-        """Name a state the store holds already (a turn's snapshot: `stored`) as an entry."""
+        """Name a state the store holds already (a turn's snapshot: `stored`) as an entry, behind
+        the caller."""
         if stored.state_len != state.state_len or state.nbytes > self.max_bytes:
             return
+        self._writer.submit(lambda: self._index_stored(state, stored))
+
+    def _index_stored(self, state: SequenceState, stored: StoredState) -> None:
+        key, _ = self._index.place(state.tokens, state.state_len)
         with self._lock:
             self._ensure_loaded()
+            entry = self._entries.get(key)
+            if entry is not None:
+                entry.last_use = self.clock()
+                return
         self._add(state, stored)
         with self._lock:
             self.stats.indexed += 1
