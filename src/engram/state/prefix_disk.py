@@ -130,12 +130,8 @@ class PrefixDisk:
     def submit(self, state: SequenceState) -> None:
         """Store `state` behind the caller (on this tier's thread), unless it is stored already or
         the writer is behind."""
-        key, _ = self._index.place(state.tokens, state.state_len)
         with self._lock:
-            self._ensure_loaded()
-            entry = self._entries.get(key)
-            if entry is not None:
-                entry.last_use = self.clock()
+            if self._touch(state):
                 return
             if state.nbytes > self.max_bytes or self._pending >= MAX_PENDING_WRITES:
                 self.stats.skipped += 1
@@ -166,12 +162,8 @@ class PrefixDisk:
         self._writer.submit(lambda: self._index_stored(state, stored))
 
     def _index_stored(self, state: SequenceState, stored: StoredState) -> None:
-        key, _ = self._index.place(state.tokens, state.state_len)
         with self._lock:
-            self._ensure_loaded()
-            entry = self._entries.get(key)
-            if entry is not None:
-                entry.last_use = self.clock()
+            if self._touch(state):
                 return
         self._add(state, stored)
         with self._lock:
@@ -191,6 +183,14 @@ class PrefixDisk:
             self._evict(keep=key)
 
     # ---- bookkeeping (under the lock) -------------------------------------------------------
+
+    def _touch(self, state: SequenceState) -> bool:
+        """Whether an entry of the state's prefix exists (then counted as a use)."""
+        self._ensure_loaded()
+        entry = self._entries.get(self._index.place(state.tokens, state.state_len)[0])
+        if entry is not None:
+            entry.last_use = self.clock()
+        return entry is not None
 
     def _ensure_loaded(self) -> None:
         if self._loaded:
