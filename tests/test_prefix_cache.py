@@ -11,6 +11,7 @@ from server_utils import running_server
 from test_conversations import full_generation
 
 from engram.state.chunks import PrefixHasher
+from engram.state.eviction import ComputeSavedPolicy, PrefillCost
 from engram.state.prefix_cache import PrefixCache
 from engram.state.sequence_state import SequenceState
 
@@ -78,11 +79,16 @@ def test_the_least_recently_used_states_leave_first_under_the_budget():
     assert cache.lookup([1] * 7) is None and cache.lookup([0] * 7) is a and cache.lookup([2] * 7) is c
 
 
-def _resend_history_dialogue(srv, turns: int = 3) -> tuple[list[str], list[int], list[int]]:
-    """A client that sends its whole history every turn: replies, cached and prompt tokens per turn."""
-    messages, replies, cached, prompts = [{"role": "system", "content": "You are terse. " * 20}], [], [], []
+def _resend_history_dialogue(srv, turns: int = 3, messages: list[dict] | None = None) -> tuple[list[str], list[int], list[int]]:
+    """A client that sends its whole history every turn: replies, cached and prompt tokens per turn.
+    `messages`: a dialogue to continue (extended in place)."""
+    if messages is None:
+        messages = []
+    if not messages:
+        messages.append({"role": "system", "content": "You are terse. " * 20})
+    replies, cached, prompts = [], [], []
     with httpx.Client(base_url=srv.url, timeout=60) as http:
-        for i in range(turns):
+        for i in range(len(messages) // 2, len(messages) // 2 + turns):
             messages.append({"role": "user", "content": f"question {i}: " + "why " * (5 + i)})
             body = {"model": MODEL, "messages": messages, "temperature": 0, "max_tokens": 8, "ignore_eos": True}
             r = http.post("/v1/chat/completions", json=body)
@@ -108,3 +114,23 @@ def test_a_client_that_resends_its_history_restores_its_previous_prompt(checkpoi
     assert cached[0] == 0 and all(cached[i] >= prompts[i - 1] for i in range(1, len(cached))), (cached, prompts)
     assert without[1] == [0, 0, 0]
     assert replies == without[0] and prompts == without[2]
+
+
+def test_eviction_keeps_the_state_that_saves_more_compute_where_lru_would_not():
+    long, short, medium = _state(list(range(12))), _state([50, 51, 52]), _state([60, 61, 62, 63, 64, 65])
+    kept = {}
+    for name, policy in (("compute", ComputeSavedPolicy()), ("lru", ComputeSavedPolicy(alpha=0.0))):  # alpha 0: recency alone
+        cache = PrefixCache(PrefixHasher(b"id", 4), max_bytes=40, policy=policy)  # room for two
+        for s in (long, short, medium):  # the long prefix is the least recently used when the third arrives
+            cache.admit(s)
+        kept[name] = {s.state_len for s in (long, short, medium) if cache.lookup(s.tokens + [1]) is s}
+    assert kept == {"compute": {12, 6}, "lru": {3, 6}}
+
+
+def test_a_longer_prefix_saves_more_compute_per_byte_on_a_hybrid_model(checkpoint_dir):
+    from engram.models.spec import load_model_spec
+
+    spec = load_model_spec(checkpoint_dir("nemotron"))
+    cost = PrefillCost.of(spec)
+    assert spec.is_hybrid and cost.per_token > 0 and cost.per_pair > 0
+    assert cost.flops(2000) > 2 * cost.flops(1000)  # attention's quadratic term

@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from engine_utils import make_engine, random_prompt, store_file
+from engine_utils import greedy, make_engine, random_prompt, run_to_end, store_file
 from test_conversations import full_generation, take_turn
 
 from engram.state import chunks, manifest
@@ -250,3 +250,22 @@ def test_a_state_with_a_non_finite_value_is_not_stored(engine, tmp_path):
     bad = SequenceState(state.tokens, state.state_len, {**state.tensors, k: state.tensors[k].clone().index_fill_(0, torch.tensor([7]), math.nan)})
     with pytest.raises(ValueError, match="non-finite"):
         store_manager(engine, tmp_path / "empty").store.chunks.save(bad)  # a store without its pieces yet
+
+
+def test_a_cold_turn_load_takes_the_kv_a_later_warm_turn_holds_instead_of_reading_it(engine, tmp_path, monkeypatch):
+    manager = store_manager(engine, tmp_path)
+    turns = [take_turn(engine, manager, "c", random_prompt(100, 40 + i))[0] for i in range(3)]
+    stats = manager.store.stats
+    pieces = len(manager._stored_of("c", turns[0]).pieces)
+    assert pieces >= 2
+    manager.warm.drop("c", turns[0].ref)  # turn 0 is cold; turn 2, which holds its whole prefix, is warm
+    read: list[str] = []
+    real = chunks.read_no_follow
+    monkeypatch.setattr(chunks, "read_no_follow", lambda path: read.append(path.parent.parent.name) or real(path))
+    before = (stats.pieces_read, stats.pieces_resident)
+    state = manager.load_into_warm("c", turns[0])
+    assert (stats.pieces_read, stats.pieces_resident) == (before[0], before[1] + pieces)
+    assert read == ["ckpt"]
+    longer = state.tokens + random_prompt(6, 50)
+    engine.add_request("r", longer, greedy(5), initial_state=state)
+    assert run_to_end(engine)["r"].token_ids == full_generation(engine, longer, 5)

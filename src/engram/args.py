@@ -104,6 +104,10 @@ class ServerArgs:
                           "(a client that resends its history); its own prompt's state is kept for the next"},
     )
     prefix_cache_memory_gb: float = field(default=2.0, metadata={"help": "host memory for the prefix cache's states"})
+    prefix_cache_disk_gb: float = field(
+        default=16.0,
+        metadata={"help": "disk under --snapshot-dir for the prefix cache's states, which survive restarts (0, or no snapshot persistence: host memory only)"},
+    )
     prefix_cache_min_tokens: int = field(
         default=2048,
         metadata={"help": "shortest prompt whose state the prefix cache keeps (a shorter one costs less to compute again than its "

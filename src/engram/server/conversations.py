@@ -75,6 +75,7 @@ def build_manager(engine: LLMEngine, args: ServerArgs) -> ConversationManager:
         chunk_tokens=args.state_chunk_tokens,
         prefix_cache_bytes=int(args.prefix_cache_memory_gb * (1 << 30)) if args.enable_prefix_caching else 0,
         prefix_cache_min_tokens=args.prefix_cache_min_tokens,
+        prefix_cache_disk_bytes=int(args.prefix_cache_disk_gb * (1 << 30)),
     )
 
 

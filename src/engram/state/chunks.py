@@ -137,10 +137,13 @@ class StoreStats:
     files_written: int = 0
     files_reused: int = 0  # a piece or checkpoint already stored (another turn, branch or conversation wrote it)
     files_swept: int = 0
+    pieces_read: int = 0  # by loads
+    pieces_resident: int = 0  # by loads: copied from a state in memory instead
 
 
-def _kv_names(spec: ModelSpec) -> list[tuple[str, str]]:
-    return [(f"layers.{i}.k", f"layers.{i}.v") for i in spec.attention_layers] if spec.attention is not None else []
+def kv_tensor_names(spec: ModelSpec) -> list[str]:
+    """The names of a state's KV tensors (the rest are recurrent)."""
+    return [f"layers.{i}.{kv}" for i in spec.attention_layers for kv in "kv"] if spec.attention is not None else []
 
 
 class ChunkStore:
@@ -153,7 +156,7 @@ class ChunkStore:
         self.hasher = hasher
         self.identity = hasher.seed.hex()
         self.stats = StoreStats()
-        self._kv = [name for pair in _kv_names(spec) for name in pair]
+        self._kv = kv_tensor_names(spec)
 
     # ---- paths -------------------------------------------------------------------------------
 
@@ -258,20 +261,29 @@ class ChunkStore:
 
     # ---- load --------------------------------------------------------------------------------
 
-    def load(self, stored: StoredState, tail_tokens: Sequence[int] = ()) -> SequenceState:
+    def load(self, stored: StoredState, tail_tokens: Sequence[int] = (), resident: SequenceState | None = None) -> SequenceState:
         """The state `stored` names, every file verified: complete, this store's identity, its
-        checksum, tokens whose prefix hashes are the keys, shapes and dtypes."""
+        checksum, tokens whose prefix hashes are the keys, shapes and dtypes. `resident`: a state
+        in memory; the leading pieces whose prefix it holds are copied from it, not read."""
         pieces = stored.pieces
         if [p.start for p in pieces] != [0, *(p.end for p in pieces[:-1])] or (pieces[-1].end if pieces else 0) != stored.state_len:
             raise SnapshotCorruptError(f"the pieces {[(p.start, p.end) for p in pieces]} do not cover 0..{stored.state_len} in order")
         # The KV goes straight from each piece's file buffer into one tensor per layer (its rows
         # [start, end)), in the readers' threads: one read, one hash, one copy per byte.
         kv = {name: self._empty_kv(stored.state_len) for name in self._kv}
+        held = self._resident_pieces(pieces, resident)
+        rows = pieces[held - 1].end if held else 0
+        if resident is not None and held:
+            for name, t in kv.items():
+                t[:rows].copy_(resident.tensors[name][:rows])
+        self.stats.pieces_resident += held
+        self.stats.pieces_read += len(pieces) - held
         with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-            piece_tokens = list(pool.map(lambda p: self._read_piece(p, kv), pieces))
+            piece_tokens = list(pool.map(lambda p: self._read_piece(p, kv), pieces[held:]))
             recurrent = {name: t.clone() for name, t in
                          self._read(self.checkpoint_path(stored.checkpoint), stored.checkpoint_checksum, CHECKPOINT_FORMAT).items()}
-        tokens = [t for part in piece_tokens for t in part]
+        tokens = list(resident.tokens[:rows]) if resident is not None else []
+        tokens += [t for part in piece_tokens for t in part]
         chain = self.hasher.chain(tokens, stored.state_len)
         for p in pieces:
             if self.hasher.piece_key(tokens, p.start, p.end, chain) != p.key:
@@ -284,6 +296,24 @@ class ChunkStore:
         except ValueError as e:
             raise SnapshotCorruptError(f"stored state: {e}") from e
         return state
+
+    def _resident_pieces(self, pieces: Sequence[PieceRef], resident: SequenceState | None) -> int:
+        """How many leading pieces `resident` holds: the prefix their keys name is its tokens' (a
+        piece's KV depends only on its prefix) and its KV tensors are this store's shapes."""
+        if resident is None or not pieces or pieces[0].end > resident.state_len:
+            return 0
+        resident.wait()
+        tensors = resident.tensors
+        if any(name not in tensors or tensors[name].dtype != self.dtypes.kv or tensors[name].shape[0] < resident.state_len
+               or tuple(tensors[name].shape[1:]) != tuple(self._empty_kv(0).shape[1:]) for name in self._kv):
+            return 0
+        chain = self.hasher.chain(resident.tokens, resident.state_len)
+        held = 0
+        for p in pieces:
+            if p.end > resident.state_len or self.hasher.piece_key(resident.tokens, p.start, p.end, chain) != p.key:
+                break
+            held += 1
+        return held
 
     def _empty_kv(self, rows: int) -> torch.Tensor:
         attention = self.spec.attention

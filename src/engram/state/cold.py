@@ -10,6 +10,7 @@ manifest that names them, and a sweep that spares files touched within its grace
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import IO, Protocol
 
@@ -21,12 +22,16 @@ from engram.state.sequence_state import SequenceState, StateDtypes
 from engram.state.snapshot import (
     SnapshotMeta,
     atomic_write,
+    check_no_links,
     delete_snapshot,
+    is_stale_temp_file,
     list_snapshots,
     read_manifest,
     read_no_follow,
     snapshot_label,
 )
+
+PREFIX_NAME = "prefix"  # <root>/.store/prefix/<key>.json: the prefix cache's entries on disk
 
 
 class ColdStore(Protocol):
@@ -45,8 +50,9 @@ class ColdStore(Protocol):
         """Store what `base` lacks of the state, then commit the turn's manifest."""
         ...
 
-    def load(self, location: str) -> tuple[SequenceState, dict]:
-        """The verified state and its manifest (SnapshotError subclasses say what failed)."""
+    def load(self, location: str, resident: SequenceState | None = None) -> tuple[SequenceState, dict]:
+        """The verified state and its manifest (SnapshotError subclasses say what failed); the KV
+        pieces whose prefix `resident` (a state in memory) holds are taken from it, not read."""
         ...
 
     def manifest(self, location: str) -> dict: ...
@@ -83,6 +89,29 @@ class ColdStore(Protocol):
         """Store an imported store file under its key (verified when a manifest naming it is loaded)."""
         ...
 
+    # The prefix cache's disk tier (state/prefix_disk.py): states stored without a turn, and a
+    # small entry per state naming its store references. Entries are whole or absent, and are
+    # written after the files they name.
+
+    def save_state(self, state: SequenceState, base: StoredState | None) -> StoredState:
+        """Store what `base` lacks of the state; no manifest."""
+        ...
+
+    def load_state(self, stored: StoredState, resident: SequenceState | None = None) -> SequenceState:
+        """The verified state `stored` names (SnapshotError subclasses say what failed); the KV
+        pieces whose prefix `resident` (a state in memory) holds are taken from it, not read."""
+        ...
+
+    def prefix_entries(self) -> dict[str, bytes]:
+        """Every prefix entry: name -> its bytes."""
+        ...
+
+    def put_prefix_entry(self, name: str, data: bytes) -> None: ...
+
+    def drop_prefix_entry(self, name: str) -> None:
+        """Delete the entry (none: nothing to do); the store files it names stay until a sweep."""
+        ...
+
 
 class FilesystemColdStore:
     """`<root>/<conversation>/<branch>/<turn:06d>.json` manifests over `<root>/.store/` (ChunkStore)."""
@@ -104,8 +133,8 @@ class FilesystemColdStore:
     def save(self, state: SequenceState, meta: SnapshotMeta, base: StoredState | None) -> StoredState:
         return save_turn(self.chunks, state, meta, self.model, self.tokenizer_sha256, base)[1]
 
-    def load(self, location: str) -> tuple[SequenceState, dict]:
-        return load_turn(self.chunks, Path(location), self.spec, self.dtypes, self.model, self.tokenizer_sha256)
+    def load(self, location: str, resident: SequenceState | None = None) -> tuple[SequenceState, dict]:
+        return load_turn(self.chunks, Path(location), self.spec, self.dtypes, self.model, self.tokenizer_sha256, resident)
 
     def manifest(self, location: str) -> dict:
         return read_manifest(location)
@@ -138,3 +167,32 @@ class FilesystemColdStore:
 
     def adopt(self, kind: str, key: str, stream: IO[bytes]) -> None:
         self.chunks.adopt_file(kind, key, stream)
+
+    def save_state(self, state: SequenceState, base: StoredState | None) -> StoredState:
+        return self.chunks.save(state, base)
+
+    def load_state(self, stored: StoredState, resident: SequenceState | None = None) -> SequenceState:
+        return self.chunks.load(stored, resident=resident)
+
+    def _prefix_entry(self, name: str) -> Path:
+        if not name.isalnum():
+            raise ValueError(f"malformed prefix entry name {name!r:.80}")
+        return check_no_links(self.root, self.chunks.dir / PREFIX_NAME / f"{name}.json")
+
+    def prefix_entries(self) -> dict[str, bytes]:
+        folder = self.chunks.dir / PREFIX_NAME
+        entries = {}
+        for path in sorted(folder.iterdir()) if folder.is_dir() else ():
+            with contextlib.suppress(FileNotFoundError):  # dropped meanwhile
+                if is_stale_temp_file(path):  # a write that a crash cut short
+                    path.unlink()
+                elif path.suffix == ".json":
+                    entries[path.stem] = bytes(read_no_follow(self._prefix_entry(path.stem)))
+        return entries
+
+    def put_prefix_entry(self, name: str, data: bytes) -> None:
+        atomic_write(self._prefix_entry(name), data)
+
+    def drop_prefix_entry(self, name: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self._prefix_entry(name).unlink()

@@ -18,12 +18,14 @@ from pathlib import Path
 from typing import IO
 
 from engram.models.spec import ModelSpec
-from engram.state.chunks import DEFAULT_CHUNK_TOKENS, ORPHAN_GRACE_S, PrefixHasher, StoredState
+from engram.state.chunks import DEFAULT_CHUNK_TOKENS, ORPHAN_GRACE_S, PrefixHasher, StoredState, kv_tensor_names
 from engram.state.cold import ColdStore, FilesystemColdStore
+from engram.state.eviction import ComputeSavedPolicy, PrefillCost
 from engram.state.health import HealthMonitor, Quarantine
 from engram.state.identity import ModelIdentity
 from engram.state.manifest import stored_state
 from engram.state.prefix_cache import PrefixCache
+from engram.state.prefix_disk import PrefixDisk
 from engram.state.sequence_state import SequenceState, StateDtypes
 from engram.state.snapshot import (
     QUARANTINE_NAME,
@@ -81,6 +83,7 @@ class ConversationManager:
         chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
         prefix_cache_bytes: int = 0,
         prefix_cache_min_tokens: int = 1,
+        prefix_cache_disk_bytes: int = 0,
     ):
         self.spec, self.dtypes, self.model, self.tokenizer_sha256 = spec, dtypes, model, tokenizer_sha256
         self.policy = policy
@@ -91,8 +94,18 @@ class ConversationManager:
         self.store: ColdStore | None = (
             FilesystemColdStore(self.root, spec, dtypes, hasher, model, tokenizer_sha256) if self.root is not None else None
         )
-        # States after whole prompts, for requests of no conversation (0 bytes: prefix caching off).
-        self.prefix_cache = PrefixCache(hasher, prefix_cache_bytes, prefix_cache_min_tokens) if prefix_cache_bytes > 0 else None
+        # States after whole prompts, for requests of no conversation (0 bytes: prefix caching off),
+        # also kept on disk (0 bytes, or no store: memory only); both tiers evict by the compute a byte saves.
+        eviction = ComputeSavedPolicy(PrefillCost.of(spec))
+        self.prefix_disk = (
+            PrefixDisk(self.store, hasher, prefix_cache_disk_bytes, kv_tensor_names(spec), eviction, clock)
+            if prefix_cache_bytes > 0 and prefix_cache_disk_bytes > 0 and self.store is not None else None
+        )
+        if self.prefix_disk is not None:
+            self.prefix_disk.on_evict = self._mark_sweep_due
+        self.prefix_cache = (
+            PrefixCache(hasher, prefix_cache_bytes, prefix_cache_min_tokens, self.prefix_disk, eviction) if prefix_cache_bytes > 0 else None
+        )
         self._stored: dict[tuple[str, str], StoredState] = {}  # (conversation, ref) -> its snapshot's store references
         self.orphan_grace_s = ORPHAN_GRACE_S  # store files younger than this are never swept (a save may still reference them)
         # Due at start (a crash may have left unreferenced files), but not at once: startup reads no record.
@@ -115,6 +128,9 @@ class ConversationManager:
         self._unsaved_by_health: set[tuple[str, str]] = set()  # turns whose state the health policy kept off disk
         self._unrecorded: set[str] = set()  # async: conversations whose answered turns a failed record write left out
         self._lock = threading.RLock()
+
+    def _mark_sweep_due(self) -> None:
+        self._sweep_due = True
 
     def _count(self, family: str, key: str) -> None:
         getattr(self.stats, family)[key] += 1
@@ -511,6 +527,8 @@ class ConversationManager:
         with self._lock:
             self._stored[(conv.conversation_id, turn.ref)] = stored
             self.stats.snapshot_write_seconds.observe(time.perf_counter() - started)
+        if self.prefix_disk is not None and self.prefix_cache is not None and self.prefix_cache.wants(state.state_len):
+            self.prefix_disk.index(state, stored)  # a prefix other requests may begin with: an entry naming the snapshot's files
 
     def _beyond_retention(self, conv: Conversation, branch: str, extra: Turn | None = None) -> list[Turn]:
         """The turns of `branch` whose snapshots the retention count drops (counting `extra` as saved)."""
@@ -583,7 +601,7 @@ class ConversationManager:
         self._require_persistence()
         conv = self.require(conversation_id)
         path = self._locate(conversation_id, turn)
-        state, manifest = self.store.load(path)
+        state, manifest = self.store.load(path, self._resident_prefix(conv, turn))
         self._check_belongs(manifest, path, conv, turn)
         stored = stored_state(manifest, snapshot_label(path))
         if stored is not None:
@@ -592,6 +610,19 @@ class ConversationManager:
         if list(state.tokens[: state.state_len]) != conv.tokens(turn)[: state.state_len]:
             raise SnapshotCorruptError(f"{snapshot_label(path)}: its tokens are not the recorded history of turn {turn.ref}")
         return state
+
+    def _resident_prefix(self, conv: Conversation, turn: Turn) -> SequenceState | None:
+        """The state in memory of this conversation that shares the longest prefix with the turn's
+        history (a later turn, a sibling branch), whose KV a load takes instead of reading it."""
+        tokens = conv.tokens(turn)
+        with self._lock:
+            candidates = self.warm.states_of(conv.conversation_id)
+        best, best_len = None, 0
+        for state in candidates:
+            n = _common_prefix(state.tokens, tokens, state.state_len)
+            if n > best_len:
+                best, best_len = state, n
+        return best
 
     def snapshots(self, conversation_id: str | None = None) -> list[dict]:
         """Manifest and path of every snapshot the conversation records point at, in order of
@@ -758,6 +789,8 @@ class ConversationManager:
                         continue
                     if stored is not None:
                         referenced |= stored.keys
+        if self.prefix_disk is not None:
+            referenced |= self.prefix_disk.referenced()
         removed = self.store.sweep(referenced, self.orphan_grace_s)
         if removed:
             log.info("store sweep: %d unreferenced files removed", removed)
@@ -860,8 +893,10 @@ class ConversationManager:
             }
 
     def _prefix_cache_stats(self) -> dict | None:
-        cache = self.prefix_cache
-        return None if cache is None else {"entries": len(cache), "bytes": cache.nbytes, **asdict(cache.stats)}
+        cache, disk = self.prefix_cache, self.prefix_disk
+        if cache is None:
+            return None
+        return {"entries": len(cache), "bytes": cache.nbytes, **asdict(cache.stats), "disk": disk.summary() if disk is not None else None}
 
     def close(self, snapshot_budget_s: float = 0.0) -> None:
         """Graceful shutdown: finish every write still queued, then write the states only memory
@@ -872,6 +907,8 @@ class ConversationManager:
         self._write_unsaved(snapshot_budget_s)
         if self.writer is not None:
             self.writer.close()
+        if self.prefix_disk is not None:
+            self.prefix_disk.close()
 
     def _write_unrecorded(self) -> None:
         """Write the records that a failed write left behind memory (async durability)."""
@@ -979,3 +1016,9 @@ class ConversationManager:
     def _require_persistence(self) -> None:
         if not self.persistent:
             raise SnapshotError("snapshot persistence is disabled (start the server with --enable-snapshot-persistence)")
+
+
+def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    """How many leading tokens `a` and `b` share, at most `limit`."""
+    n = min(len(a), len(b), limit)
+    return next((i for i in range(n) if a[i] != b[i]), n)

@@ -89,6 +89,10 @@ class WarmCache:
         entry = self._states.get((conversation_id, ref))
         return entry[0] if entry is not None else None
 
+    def states_of(self, conversation_id: str) -> list[SequenceState]:
+        """Every state the conversation holds here, without counting a use."""
+        return [state for (cid, _), (state, _) in self._states.items() if cid == conversation_id]
+
     def put(self, conversation_id: str, ref: str, state: SequenceState) -> None:
         if self.max_conversations <= 0:
             return
