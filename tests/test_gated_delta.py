@@ -45,10 +45,12 @@ def test_chunk_and_steps_match_the_recurrence(length, chunk, l2_norm_qk):
     o, final = gd.gated_delta_chunk(q, k, v, decay, beta, init, chunk, l2_norm_qk)
     torch.testing.assert_close(o, o_ref, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(final, final_ref, rtol=1e-4, atol=1e-4)
-    state = init[None].clone()
-    steps = [gd.gated_delta_step(state, q[t : t + 1], k[t : t + 1], v[t : t + 1], decay[t : t + 1], beta[t : t + 1], l2_norm_qk) for t in range(length)]
+    pool, slot = torch.zeros(3, *init.shape), torch.tensor([1])
+    pool[1] = init
+    steps = [gd.gated_delta_state_update(pool, slot, q[t : t + 1], k[t : t + 1], v[t : t + 1], decay[t : t + 1], beta[t : t + 1], l2_norm_qk) for t in range(length)]
     torch.testing.assert_close(torch.cat(steps), o_ref, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(state[0], final_ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(pool[1], final_ref, rtol=1e-4, atol=1e-4)
+    assert not pool[0].any() and not pool[2].any()
 
 
 def test_chunk_split_equals_whole():
@@ -60,25 +62,29 @@ def test_chunk_split_equals_whole():
     torch.testing.assert_close(final2, final, rtol=1e-4, atol=1e-4)
 
 
-def test_varlen_equals_each_sequence():
+def test_varlen_equals_each_sequence_and_updates_the_pool_by_slot():
     lens = [5, 1, 12]
     parts = [_inputs(n, seed=i) for i, n in enumerate(lens)]
     cat = [torch.cat([p[i] for p in parts]) for i in range(5)]
-    inits = torch.stack([p[5] for p in parts])
-    o, finals = gd.gated_delta_varlen(*cat, [0, 5, 6, 18], inits, 4, True)
+    slots = torch.tensor([3, 0, 2])
+    pool = torch.zeros(4, *parts[0][5].shape)
+    for slot, p in zip(slots, parts):
+        pool[slot] = p[5]
+    o = gd.gated_delta_varlen(*cat, lens, pool, slots, 4, True)
     for i, p in enumerate(parts):
         o_ref, f_ref = _naive(*p, True)
         a = sum(lens[:i])
         torch.testing.assert_close(o[a : a + lens[i]], o_ref, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(finals[i], f_ref, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(pool[slots[i]], f_ref, rtol=1e-4, atol=1e-4)
+    assert not pool[1].any()
 
 
-def test_step_updates_the_state_in_place_in_its_dtype():
+def test_state_update_keeps_the_pool_dtype():
     q, k, v, decay, beta, init = _inputs(3)
-    state = init[None].repeat(3, 1, 1, 1).to(torch.bfloat16)
-    before = state.clone()
-    gd.gated_delta_step(state, q, k, v, decay, beta)
-    assert state.dtype == torch.bfloat16 and not torch.equal(state, before)
+    pool = init[None].repeat(3, 1, 1, 1).to(torch.bfloat16)
+    before = pool.clone()
+    gd.gated_delta_state_update(pool, torch.arange(3), q, k, v, decay, beta)
+    assert pool.dtype == torch.bfloat16 and not torch.equal(pool, before)
 
 
 @pytest.mark.parametrize("length", [9, 70])

@@ -79,24 +79,31 @@ def gated_delta_varlen(
     v: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
-    cu_seqlens: list[int],
-    initial_states: torch.Tensor,
+    seq_lens: list[int],
+    state_pool: torch.Tensor,
+    slots: torch.Tensor,
     chunk_size: int = 64,
     l2_norm_qk: bool = False,
     scale: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flat varlen batch: sequence s is rows cu_seqlens[s]:cu_seqlens[s+1] and starts from
-    initial_states[s]. Returns (o [T, Hv, V], final_states [S, Hv, K, V])."""
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Prefill a flat batch (T = sum(seq_lens) rows). The initial states are state_pool[slots]
+    [S, Hv, K, V]; the final states are written back there. Returns o [T, Hv, V] (float32).
+    `cu_seqlens` (device) is for fast kernels; unused here."""
+    initial = state_pool[slots]
     outs, finals = [], []
-    for s, (a, b) in enumerate(zip(cu_seqlens[:-1], cu_seqlens[1:])):
-        o, final = gated_delta_chunk(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], initial_states[s], chunk_size, l2_norm_qk, scale)
+    parts = zip(*(t.split(seq_lens) for t in (q, k, v, g, beta)))
+    for i, (qi, ki, vi, gi, bi) in enumerate(parts):
+        o, final = gated_delta_chunk(qi, ki, vi, gi, bi, initial[i], chunk_size, l2_norm_qk, scale)
         outs.append(o)
         finals.append(final)
-    return torch.cat(outs), torch.stack(finals)
+    state_pool[slots] = torch.stack(finals).to(state_pool.dtype)
+    return torch.cat(outs)
 
 
-def gated_delta_step(
-    state: torch.Tensor,
+def gated_delta_state_update(
+    state_pool: torch.Tensor,
+    slots: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -105,11 +112,11 @@ def gated_delta_step(
     l2_norm_qk: bool = False,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """Decode: one token per sequence. q, k [B, Hk, K], v [B, Hv, V], g and beta [B, Hv],
-    state [B, Hv, K, V] updated in place (in its own dtype). Returns o [B, Hv, V]."""
+    """Decode: one token for each of S sequences. q, k [S, Hk, K], v [S, Hv, V], g and beta
+    [S, Hv]; state_pool[slots] [S, Hv, K, V] is advanced in place. Returns o [S, Hv, V] (float32)."""
     q, k = _prepare(q, k, v.shape[-2], l2_norm_qk, scale)
-    s = state.float() * g.float().exp()[..., None, None]
+    s = state_pool[slots].float() * g.float().exp()[..., None, None]
     u = beta.float()[..., None] * (v.float() - (k[..., None] * s).sum(dim=-2))
     s = s + k[..., None] * u[..., None, :]
-    state.copy_(s)
+    state_pool[slots] = s.to(state_pool.dtype)
     return (q[..., None] * s).sum(dim=-2)
