@@ -460,9 +460,8 @@ def decode_bytes_per_step(model, spec, state_pool, kv_pool, batch: int, context:
     active_frac = (1 - (1 - top_k / experts) ** batch) if experts else 0.0  # distinct experts hit, uniform routing
     expert_bytes = expert_params * active_frac
     state = 0
-    for i in state_pool.conv:
-        state += state_pool.conv[i][0].numel() * state_pool.conv[i].element_size()
-        state += state_pool.ssm[i][0].numel() * state_pool.ssm[i].element_size()
+    for t in state_pool.tensors.values():
+        state += t[0].numel() * t.element_size()
     state_rw = 2 * state * batch  # read and written back
     kv = 0
     for i in kv_pool.k:

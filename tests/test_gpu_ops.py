@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engram.ops import activation, attention, conv, moe, norm, sample, ssd, staging
+from engram.ops import activation, attention, conv, gated_delta, moe, norm, sample, ssd, staging
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_CUDA = torch.cuda.is_available()
@@ -248,6 +248,28 @@ def test_ssd_varlen_fla_matches_reference(dtype, shape):
     y_ref = ssd.ssd_varlen(x, dt, dt_bias, (0.0, float("inf")), A_log, B, C, D, 64, lens, pool_ref, slots)
     limit = 5e-3 if dtype == torch.float32 else 3e-2
     assert _rel(y, y_ref) < limit, _rel(y, y_ref)
+    assert _rel(pool, pool_ref) < limit, _rel(pool, pool_ref)
+
+
+@needs_cuda
+@pytest.mark.skipif(cuda_kernels is None or cuda_kernels._chunk_gdr is None, reason="fla-core is not installed (the `cuda` extra)")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lens", [[1, 37, 5], [1, 37, 300, 64, 5]])  # the recurrent kernel, the chunked one
+@pytest.mark.parametrize("shape", [(2, 4, 32, 48), (16, 32, 128, 128)])  # Hk, Hv, K, V (Qwen3-Next: the second)
+def test_gated_delta_varlen_fla_matches_reference(dtype, lens, shape):
+    Hk, Hv, K, V = shape
+    g = _gen(7)
+    T = sum(lens)
+    q, k, v = _randn(T, Hk, K, g=g, dtype=dtype), _randn(T, Hk, K, g=g, dtype=dtype), _randn(T, Hv, V, g=g, dtype=dtype)
+    decay = -torch.rand(T, Hv, generator=g, device=DEV)
+    beta = torch.rand(T, Hv, generator=g, device=DEV).to(dtype)
+    slots = torch.tensor([2, 5, 0, 3, 1][: len(lens)], device=DEV)
+    pool = _randn(6, Hv, K, V, g=g) * 0.1
+    pool_ref = pool.clone()
+    o = cuda_kernels.gated_delta_varlen(q, k, v, decay, beta, lens, pool, slots, 64, True)
+    o_ref = gated_delta.gated_delta_varlen(q, k, v, decay, beta, lens, pool_ref, slots, 64, True)
+    limit = 5e-3 if dtype == torch.float32 else 3e-2
+    assert _rel(o, o_ref) < limit, _rel(o, o_ref)
     assert _rel(pool, pool_ref) < limit, _rel(pool, pool_ref)
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from engram import LLM, SamplingParams
-from engram.models.spec import ConfigError, LayerKind, load_model_spec, parse_model_spec
+from engram.models.spec import ConfigError, LayerKind, StateRole, load_model_spec, parse_model_spec
 
 CONFIGS = Path(__file__).parent / "data" / "configs"
 
@@ -28,6 +28,17 @@ def test_shared_configs_parse_to_the_published_layouts():
     codestral = load_model_spec(CONFIGS / "mamba-codestral-7b.json")
     assert codestral.layer_kinds == (LayerKind.MAMBA,) * 64 and codestral.attention is None
     assert codestral.mamba.conv_dim == 8192 + 2 * 8 * 128
+
+
+def test_recurrent_layers_declare_their_state():
+    spec = parse_model_spec(config("granite-4.0-h-tiny"))
+    m = spec.mamba
+    assert spec.recurrent_layers == spec.mamba_layers
+    assert [(t.suffix, t.shape, t.role) for t in spec.state_tensors(spec.mamba_layers[0])] == [
+        ("conv", (m.conv_kernel - 1, m.conv_dim), StateRole.CONV),
+        ("ssm", (m.num_heads, m.head_dim, m.state_size), StateRole.RECURRENT),
+    ]
+    assert spec.state_tensors(spec.attention_layers[0]) == ()
 
 
 def test_old_and_new_layer_type_spellings_are_the_same_model():

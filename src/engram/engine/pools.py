@@ -6,7 +6,7 @@ import torch
 
 from engram.models.spec import ModelSpec
 from engram.ops.attention import token_slots
-from engram.state.sequence_state import SequenceState, StateDtypes
+from engram.state.sequence_state import SequenceState, StateDtypes, recurrent_tensors
 
 
 class PendingCopies:
@@ -50,21 +50,24 @@ class HostCopier:
 
 
 class StatePool:
-    """Conv and SSM state of every Mamba2 layer for `num_slots` sequences.
+    """Every recurrent layer's declared state tensors (`ModelSpec.state_tensors`) for `num_slots`
+    sequences, keyed by snapshot name.
 
-    A slot is zeroed when handed out, which is exactly "no previous tokens" for both the
-    convolution (zero padding) and the scan (zero initial state)."""
+    A slot is zeroed when handed out, which is exactly "no previous tokens" for both a
+    convolution (zero padding) and a scan (zero initial state)."""
 
     def __init__(self, spec: ModelSpec, num_slots: int, dtypes: StateDtypes, device: torch.device):
         self.num_slots = num_slots
-        self.conv: dict[int, torch.Tensor] = {}
-        self.ssm: dict[int, torch.Tensor] = {}
-        if spec.mamba is not None:
-            for i in spec.mamba_layers:
-                self.conv[i] = torch.zeros(num_slots, *spec.mamba.conv_state_shape, dtype=dtypes.conv, device=device)
-                self.ssm[i] = torch.zeros(num_slots, *spec.mamba.ssm_state_shape, dtype=dtypes.ssm, device=device)
+        self.tensors: dict[str, torch.Tensor] = {
+            name: torch.zeros(num_slots, *shape, dtype=dtype, device=device)
+            for name, (shape, dtype) in recurrent_tensors(spec, dtypes).items()
+        }
         self._free = list(range(num_slots - 1, -1, -1))
         self.pending = PendingCopies()
+
+    def of(self, layer: int, suffix: str) -> torch.Tensor:
+        """Layer `layer`'s `suffix` state for all slots: [num_slots, *shape]."""
+        return self.tensors[f"layers.{layer}.{suffix}"]
 
     @property
     def num_free(self) -> int:
@@ -77,7 +80,7 @@ class StatePool:
     def allocate(self) -> int:
         slot = self._free.pop()
         self.pending.settle([slot])
-        for t in (*self.conv.values(), *self.ssm.values()):
+        for t in self.tensors.values():
             t[slot].zero_()
         return slot
 
@@ -85,16 +88,11 @@ class StatePool:
         self._free.append(slot)
 
     def views(self, slot: int) -> dict[str, torch.Tensor]:
-        out = {}
-        for i in self.conv:
-            out[f"layers.{i}.conv"] = self.conv[i][slot]
-            out[f"layers.{i}.ssm"] = self.ssm[i][slot]
-        return out
+        return {name: t[slot] for name, t in self.tensors.items()}
 
     def write(self, slot: int, tensors: dict[str, torch.Tensor]) -> None:
-        for i in self.conv:
-            self.conv[i][slot].copy_(tensors[f"layers.{i}.conv"])
-            self.ssm[i][slot].copy_(tensors[f"layers.{i}.ssm"])
+        for name, t in self.tensors.items():
+            t[slot].copy_(tensors[name])
 
 
 class KVPool:

@@ -91,10 +91,16 @@ class Speculator:
         self.stats.draft_tokens += sum(len(c.draft) for c in chunks)
         return self._verify
 
-    def _buffers(self, num_seqs: int, length: int) -> VerifyStates:
+    def _mamba_states(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Each Mamba2 layer's (conv, ssm) pool tensors, the states a verify step keeps per position."""
         pool = self.state_pool
-        conv = {i: torch.empty(num_seqs, t.shape[1] + length, t.shape[2], dtype=t.dtype, device=t.device) for i, t in pool.conv.items()}
-        ssm = {i: torch.empty(num_seqs, length, *t.shape[1:], dtype=t.dtype, device=t.device) for i, t in pool.ssm.items()}
+        layers = sorted({int(name.split(".")[1]) for name in pool.tensors if name.endswith(".ssm")})
+        return {i: (pool.of(i, "conv"), pool.of(i, "ssm")) for i in layers}
+
+    def _buffers(self, num_seqs: int, length: int) -> VerifyStates:
+        states = self._mamba_states()
+        conv = {i: torch.empty(num_seqs, c.shape[1] + length, c.shape[2], dtype=c.dtype, device=c.device) for i, (c, _) in states.items()}
+        ssm = {i: torch.empty(num_seqs, length, *t.shape[1:], dtype=t.dtype, device=t.device) for i, (_, t) in states.items()}
         return VerifyStates(conv, ssm)
 
     def keep(self, seq: Sequence, fed: int) -> None:
@@ -112,14 +118,14 @@ class Speculator:
         done = [(seq, self._pending.pop(seq)) for seq in seqs if seq in self._pending and seq.slot is not None]
         if not done or self._verify is None:
             return
-        dev = next(iter(self.state_pool.ssm.values())).device if self.state_pool.ssm else None
-        if dev is not None:
+        states = self._mamba_states()
+        if states:
+            dev = next(iter(states.values()))[1].device
             slots = torch.tensor([seq.slot for seq, _ in done], device=dev)
             rows = torch.tensor([p.row for _, p in done], device=dev)
             fed = torch.tensor([p.fed for _, p in done], device=dev)
-            for i in self.state_pool.conv:
-                kernels().commit_verified(self.state_pool.conv[i], self.state_pool.ssm[i], slots,
-                                          self._verify.conv[i], self._verify.ssm[i], rows, fed)
+            for i, (conv, ssm) in states.items():
+                kernels().commit_verified(conv, ssm, slots, self._verify.conv[i], self._verify.ssm[i], rows, fed)
         for seq, _ in done:
             keep = self.kv_pool.blocks_for(seq.num_tokens)
             self.kv_pool.free(seq.blocks[keep:])

@@ -29,8 +29,8 @@ class Mamba2Mixer(nn.Module):
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         s, k = self.spec, kernels()
         heads, head_dim, groups, n = s.num_heads, s.head_dim, s.n_groups, s.state_size
-        conv_pool = batch.state_pool.conv[self.layer_index]
-        ssm_pool = batch.state_pool.ssm[self.layer_index]
+        conv_pool = batch.state_pool.of(self.layer_index, "conv")
+        ssm_pool = batch.state_pool.of(self.layer_index, "ssm")
         slots = batch.state_slots
         weight = self.conv1d.weight[:, 0, :]
 

@@ -21,16 +21,34 @@ class ConfigError(ValueError):
 
 class LayerKind(str, Enum):
     MAMBA = "mamba"
+    GATED_DELTANET = "gated_deltanet"
     ATTENTION = "attention"
     MLP = "mlp"
     MOE = "moe"
 
 
-# Every spelling of a layer type seen in HF configs, old and new.
+class StateRole(str, Enum):
+    """Which configured dtype a recurrent state tensor is kept in (`StateDtypes` has one per role)."""
+
+    CONV = "conv"  # a causal conv's last inputs: the model dtype
+    RECURRENT = "ssm"  # a scan's state: --mamba-ssm-dtype
+
+
+@dataclass(frozen=True)
+class StateTensor:
+    """One per-sequence state tensor a recurrent mixer keeps: snapshot name `layers.<i>.<suffix>`."""
+
+    suffix: str
+    shape: tuple[int, ...]
+    role: StateRole
+
+
+# Every spelling of a layer type seen in HF configs, old and new. "linear_attention" is absent: it
+# names the architecture's own linear mixer (Mamba2 in Granite and Nemotron-H configs written by
+# transformers 5, gated DeltaNet in Qwen3-Next), so each parser says which (`_layer_kinds`).
 _LAYER_KIND_ALIASES = {
     "mamba": LayerKind.MAMBA,
     "m": LayerKind.MAMBA,
-    "linear_attention": LayerKind.MAMBA,
     "attention": LayerKind.ATTENTION,
     "*": LayerKind.ATTENTION,
     "full_attention": LayerKind.ATTENTION,
@@ -72,6 +90,13 @@ class MambaSpec:
     def ssm_state_shape(self) -> tuple[int, int, int]:
         return (self.num_heads, self.head_dim, self.state_size)
 
+    @property
+    def state_tensors(self) -> tuple[StateTensor, ...]:
+        return (
+            StateTensor("conv", self.conv_state_shape, StateRole.CONV),
+            StateTensor("ssm", self.ssm_state_shape, StateRole.RECURRENT),
+        )
+
 
 @dataclass(frozen=True)
 class AttentionSpec:
@@ -100,6 +125,21 @@ class ModelSpec:
     config: dict[str, Any] = field(repr=False, compare=False)
     config_sha256: str = ""
 
+    def _recurrent_mixers(self) -> dict[LayerKind, MambaSpec]:
+        """The spec of each recurrent mixer kind this model has (one entry per kind)."""
+        return {LayerKind.MAMBA: self.mamba} if self.mamba is not None else {}
+
+    def state_tensors(self, layer: int) -> tuple[StateTensor, ...]:
+        """The per-sequence state layer `layer` keeps (none for attention and MLP layers): the
+        concatenation over the layer's mixers, so a layer with two mixers declares both."""
+        mixer = self._recurrent_mixers().get(self.layer_kinds[layer])
+        return mixer.state_tensors if mixer is not None else ()
+
+    @property
+    def recurrent_layers(self) -> list[int]:
+        """Layers that keep per-sequence recurrent state, of whatever mixer kind."""
+        return [i for i in range(self.num_layers) if self.state_tensors(i)]
+
     @property
     def num_layers(self) -> int:
         return len(self.layer_kinds)
@@ -117,7 +157,7 @@ class ModelSpec:
 
     @property
     def is_hybrid(self) -> bool:
-        return bool(self.mamba_layers) and bool(self.attention_layers)
+        return bool(self.recurrent_layers) and bool(self.attention_layers)
 
     def layout(self) -> list[str]:
         return [k.value for k in self.layer_kinds]
@@ -147,10 +187,12 @@ def _time_step_limit(cfg: dict) -> tuple[float, float]:
     return (_json_float(limit[0]), _json_float(limit[1]))
 
 
-def _layer_kinds(raw: list[str] | str, arch: str) -> tuple[LayerKind, ...]:
+def _layer_kinds(raw: list[str] | str, arch: str, linear: LayerKind = LayerKind.MAMBA) -> tuple[LayerKind, ...]:
+    """The layer kinds of a config's list; "linear_attention" is `linear`, the architecture's mixer."""
+    aliases = {**_LAYER_KIND_ALIASES, "linear_attention": linear}
     kinds = []
     for item in raw:
-        kind = _LAYER_KIND_ALIASES.get(str(item).lower())
+        kind = aliases.get(str(item).lower())
         if kind is None:
             raise ConfigError(f"{arch}: unknown layer type {item!r}")
         kinds.append(kind)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 import torch.nn.functional as F
 
-from engram.ops import activation, attention, conv, moe, norm, sample, ssd, staging, verify
+from engram.ops import activation, attention, conv, gated_delta, moe, norm, sample, ssd, staging, verify
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,8 @@ class KernelSet:
     ssd_varlen: Callable = ssd.ssd_varlen
     ssd_state_update: Callable = ssd.ssd_state_update
     ssd_state_update_norm_linear: Callable = ssd.ssd_state_update_norm_linear
+    gated_delta_varlen: Callable = gated_delta.gated_delta_varlen
+    gated_delta_state_update: Callable = gated_delta.gated_delta_state_update
     causal_conv1d_varlen: Callable = conv.causal_conv1d_varlen
     linear_conv_update: Callable = conv.linear_conv_update
     rms_norm: Callable = norm.rms_norm

@@ -1,8 +1,8 @@
 """The captured model state of one sequence: what a snapshot stores and a restore loads.
 
-Tensor names follow the snapshot format (DESIGN.md): `layers.<i>.conv`, `layers.<i>.ssm` for
-recurrent layers and `layers.<i>.k`, `layers.<i>.v` (`[state_len, kv_heads, head_dim]`) for
-attention layers. `expected_tensors` is the one place that derives those names and shapes from a
+Tensor names follow the snapshot format (DESIGN.md): `layers.<i>.<suffix>` for each state tensor
+a recurrent layer's mixer declares (`ModelSpec.state_tensors`; Mamba2: `conv`, `ssm`) and
+`layers.<i>.k`, `layers.<i>.v` (`[state_len, kv_heads, head_dim]`) for attention layers. `expected_tensors` is the one place that derives those names and shapes from a
 `ModelSpec`; the engine's pools and the snapshot verifier both check against it.
 """
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engram.models.spec import ModelSpec
+from engram.models.spec import ModelSpec, StateRole
 
 
 @dataclass(frozen=True)
@@ -20,6 +20,9 @@ class StateDtypes:
     conv: torch.dtype
     ssm: torch.dtype
     kv: torch.dtype
+
+    def of(self, role: StateRole) -> torch.dtype:
+        return self.conv if role is StateRole.CONV else self.ssm
 
 
 @dataclass
@@ -54,13 +57,16 @@ class SequenceState:
         return SequenceState(list(self.tokens), self.state_len, kept)
 
 
+def recurrent_tensors(spec: ModelSpec, dtypes: StateDtypes) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Name -> (shape, dtype) of the fixed-size state every recurrent layer declares."""
+    return {
+        f"layers.{i}.{t.suffix}": (t.shape, dtypes.of(t.role)) for i in spec.recurrent_layers for t in spec.state_tensors(i)
+    }
+
+
 def expected_tensors(spec: ModelSpec, dtypes: StateDtypes, state_len: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Name -> (shape, dtype) of every tensor a complete state of `spec` holds."""
-    out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-    if spec.mamba is not None:
-        for i in spec.mamba_layers:
-            out[f"layers.{i}.conv"] = (spec.mamba.conv_state_shape, dtypes.conv)
-            out[f"layers.{i}.ssm"] = (spec.mamba.ssm_state_shape, dtypes.ssm)
+    out = recurrent_tensors(spec, dtypes)
     if spec.attention is not None:
         kv_shape = (state_len, spec.attention.num_kv_heads, spec.attention.head_dim)
         for i in spec.attention_layers:
