@@ -15,6 +15,7 @@ from engine_utils import store_file
 from server_utils import running_server
 
 from engram.client import EngramClient, SnapshotManager, SnapshotNotFoundError
+from engram.models.builtin import DEMO_MODEL_DIR
 
 MODEL = "m"
 GREEDY = {"temperature": 0, "max_tokens": 10}
@@ -44,9 +45,9 @@ def snapshot_info(http, conversation_id, turn):
     return r.json()
 
 
-@pytest.mark.parametrize("kind", ["mamba2", "nemotron"])
+@pytest.mark.parametrize("kind", ["mamba2", "nemotron", "demo"])
 def test_three_turns_across_a_restart_equal_one_request_over_the_history(kind, checkpoint_dir, tmp_path):
-    path = checkpoint_dir(kind)
+    path = str(DEMO_MODEL_DIR) if kind == "demo" else checkpoint_dir(kind)  # demo: the shipped, trained weights
     with serving(path, tmp_path) as (srv, http):
         first = chat(http, "conv", USER_TURNS[0])
         second = chat(http, "conv", USER_TURNS[1])

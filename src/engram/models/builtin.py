@@ -11,7 +11,7 @@ from engram.models.spec import ConfigError
 
 DEMO_MODEL_DIR = Path(__file__).parent / "demo"
 DEMO_MODEL_NAME = "engram-demo-stdlib"
-DEFAULT_MODEL = "embedded"  # "demo" once scripts/train_demo_model.py's H200 output is in DEMO_MODEL_DIR
+DEFAULT_MODEL = "demo"
 
 
 @dataclass(frozen=True)
