@@ -67,17 +67,8 @@ def build_engines(args) -> tuple[engine_mod.LLMEngine, engine_mod.LLMEngine]:
     if args.model_path:
         base = EngineArgs(model_path=args.model_path, **common)
     else:
-        from transformers import AutoConfig, AutoModelForCausalLM
-
         workdir = Path(tempfile.mkdtemp())
-        cfg = json.loads(bs.find_config(args.config).read_text())
-        cfg.setdefault("eos_token_id", 0)
-        (workdir / "config.json").write_text(json.dumps(cfg))
-        torch.manual_seed(0)
-        with torch.device("cuda"):
-            hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(workdir), dtype=torch.bfloat16).eval()
-        state = hf.state_dict()
-        engine_mod.load_model = lambda spec, path, dtype, device: engine_mod.load_model_from_state_dict(spec, state, dtype, device)
+        bs.random_weights_model(json.loads(bs.find_config(args.config).read_text()), workdir)
         base = EngineArgs(model_path=str(workdir), dtype="bfloat16", **common)
     spec_cfg = json.dumps({"method": "ngram", "num_speculative_tokens": max(args.ks), "prompt_lookup_min": 2, "prompt_lookup_max": 4})
     return engine_mod.LLMEngine(base), engine_mod.LLMEngine(dataclasses.replace(base, speculative_config=spec_cfg))
@@ -87,10 +78,10 @@ def tokens(n: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(1, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def mean_step_seconds(eng, batch: int, steps: int, prompt_len: int) -> float:
+def mean_step_seconds(eng, batch: int, steps: int, prompt_len: int, params: SamplingParams | None = None) -> float:
     """B sequences past their prefill, then `steps` steps timed together (none finishes meanwhile,
-    whatever it accepts: they are aborted afterwards)."""
-    params = SamplingParams(max_tokens=8 * steps + 16, temperature=0.0, ignore_eos=True)
+    whatever it accepts: they are aborted afterwards; the run fails if one did)."""
+    params = params or SamplingParams(max_tokens=8 * steps + 16, temperature=0.0, ignore_eos=True)
     ids = [f"s{batch}-{i}-{time.monotonic_ns()}" for i in range(batch)]
     for i, rid in enumerate(ids):
         eng.add_request(rid, tokens(prompt_len, eng.spec.vocab_size, i), params)
@@ -104,6 +95,8 @@ def mean_step_seconds(eng, batch: int, steps: int, prompt_len: int) -> float:
         eng.step()
     sync(eng.device)
     elapsed = (time.perf_counter() - started) / steps
+    if len(eng.scheduler.running) != batch:
+        raise RuntimeError(f"{batch - len(eng.scheduler.running)} of {batch} sequences ended inside the timed steps")
     for rid in ids:
         eng.abort_request(rid)
     while eng.has_unfinished_requests():

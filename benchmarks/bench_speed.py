@@ -97,11 +97,12 @@ def copy_bandwidth(nbytes: int = 4 << 30) -> float:
 # ---- models ---------------------------------------------------------------------------------------
 
 
-def build_models(config_path: Path, workdir: Path, args):
+def random_weights_model(cfg: dict, workdir: Path):
+    """The transformers model of `cfg` with random bfloat16 weights on the GPU, its config written to
+    `workdir`; engines built afterwards take its weights (no checkpoint written or read)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = json.loads(config_path.read_text())
-    cfg.setdefault("eos_token_id", 0)
+    cfg = {"eos_token_id": 0, **cfg}
     (workdir / "config.json").write_text(json.dumps(cfg))
     hf_cfg = AutoConfig.from_pretrained(workdir)
     t = time.perf_counter()
@@ -116,7 +117,12 @@ def build_models(config_path: Path, workdir: Path, args):
     def load_shared(spec, path, dtype, device):
         return load_model_from_state_dict(spec, state, dtype, device)
 
-    engine_mod.load_model = load_shared  # the engine takes the transformers model's weights
+    engine_mod.load_model = load_shared
+    return hf
+
+
+def build_models(config_path: Path, workdir: Path, args):
+    hf = random_weights_model(json.loads(config_path.read_text()), workdir)
     eargs = EngineArgs(
         model_path=str(workdir),
         dtype="bfloat16",
@@ -135,7 +141,7 @@ def build_models(config_path: Path, workdir: Path, args):
     sync()
     log(f"engine built in {time.perf_counter() - t:.1f}s; kernels: {engine_mod.select_kernels('cuda', eargs.enable_fast_ops).name}")
     if args.no_hf:
-        del hf, state
+        del hf
         hf = None
         torch.cuda.empty_cache()
     return hf, eng
