@@ -136,6 +136,10 @@ class _StateCollector(Collector):
             lookups.add_metric([m, "hit"], st["prefix_cache"]["hits"])
             lookups.add_metric([m, "miss"], st["prefix_cache"]["lookups"] - st["prefix_cache"]["hits"])
             yield lookups
+            disk_hits = CounterMetricFamily("engram:prefix_cache_disk_hits", "prefix cache hits whose state was read from the disk tier",
+                                            labels=["model_name"])
+            disk_hits.add_metric([m], st["prefix_cache"]["disk_hits"])
+            yield disk_hits
             held = GaugeMetricFamily("engram:prefix_cache_bytes", "bytes of states in the prefix cache", labels=["model_name"])
             held.add_metric([m], st["prefix_cache"]["bytes"])
             yield held

@@ -218,6 +218,6 @@ async def metrics(raw_request: Request) -> Response:
 @admin_router.get("/flush_cache", operation_id="flush_cache_get")  # SGLang answers both methods
 @admin_router.post("/flush_cache", operation_id="flush_cache_post")
 async def flush_cache(raw_request: Request) -> dict[str, Any]:
-    if not await get_serving(raw_request).engine.flush_cache():
+    if not await get_serving(raw_request).flush_cache():
         raise APIError(409, "the cache was not flushed: requests are running; retry when idle")
     return {"success": True, "message": "cache flushed"}

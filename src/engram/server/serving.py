@@ -78,6 +78,15 @@ class Serving:
     def take_staged_state(self, tenant: str | None, rid: str) -> Any:
         return self.staged_states.pop((tenant, rid), None)
 
+    async def flush_cache(self) -> bool:
+        """SGLang's /flush_cache: free the retained engine slots and empty the in-memory prefix
+        cache (snapshots and the prefix cache's disk tier stay); False while requests run."""
+        if not await self.engine.flush_cache():
+            return False
+        if self.conversations.manager.prefix_cache is not None:
+            self.conversations.manager.prefix_cache.clear()
+        return True
+
     def check_model(self, name: str | None) -> None:
         """A request's `model`: the served one, or None (OpenAI requires it; vLLM does not)."""
         if name is not None and name != self.model_name:
