@@ -62,6 +62,7 @@ def test_a_retried_turn_is_answered_once_also_after_a_restart(checkpoint_dir, tm
         assert reused["error"]["param"] == "Idempotency-Key" and "other messages" in reused["error"]["message"]
         assert turn(http, "c", "x", key="k-3", turn_id="k-4", expect=400)["error"]["param"] == "turn_id"
         assert turn(http, "c", "x", key="a b", expect=400)["error"]["param"] == "Idempotency-Key"
+        assert turn(http, "c", "x", turn_id="a b", expect=400)["error"]["param"] == "turn_id"  # the body form, the same rule
         r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]},
                       headers={"Idempotency-Key": "k-5"})
         assert r.status_code == 400 and "conversation_id" in r.json()["error"]["message"]

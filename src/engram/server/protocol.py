@@ -41,7 +41,7 @@ TEMPLATE_RESERVED_KWARGS = frozenset({"chat_template", "conversation", "messages
                                       "return_tensors", "add_generation_prompt", "continue_final_message", "tokenizer_kwargs"})
 # logit_bias maps token ids to biases; JSON object keys are strings ("50256"), so they are parsed.
 LogitBias = dict[Annotated[int, Strict(False)], float]
-IDEMPOTENCY_KEY_PATTERN = r"[\x21-\x7e]{1,256}"  # visible ASCII, as a header value can carry it
+IDEMPOTENCY_KEY_PATTERN = r"^[\x21-\x7e]{1,256}$"  # visible ASCII, as a header value can carry it; anchored: pydantic searches
 
 
 def is_prompt_batch(prompt: Any) -> bool:
