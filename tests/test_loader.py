@@ -9,7 +9,7 @@ from checkpoints import write_checkpoint
 from safetensors.torch import load_file
 
 from engram.models.loader import WeightLoadError, load_model, load_model_from_state_dict, safetensors_files
-from engram.models.spec import LayerKind, load_model_spec
+from engram.models.spec import load_model_spec
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +24,7 @@ def granite(tmp_path_factory):
 def test_q_k_v_fill_the_rows_of_the_packed_projection(granite):
     spec, path, tensors = granite
     model = load_model(spec, path, torch.float32, torch.device("cpu"))
-    layer = next(i for i, kind in enumerate(spec.layer_kinds) if kind == LayerKind.ATTENTION)
+    layer = spec.attention_layers[0]
     qkv = model.layers[layer].mixer.qkv_proj.weight
     parts = [tensors[f"model.layers.{layer}.self_attn.{p}_proj.weight"] for p in "qkv"]
     assert torch.equal(qkv, torch.cat(parts).float())
@@ -32,7 +32,7 @@ def test_q_k_v_fill_the_rows_of_the_packed_projection(granite):
 
 def test_a_missing_part_and_a_stray_tensor_are_errors(granite):
     spec, _, tensors = granite
-    layer = next(i for i, kind in enumerate(spec.layer_kinds) if kind == LayerKind.ATTENTION)
+    layer = spec.attention_layers[0]
     lacking = {k: v for k, v in tensors.items() if k != f"model.layers.{layer}.self_attn.v_proj.weight"}
     q, kv = spec.attention.num_heads * spec.attention.head_dim, spec.attention.num_kv_heads * spec.attention.head_dim
     rows = rf"rows {q + kv}:{q + 2 * kv}"  # v's rows of the packed projection

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from engram import LLM, SamplingParams
+from engram.engine.memory_planner import state_bytes_by_kind, state_bytes_per_seq
+from engram.engine.pools import KVPool, StatePool
 from engram.models.spec import ConfigError, LayerKind, StateRole, load_model_spec, parse_model_spec
+from engram.state.sequence_state import StateDtypes, expected_tensors
 
 CONFIGS = Path(__file__).parent / "data" / "configs"
 
@@ -26,7 +31,7 @@ def test_shared_configs_parse_to_the_published_layouts():
     assert nemotron.layout().count("mamba") == 23 and nemotron.layout().count("attention") == 6
     assert nemotron.layout().count("moe") == 23 and nemotron.attention.num_kv_heads == 2
     codestral = load_model_spec(CONFIGS / "mamba-codestral-7b.json")
-    assert codestral.layer_kinds == (LayerKind.MAMBA,) * 64 and codestral.attention is None
+    assert codestral.layer_mixers == ((LayerKind.MAMBA,),) * 64 and codestral.attention is None
     assert codestral.mamba.conv_dim == 8192 + 2 * 8 * 128
 
 
@@ -41,16 +46,40 @@ def test_recurrent_layers_declare_their_state():
     assert spec.state_tensors(spec.attention_layers[0]) == ()
 
 
+def test_a_layer_of_two_mixers_keeps_the_state_of_both():
+    """Mamba2 beside attention in every layer (Falcon-H1's shape): each layer declares its conv and
+    SSM state and has KV, and everything sized from the spec follows from that."""
+    one_each = parse_model_spec(config("granite-4.0-h-tiny"))
+    n = one_each.num_layers
+    both = dataclasses.replace(one_each, layer_mixers=((LayerKind.MAMBA, LayerKind.ATTENTION),) * n)
+    assert both.mamba_layers == both.attention_layers == both.recurrent_layers == list(range(n))
+    assert both.layout() == ["mamba+attention"] * n and both.is_hybrid
+    assert both.state_tensors(7) == one_each.state_tensors(one_each.mamba_layers[0])
+    dtypes = StateDtypes(conv=torch.float32, ssm=torch.float32, kv=torch.float32)
+    names = expected_tensors(both, dtypes, 3)
+    assert set(names) == {f"layers.{i}.{t}" for i in range(n) for t in ("conv", "ssm", "k", "v")}
+    kv_heads, head_dim = both.attention.num_kv_heads, both.attention.head_dim
+    assert names["layers.5.k"] == ((3, kv_heads, head_dim), torch.float32)
+    mamba_only = state_bytes_by_kind(one_each, dtypes)
+    assert state_bytes_by_kind(both, dtypes) == {key: nbytes // 36 * n for key, nbytes in mamba_only.items()}
+    assert state_bytes_per_seq(both, dtypes) == sum(state_bytes_by_kind(both, dtypes).values())
+    small = dataclasses.replace(both, layer_mixers=both.layer_mixers[:2])
+    state_pool, kv_pool = StatePool(small, 2, dtypes, torch.device("cpu")), KVPool(small, 4, 16, torch.float32, torch.device("cpu"))
+    assert state_pool.of(1, "ssm").shape == (2, *both.mamba.ssm_state_shape) and sorted(kv_pool.k) == [0, 1]
+    with pytest.raises(ConfigError, match=r"layer 0's mixers mamba\+mamba declare the same state twice"):
+        dataclasses.replace(one_each, layer_mixers=((LayerKind.MAMBA, LayerKind.MAMBA),) * n)
+
+
 def test_old_and_new_layer_type_spellings_are_the_same_model():
     old = config("granite-4.0-h-tiny")
     new = dict(old, layer_types=["linear_attention" if t == "mamba" else "full_attention" for t in old["layer_types"]])
-    assert parse_model_spec(old).layer_kinds == parse_model_spec(new).layer_kinds
+    assert parse_model_spec(old).layer_mixers == parse_model_spec(new).layer_mixers
     pattern = config("nemotron-3-nano-30b-a3b")
     listed = dict(pattern)
     del listed["hybrid_override_pattern"]
     names = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
     listed["layers_block_type"] = [names[c] for c in pattern["hybrid_override_pattern"]]
-    assert parse_model_spec(pattern).layer_kinds == parse_model_spec(listed).layer_kinds
+    assert parse_model_spec(pattern).layer_mixers == parse_model_spec(listed).layer_mixers
 
 
 @pytest.mark.parametrize(

@@ -25,13 +25,19 @@ RenameRules = list[tuple[str, str]]
 WeightPlace = tuple[str, int | slice | None]
 
 
-def sequence_mixer(spec: ModelSpec, index: int) -> nn.Module:
-    """The token mixer of a recurrent or attention layer: Mamba2 or attention."""
-    if spec.layer_kinds[index] == LayerKind.MAMBA:
+def mixer_module(spec: ModelSpec, kind: LayerKind, index: int) -> nn.Module:
+    """Layer `index`'s token mixer of `kind`: Mamba2 or attention."""
+    if kind == LayerKind.MAMBA:
         assert spec.mamba is not None, "a Mamba layer's spec has its dimensions"
         return Mamba2Mixer(spec.mamba, spec.hidden_size, index)
-    assert spec.attention is not None, "an attention layer's spec has its dimensions"
+    assert kind == LayerKind.ATTENTION and spec.attention is not None, f"{kind.value} is no sequence mixer with dimensions"
     return Attention(spec.attention, spec.hidden_size, index)
+
+
+def sequence_mixer(spec: ModelSpec, index: int) -> nn.Module:
+    """The token mixer of a layer that has one (a recurrent or attention layer)."""
+    (kind,) = spec.mixers(index)
+    return mixer_module(spec, kind, index)
 
 
 class CausalLM(nn.Module):

@@ -115,7 +115,9 @@ class ModelSpec:
     model_type: str
     hidden_size: int
     vocab_size: int
-    layer_kinds: tuple[LayerKind, ...]
+    # Each layer's mixers: one for most architectures, several run side by side (Falcon-H1:
+    # Mamba2 and attention) whose state the layer keeps together.
+    layer_mixers: tuple[tuple[LayerKind, ...], ...]
     mamba: MambaSpec | None
     attention: AttentionSpec | None
     tie_word_embeddings: bool
@@ -125,15 +127,28 @@ class ModelSpec:
     config: dict[str, Any] = field(repr=False, compare=False)
     config_sha256: str = ""
 
+    def __post_init__(self) -> None:
+        for i in range(self.num_layers):  # the mixers of a layer share its snapshot names `layers.<i>.*`
+            names = [t.suffix for t in self.state_tensors(i)] + (["k", "v"] if LayerKind.ATTENTION in self.mixers(i) else [])
+            if len(set(names)) < len(names):
+                raise ConfigError(f"{self.architecture}: layer {i}'s mixers {self.layout()[i]} declare the same state twice: {names}")
+
     def _recurrent_mixers(self) -> dict[LayerKind, MambaSpec]:
         """The spec of each recurrent mixer kind this model has (one entry per kind)."""
         return {LayerKind.MAMBA: self.mamba} if self.mamba is not None else {}
 
-    def state_tensors(self, layer: int) -> tuple[StateTensor, ...]:
-        """The per-sequence state layer `layer` keeps (none for attention and MLP layers): the
-        concatenation over the layer's mixers, so a layer with two mixers declares both."""
-        mixer = self._recurrent_mixers().get(self.layer_kinds[layer])
+    def mixers(self, layer: int) -> tuple[LayerKind, ...]:
+        return self.layer_mixers[layer]
+
+    def mixer_state_tensors(self, kind: LayerKind) -> tuple[StateTensor, ...]:
+        """The per-sequence state one mixer of `kind` keeps (none for attention, MLP and MoE)."""
+        mixer = self._recurrent_mixers().get(kind)
         return mixer.state_tensors if mixer is not None else ()
+
+    def state_tensors(self, layer: int) -> tuple[StateTensor, ...]:
+        """The per-sequence state layer `layer` keeps: the concatenation over the layer's mixers,
+        so a layer with two mixers declares both."""
+        return tuple(t for kind in self.mixers(layer) for t in self.mixer_state_tensors(kind))
 
     @property
     def recurrent_layers(self) -> list[int]:
@@ -142,10 +157,11 @@ class ModelSpec:
 
     @property
     def num_layers(self) -> int:
-        return len(self.layer_kinds)
+        return len(self.layer_mixers)
 
     def layers_of(self, kind: LayerKind) -> list[int]:
-        return [i for i, k in enumerate(self.layer_kinds) if k == kind]
+        """Layers that have a mixer of `kind` (alone or beside others)."""
+        return [i for i, mixers in enumerate(self.layer_mixers) if kind in mixers]
 
     @property
     def mamba_layers(self) -> list[int]:
@@ -160,7 +176,9 @@ class ModelSpec:
         return bool(self.recurrent_layers) and bool(self.attention_layers)
 
     def layout(self) -> list[str]:
-        return [k.value for k in self.layer_kinds]
+        """Each layer's mixers, `+`-joined when several (`"mamba+attention"`): one-mixer layers read
+        as they always have, so snapshots of those models stay compatible."""
+        return ["+".join(k.value for k in mixers) for mixers in self.layer_mixers]
 
 
 def _require(cfg: dict, name: str, arch: str, aliases: tuple[str, ...] = ()) -> Any:
@@ -185,6 +203,13 @@ def _json_float(value: Any) -> float:
 def _time_step_limit(cfg: dict) -> tuple[float, float]:
     limit = cfg.get("time_step_limit") or cfg.get("mamba_dt_limit") or (0.0, math.inf)
     return (_json_float(limit[0]), _json_float(limit[1]))
+
+
+Layers = tuple[tuple[LayerKind, ...], ...]
+
+
+def _one_mixer_each(kinds: tuple[LayerKind, ...]) -> Layers:
+    return tuple((kind,) for kind in kinds)
 
 
 def _layer_kinds(raw: list[str] | str, arch: str, linear: LayerKind = LayerKind.MAMBA) -> tuple[LayerKind, ...]:
@@ -253,7 +278,7 @@ def _parse_mamba2(cfg: dict, arch: str):
         time_step_limit=_time_step_limit(cfg),
     )
     _check_mamba_width(mamba, cfg, arch, "expand")
-    return (LayerKind.MAMBA,) * n, mamba, None
+    return _one_mixer_each((LayerKind.MAMBA,) * n), mamba, None
 
 
 def _parse_granite_or_bamba(cfg: dict, arch: str):
@@ -294,7 +319,7 @@ def _parse_granite_or_bamba(cfg: dict, arch: str):
             rotary_dim, theta = _rope(cfg, head_dim, 1.0) if uses_rope else (0, 10000.0)
             scaling = float(cfg.get("attention_multiplier", 1.0))
         attention = _attention(cfg, arch, scaling, rotary_dim, theta, head_dim, bool(cfg.get("attention_bias", False)))
-    return kinds, mamba, attention
+    return _one_mixer_each(kinds), mamba, attention
 
 
 def _parse_nemotron_h(cfg: dict, arch: str):
@@ -322,7 +347,7 @@ def _parse_nemotron_h(cfg: dict, arch: str):
         head_dim = cfg.get("head_dim") or _positive_int(cfg, "hidden_size", arch) // heads
         # transformers builds Nemotron-H's attention without biases, whatever attention_bias says
         attention = _attention(cfg, arch, None, 0, 10000.0, head_dim, bias=False)
-    return kinds, mamba, attention
+    return _one_mixer_each(kinds), mamba, attention
 
 
 _PARSERS = {
@@ -350,15 +375,15 @@ def parse_model_spec(cfg: dict, generation_config: dict | None = None, config_sh
     arch = (cfg.get("architectures") or [model_type])[0]
     if model_type not in _PARSERS:
         raise ConfigError(f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-    kinds, mamba, attention = _PARSERS[model_type](cfg, arch)
-    if not kinds:
+    layers, mamba, attention = _PARSERS[model_type](cfg, arch)
+    if not layers:
         raise ConfigError(f"{arch}: the model has no layers")
     return ModelSpec(
         architecture=arch,
         model_type=model_type,
         hidden_size=_positive_int(cfg, "hidden_size", arch),
         vocab_size=_positive_int(cfg, "vocab_size", arch),
-        layer_kinds=kinds,
+        layer_mixers=layers,
         mamba=mamba,
         attention=attention,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type == "mamba2")),
