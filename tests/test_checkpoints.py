@@ -16,8 +16,10 @@ LAYOUTS = {  # each layer's mixers
     "granite_rope": ((M,), (A,), (M,), (A,)),
     "nemotron": ((M,), (A,), (M,), (P,), (E,), (A,)),
     "bamba": ((M,), (A,), (M,), (A,)),
+    "falcon_h1": ((M, A),) * 3,
+    "falcon_h1_tied": ((M, A),) * 3,
 }
-TIED = {"mamba2_tied", "granite", "granite_rope"}
+TIED = {"mamba2_tied", "granite", "granite_rope", "falcon_h1_tied"}
 
 
 @pytest.fixture(scope="module", params=KINDS)

@@ -41,3 +41,27 @@ def test_a_missing_part_and_a_stray_tensor_are_errors(granite):
     stray = dict(tensors, **{"model.extra.weight": torch.zeros(2)})
     with pytest.raises(WeightLoadError, match="'model.extra.weight' has no place"):
         load_model_from_state_dict(spec, stray, torch.float32, torch.device("cpu"))
+
+
+def test_falcon_h1_multipliers_are_folded_into_the_loaded_projections_once(tmp_path):
+    path = write_checkpoint("falcon_h1", tmp_path)
+    spec, tensors = load_model_spec(path), load_file(path / "model.safetensors")
+    cfg = spec.config
+    block = load_model(spec, path, torch.float32, torch.device("cpu")).layers[1]
+    k_rows = slice(spec.attention.num_heads * spec.attention.head_dim, None)
+    key = tensors["model.layers.1.self_attn.k_proj.weight"] * cfg["attention_in_multiplier"] * cfg["key_multiplier"]
+    torch.testing.assert_close(block.mixer.attention.qkv_proj.weight[k_rows][: key.shape[0]], key)
+    dt = tensors["model.layers.1.mamba.in_proj.weight"][-spec.mamba.num_heads :] * cfg["ssm_in_multiplier"] * cfg["ssm_multipliers"][4]
+    torch.testing.assert_close(block.mixer.mamba.in_proj.weight[-spec.mamba.num_heads :], dt)
+    down = tensors["model.layers.1.feed_forward.down_proj.weight"] * cfg["mlp_multipliers"][1]
+    torch.testing.assert_close(block.ffn.down_proj.weight, down)
+
+
+def test_falcon_h1_multiplier_lists_of_the_wrong_length_are_refused(tmp_path):
+    from engram.models.falcon_h1 import FalconH1ForCausalLM
+    from engram.models.spec import ConfigError, parse_model_spec
+
+    spec = load_model_spec(write_checkpoint("falcon_h1", tmp_path))
+    bad = parse_model_spec(dict(spec.config, ssm_multipliers=[1.0, 2.0]))
+    with torch.device("meta"), pytest.raises(ConfigError, match=r"ssm_multipliers must be a list of 5 numbers, got \[1.0, 2.0\]"):
+        FalconH1ForCausalLM(bad)

@@ -44,7 +44,7 @@ def snapshot_info(http, conversation_id, turn):
     return r.json()
 
 
-@pytest.mark.parametrize("kind", ["mamba2", "nemotron"])
+@pytest.mark.parametrize("kind", ["mamba2", "nemotron", "falcon_h1"])
 def test_three_turns_across_a_restart_equal_one_request_over_the_history(kind, checkpoint_dir, tmp_path):
     path = checkpoint_dir(kind)
     with serving(path, tmp_path) as (srv, http):

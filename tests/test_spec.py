@@ -12,7 +12,7 @@ import torch
 from engram import LLM, SamplingParams
 from engram.engine.memory_planner import state_bytes_by_kind, state_bytes_per_seq
 from engram.engine.pools import KVPool, StatePool
-from engram.models.spec import ConfigError, LayerKind, StateRole, load_model_spec, parse_model_spec
+from engram.models.spec import ConfigError, GateNorm, LayerKind, StateRole, load_model_spec, parse_model_spec
 from engram.state.sequence_state import StateDtypes, expected_tensors
 
 CONFIGS = Path(__file__).parent / "data" / "configs"
@@ -33,6 +33,12 @@ def test_shared_configs_parse_to_the_published_layouts():
     codestral = load_model_spec(CONFIGS / "mamba-codestral-7b.json")
     assert codestral.layer_mixers == ((LayerKind.MAMBA,),) * 64 and codestral.attention is None
     assert codestral.mamba.conv_dim == 8192 + 2 * 8 * 128
+    falcon = load_model_spec(CONFIGS / "falcon-h1-7b-instruct.json")
+    assert falcon.layer_mixers == ((LayerKind.MAMBA, LayerKind.ATTENTION),) * 44
+    assert falcon.mamba.conv_state_shape == (3, 3072 + 2 * 256) and falcon.mamba.ssm_state_shape == (24, 128, 256)
+    assert falcon.mamba.gate_norm == GateNorm.NONE and falcon.mamba.chunk_size == 128
+    a = falcon.attention
+    assert (a.num_heads, a.num_kv_heads, a.head_dim, a.rotary_dim, a.rope_theta) == (12, 2, 128, 128, 1e11)
 
 
 def test_recurrent_layers_declare_their_state():
@@ -85,7 +91,8 @@ def test_old_and_new_layer_type_spellings_are_the_same_model():
 @pytest.mark.parametrize(
     "name,field",
     [("granite-4.0-h-tiny", "mamba_d_state"), ("granite-4.0-h-tiny", "mamba_n_heads"),
-     ("nemotron-3-nano-30b-a3b", "ssm_state_size"), ("mamba-codestral-7b", "head_dim"), ("mamba-codestral-7b", "conv_kernel")],
+     ("nemotron-3-nano-30b-a3b", "ssm_state_size"), ("mamba-codestral-7b", "head_dim"), ("mamba-codestral-7b", "conv_kernel"),
+     ("falcon-h1-7b-instruct", "mamba_d_ssm"), ("falcon-h1-7b-instruct", "mamba_d_state"), ("falcon-h1-7b-instruct", "mamba_d_conv")],
 )
 def test_a_recurrent_layer_missing_a_dimension_is_refused_naming_the_field(name, field):
     missing = config(name)
@@ -95,6 +102,29 @@ def test_a_recurrent_layer_missing_a_dimension_is_refused_naming_the_field(name,
     zero = dict(config(name), **{field: 0})
     with pytest.raises(ConfigError, match=field):
         parse_model_spec(zero)
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(mamba_d_head=100), r"mamba_n_heads \* mamba_d_head \(2400\) != the Mamba width mamba_d_ssm \(3072\)"),
+        (dict(mamba_d_ssm=None), r"mamba_n_heads \* mamba_d_head \(3072\) != the Mamba width mamba_d_ssm \(6144\)"),
+        (dict(hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
+        (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_type 'yarn' is not supported"),
+        (dict(mamba_n_groups=5), r"mamba heads \(24\) not divisible by n_groups \(5\)"),
+    ],
+)
+def test_a_falcon_h1_config_transformers_would_read_otherwise_is_refused(fields, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_model_spec(dict(config("falcon-h1-7b-instruct"), **fields))
+
+
+def test_falcon_h1_gate_norm_follows_its_flags():
+    read = [
+        parse_model_spec(dict(config("falcon-h1-7b-instruct"), mamba_rms_norm=norm, mamba_norm_before_gate=before)).mamba.gate_norm
+        for norm, before in ((False, True), (True, True), (True, False))
+    ]
+    assert read == [GateNorm.NONE, GateNorm.BEFORE_GATE, GateNorm.AFTER_GATE]
 
 
 def test_unknown_model_type_and_layer_type_are_refused():

@@ -56,6 +56,9 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList()
         self.norm: RMSNorm
 
+    def after_load(self) -> None:
+        """Called once the checkpoint's weights are in place (Falcon-H1 folds its multipliers into them)."""
+
     def tie_weights(self) -> None:
         """Share the embedding with the LM head (again after `to_empty`, which unties them)."""
         if self.spec.tie_word_embeddings:
