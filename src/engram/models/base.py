@@ -25,19 +25,14 @@ RenameRules = list[tuple[str, str]]
 WeightPlace = tuple[str, int | slice | None]
 
 
-def mixer_module(spec: ModelSpec, kind: LayerKind, index: int) -> nn.Module:
-    """Layer `index`'s token mixer of `kind`: Mamba2 or attention."""
+def sequence_mixer(spec: ModelSpec, index: int) -> nn.Module:
+    """The token mixer of a layer that has one: Mamba2 or attention."""
+    (kind,) = spec.mixers(index)
     if kind == LayerKind.MAMBA:
         assert spec.mamba is not None, "a Mamba layer's spec has its dimensions"
         return Mamba2Mixer(spec.mamba, spec.hidden_size, index)
     assert kind == LayerKind.ATTENTION and spec.attention is not None, f"{kind.value} is no sequence mixer with dimensions"
     return Attention(spec.attention, spec.hidden_size, index)
-
-
-def sequence_mixer(spec: ModelSpec, index: int) -> nn.Module:
-    """The token mixer of a layer that has one (a recurrent or attention layer)."""
-    (kind,) = spec.mixers(index)
-    return mixer_module(spec, kind, index)
 
 
 class CausalLM(nn.Module):
