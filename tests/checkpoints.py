@@ -20,6 +20,8 @@ from engram.models.byte_tokenizer import BOS, EOS, PAD, build_byte_tokenizer
 from engram.models.embedded import randomize_decisively
 
 _MAMBA = dict(n_groups=2, state_size=12, conv_kernel=4, chunk_size=8)
+_MAMBA_PREFIXED = dict(mamba_n_groups=_MAMBA["n_groups"], mamba_d_state=_MAMBA["state_size"], mamba_d_conv=_MAMBA["conv_kernel"],
+                       mamba_chunk_size=_MAMBA["chunk_size"])  # Granite's and Falcon-H1's names
 _GRANITE: dict[str, Any] = dict(
     vocab_size=272,
     hidden_size=48,
@@ -38,11 +40,36 @@ _GRANITE: dict[str, Any] = dict(
     logits_scaling=0.5,
     mamba_n_heads=4,
     mamba_d_head=24,
-    mamba_n_groups=_MAMBA["n_groups"],
-    mamba_d_state=_MAMBA["state_size"],
-    mamba_d_conv=_MAMBA["conv_kernel"],
-    mamba_chunk_size=_MAMBA["chunk_size"],
+    **_MAMBA_PREFIXED,
     tie_word_embeddings=True,
+)
+
+# Mamba2 beside attention in every layer. Mamba's width (mamba_d_ssm 72) is not expand x hidden;
+# every multiplier differs from 1, and each scales a different part of a projection's output.
+_FALCON_H1: dict[str, Any] = dict(
+    vocab_size=276,
+    hidden_size=48,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=56,
+    mamba_d_ssm=72,
+    mamba_n_heads=6,
+    mamba_d_head=12,
+    **_MAMBA_PREFIXED,
+    mamba_rms_norm=True,
+    mamba_norm_before_gate=True,
+    embedding_multiplier=1.7,
+    lm_head_multiplier=0.6,
+    attention_in_multiplier=0.8,
+    attention_out_multiplier=1.3,
+    key_multiplier=0.55,
+    ssm_in_multiplier=1.2,
+    ssm_out_multiplier=0.7,
+    ssm_multipliers=[0.9, 1.3, 0.6, 1.4, 0.8],
+    mlp_multipliers=[0.75, 1.25],
+    rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
+    tie_word_embeddings=False,
 )
 
 _CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -74,6 +101,9 @@ _CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
              mamba_d_head=16, mamba_expand=2, mamba_n_groups=2, mamba_d_state=12, mamba_d_conv=4,
              mamba_chunk_size=8, tie_word_embeddings=False),
     ),
+    "falcon_h1": ("FalconH1Config", _FALCON_H1),
+    # tied, one KV head, no norm in the Mamba mixer (its output is y * silu(z))
+    "falcon_h1_tied": ("FalconH1Config", dict(_FALCON_H1, tie_word_embeddings=True, num_key_value_heads=1, mamba_rms_norm=False)),
 }
 
 KINDS: tuple[str, ...] = tuple(_CONFIGS)

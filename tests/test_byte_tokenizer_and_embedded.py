@@ -5,7 +5,7 @@ import torch
 
 from engram.models.byte_tokenizer import EOS, SPECIAL_TOKENS, build_byte_tokenizer, save_byte_tokenizer
 from engram.models.embedded import EMBEDDED_MODEL_NAME, ensure_embedded_model
-from engram.models.spec import LayerKind, load_model_spec
+from engram.models.spec import load_model_spec
 
 TEXTS = [
     "",
@@ -108,7 +108,7 @@ def test_embedded_model_is_deterministic_and_reused(tmp_path, monkeypatch):
 
     spec = load_model_spec(first)
     assert spec.model_type == "granitemoehybrid" and spec.is_hybrid
-    assert spec.layer_kinds == (LayerKind.MAMBA, LayerKind.ATTENTION, LayerKind.MAMBA, LayerKind.MAMBA)
+    assert spec.layout() == ["mamba", "attention", "mamba", "mamba"]
     assert spec.eos_token_ids == (258,)
     assert spec.vocab_size % 8 == 0 and spec.vocab_size >= 263 and spec.tie_word_embeddings
 

@@ -9,15 +9,17 @@ from checkpoints import KINDS, write_checkpoint
 from engram.models.spec import LayerKind, load_model_spec
 
 M, A, P, E = LayerKind.MAMBA, LayerKind.ATTENTION, LayerKind.MLP, LayerKind.MOE
-LAYOUTS = {
-    "mamba2": (M, M, M),
-    "mamba2_tied": (M, M, M),
-    "granite": (M, A, M, A),
-    "granite_rope": (M, A, M, A),
-    "nemotron": (M, A, M, P, E, A),
-    "bamba": (M, A, M, A),
+LAYOUTS = {  # each layer's mixers
+    "mamba2": ((M,), (M,), (M,)),
+    "mamba2_tied": ((M,), (M,), (M,)),
+    "granite": ((M,), (A,), (M,), (A,)),
+    "granite_rope": ((M,), (A,), (M,), (A,)),
+    "nemotron": ((M,), (A,), (M,), (P,), (E,), (A,)),
+    "bamba": ((M,), (A,), (M,), (A,)),
+    "falcon_h1": ((M, A),) * 3,
+    "falcon_h1_tied": ((M, A),) * 3,
 }
-TIED = {"mamba2_tied", "granite", "granite_rope"}
+TIED = {"mamba2_tied", "granite", "granite_rope", "falcon_h1_tied"}
 
 
 @pytest.fixture(scope="module", params=KINDS)
@@ -34,7 +36,7 @@ def test_checkpoint_loads_and_is_decisive(checkpoint):
 
     kind, path = checkpoint
     spec = load_model_spec(path)
-    assert spec.layer_kinds == LAYOUTS[kind]
+    assert spec.layer_mixers == LAYOUTS[kind]
     assert spec.tie_word_embeddings == (kind in TIED)
     assert spec.mamba.n_groups == 2 and spec.mamba.chunk_size == 8
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
@@ -67,6 +69,6 @@ def test_seed_and_overrides(tmp_path):
     b = write_checkpoint("bamba", tmp_path / "b", seed=3, num_hidden_layers=2, attn_layer_indices=[1])
     c = write_checkpoint("bamba", tmp_path / "c", seed=4, num_hidden_layers=2, attn_layer_indices=[1])
     assert json.loads((a / "config.json").read_text())["num_hidden_layers"] == 2
-    assert load_model_spec(a).layer_kinds == (M, A)
+    assert load_model_spec(a).layer_mixers == ((M,), (A,))
     weights = [(p / "model.safetensors").read_bytes() for p in (a, b, c)]
     assert weights[0] == weights[1] != weights[2]

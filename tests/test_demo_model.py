@@ -13,7 +13,7 @@ from test_byte_tokenizer_and_embedded import TEXTS
 
 import engram.models.builtin as builtin
 from engram import LLM
-from engram.models.spec import ConfigError, LayerKind, load_model_spec
+from engram.models.spec import ConfigError, load_model_spec
 
 
 @pytest.fixture(scope="module")
@@ -26,8 +26,8 @@ def demo_tokenizer(demo_checkpoint):
 def test_smoke_run_writes_a_checkpoint_that_the_engine_serves_as_transformers_does(demo_checkpoint, demo_tokenizer, hf_model):
     path, _ = demo_checkpoint
     spec = load_model_spec(path)
-    assert spec.model_type == "granitemoehybrid" and spec.layer_kinds.count(LayerKind.MAMBA) == 3
-    assert spec.layer_kinds.count(LayerKind.ATTENTION) == 1
+    assert spec.model_type == "granitemoehybrid" and len(spec.mamba_layers) == 3
+    assert len(spec.attention_layers) == 1
     assert spec.eos_token_ids == (demo_tokenizer.eos_token_id,)
     prompt = demo_tokenizer.apply_chat_template([{"role": "user", "content": "def add(a, b):"}], add_generation_prompt=True, return_dict=False)
     assert_greedy_matches_transformers(make_engine(str(path)), hf_model(str(path)), list(prompt), 12)

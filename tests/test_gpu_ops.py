@@ -597,7 +597,7 @@ def _greedy_run(path: str, fast: bool, graphs: bool, dtype: str, prompts: list[l
 
 
 @needs_cuda
-@pytest.mark.parametrize("kind", ["granite", "mamba2", "nemotron", "bamba", "granite_rope"])
+@pytest.mark.parametrize("kind", ["granite", "mamba2", "nemotron", "bamba", "granite_rope", "falcon_h1", "falcon_h1_tied"])
 def test_greedy_tokens_fast_path_equal_reference(kind, checkpoint_dir):
     from engine_utils import random_prompt
 

@@ -33,6 +33,7 @@ CONFIGS = Path(__file__).parent / "data" / "configs"
 NEMOTRON = CONFIGS / "nemotron-3-nano-30b-a3b.json"
 GRANITE = CONFIGS / "granite-4.0-h-tiny.json"
 CODESTRAL = CONFIGS / "mamba-codestral-7b.json"
+FALCON_H1 = CONFIGS / "falcon-h1-7b-instruct.json"
 
 F32, BF16 = 4, 2
 # float32 SSM state, bfloat16 conv state and KV (the defaults for these bfloat16 checkpoints)
@@ -67,11 +68,21 @@ def _codestral_params() -> int:
     return 2 * v * h + h + 64 * layer
 
 
+def _falcon_h1_params() -> int:
+    h, v = 3072, 130048
+    mamba = h * (2 * 3072 + 2 * 256 + 24) + 3584 * 4 + 3584 + 3 * 24 + 3072 * h  # no norm (mamba_rms_norm false)
+    attention = h * 12 * 128 + 2 * h * 2 * 128 + 12 * 128 * h
+    layer = 2 * h + mamba + attention + 3 * h * 12288  # norms, both mixers, gated MLP
+    return 2 * v * h + h + 44 * layer
+
+
 FIGURES = {
     # config: (state bytes per sequence, KV bytes per token, parameters)
     NEMOTRON: (_state(23, 64, 64, 128, 8), 2 * 6 * 2 * 128 * BF16, _nemotron_params()),
     GRANITE: (_state(36, 48, 64, 128, 1), 2 * 4 * 4 * 128 * BF16, _granite_params()),
     CODESTRAL: (_state(64, 128, 64, 128, 8), 0, _codestral_params()),
+    # every layer keeps a Mamba2 state and KV
+    FALCON_H1: (_state(44, 24, 128, 256, 1), 2 * 44 * 2 * 128 * BF16, _falcon_h1_params()),
 }
 
 
@@ -97,6 +108,9 @@ def test_pinned_figures() -> None:
     assert _nemotron_params() == 31_577_940_288
     assert _granite_params() == 6_939_037_248
     assert _codestral_params() == 7_285_403_648
+    assert _falcon_h1_params() == 7_585_513_568
+    falcon = load_model_spec(FALCON_H1)
+    assert state_bytes_by_kind(falcon, DEFAULT_DTYPES) == {"mamba.conv": 44 * 3 * 3584 * BF16, "mamba.ssm": 44 * 24 * 128 * 256 * F32}
 
 
 def test_scratch_formula() -> None:

@@ -30,6 +30,21 @@ def test_loads_sharded_checkpoint(kind, checkpoint_dir, hf_model, tmp_path):
 
 
 @pytest.mark.parametrize(
+    "kind, overrides",
+    [
+        ("falcon_h1", dict(mamba_norm_before_gate=False)),  # the Mamba norm after the gate, as Mamba2's
+        ("falcon_h1", dict(num_key_value_heads=4)),  # as many KV heads as query heads
+        # an attention head_dim other than hidden / heads; the Mamba width from mamba_expand x hidden
+        ("falcon_h1_tied", dict(head_dim=20, mamba_d_ssm=None, mamba_d_head="auto")),
+    ],
+)
+def test_shape_variants_match_transformers(kind, overrides, hf_model, tmp_path):
+    path = str(write_checkpoint(kind, tmp_path, **overrides))
+    tokens = assert_greedy_matches_transformers(make_engine(path), hf_model(path), random_prompt(29, seed=5), 32)  # no pad id (0) in it
+    assert len(set(tokens)) > 3
+
+
+@pytest.mark.parametrize(
     "kind, flags, proj_bias, attention_bias",
     [
         ("granite", dict(attention_bias=True, mamba_proj_bias=True), True, True),
@@ -38,6 +53,8 @@ def test_loads_sharded_checkpoint(kind, checkpoint_dir, hf_model, tmp_path):
         ("nemotron", dict(attention_bias=True), False, False),
         ("nemotron", dict(use_bias=True), True, False),
         ("nemotron", dict(mamba_proj_bias=True), False, False),
+        # every bias Falcon-H1 has; the multipliers scale them too (the key's bias by key_multiplier)
+        ("falcon_h1", dict(attention_bias=True, mamba_proj_bias=True, projectors_bias=True, mlp_bias=True), True, True),
     ],
 )
 def test_bias_flags_read_as_transformers(kind, flags, proj_bias, attention_bias, hf_model, tmp_path):

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engram.ops import attention, conv, moe, norm, rotary, ssd
+from engram.ops import activation, attention, conv, moe, norm, rotary, ssd
 
 
 def _ssd_inputs(length: int, heads=4, head_dim=3, groups=2, n=5, seed=0):
@@ -137,6 +137,21 @@ def test_gated_rms_norm_groups():
     h = (x * F.silu(z)).view(3, 3, 4)
     ref = (h / h.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt()).view(3, 12) * w
     torch.testing.assert_close(out, ref)
+
+
+@pytest.mark.parametrize("norm_before_gate", [True, False])
+def test_falcon_h1_output_norms_match_transformers(norm_before_gate):
+    from transformers.models.falcon_h1.modeling_falcon_h1 import FalconH1RMSNormGated
+
+    g = torch.Generator().manual_seed(1)
+    y, z = torch.randn(5, 12, generator=g), torch.randn(5, 12, generator=g)
+    ref = FalconH1RMSNormGated(12, eps=1e-5, n_groups=3, norm_before_gate=norm_before_gate)
+    with torch.no_grad():
+        ref.weight.copy_(torch.rand(12, generator=g) + 0.5)
+        expected = ref(y[:, None], z[:, None])[:, 0]
+    op = norm.norm_then_gate if norm_before_gate else norm.gated_rms_norm
+    torch.testing.assert_close(op(y, z, ref.weight.detach(), 1e-5, 4, torch.float32), expected)
+    torch.testing.assert_close(activation.silu_gate(y, z, torch.bfloat16), (y * F.silu(z)).to(torch.bfloat16))
 
 
 def test_rotary_partial_matches_transformers():

@@ -11,7 +11,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from engram.models.spec import parse_model_spec
+from engram.models.spec import LayerKind, ModelSpec, parse_model_spec
 from engram.state import identity, snapshot
 from engram.state.identity import ModelIdentity, tokenizer_fingerprint, weights_fingerprint
 from engram.state.sequence_state import SequenceState, StateDtypes, expected_tensors
@@ -53,13 +53,13 @@ MODEL = ModelIdentity(SPEC.architecture, SPEC.config_sha256, "f" * 64)
 TOKENIZER = "7" * 64
 
 
-def random_state(n_tokens: int = 10, state_len: int | None = None, seed: int = 0) -> SequenceState:
+def random_state(n_tokens: int = 10, state_len: int | None = None, seed: int = 0, spec: ModelSpec = SPEC) -> SequenceState:
     g = torch.Generator().manual_seed(seed)
     state_len = n_tokens - 1 if state_len is None else state_len
     tokens = torch.randint(0, SPEC.vocab_size, (n_tokens,), generator=g).tolist()
     tensors = {
         name: torch.randn(shape, generator=g).to(dtype)
-        for name, (shape, dtype) in expected_tensors(SPEC, DTYPES, state_len).items()
+        for name, (shape, dtype) in expected_tensors(spec, DTYPES, state_len).items()
     }
     return SequenceState(tokens, state_len, tensors)
 
@@ -145,6 +145,23 @@ def test_load_refuses_another_layer_layout(tmp_path):
     other = parse_model_spec({**CONFIG, "hybrid_override_pattern": "MM*"}, config_sha256=SPEC.config_sha256)
     with pytest.raises(SnapshotIncompatibleError, match="layer layout"):
         load(save(tmp_path), spec=other)
+
+
+def test_a_layer_of_two_mixers_round_trips_and_needs_the_state_of_both(tmp_path):
+    """Falcon-H1's layout (Mamba2 beside attention in each layer) in the same format: a layout of
+    its own, and every layer's conv, SSM and KV required."""
+    both = dataclasses.replace(SPEC, layer_mixers=((LayerKind.MAMBA, LayerKind.ATTENTION),) * 3)
+    state = random_state(spec=both)
+    path = save_snapshot(tmp_path, state, SnapshotMeta(conversation_id="c", turn=1), both, DTYPES, MODEL, TOKENIZER)
+    loaded, manifest = load(path, spec=both)
+    assert manifest["layout"] == ["mamba+attention"] * 3 and manifest["format"] == "engram-state/1"
+    assert all(torch.equal(loaded.tensors[name], t) for name, t in state.tensors.items())
+    assert {"layers.1.ssm", "layers.1.k"} <= loaded.tensors.keys()
+    with pytest.raises(SnapshotIncompatibleError, match="layer layout"):
+        load(path)  # the model of one mixer per layer
+    rewrite(path, lambda t: t.pop("layers.1.ssm"))
+    with pytest.raises(SnapshotCorruptError, match="lacks tensors: layers.1.ssm"):
+        load(path, spec=both)
 
 
 def test_load_refuses_other_state_dtypes(tmp_path):

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from engram import LLM, SamplingParams
-from engram.models.spec import ConfigError, LayerKind, StateRole, load_model_spec, parse_model_spec
+from engram.engine.memory_planner import state_bytes_by_kind, state_bytes_per_seq
+from engram.engine.pools import KVPool, StatePool
+from engram.models.spec import ConfigError, GateNorm, LayerKind, StateRole, load_model_spec, parse_model_spec
+from engram.state.sequence_state import StateDtypes, expected_tensors
 
 CONFIGS = Path(__file__).parent / "data" / "configs"
 
@@ -26,8 +31,14 @@ def test_shared_configs_parse_to_the_published_layouts():
     assert nemotron.layout().count("mamba") == 23 and nemotron.layout().count("attention") == 6
     assert nemotron.layout().count("moe") == 23 and nemotron.attention.num_kv_heads == 2
     codestral = load_model_spec(CONFIGS / "mamba-codestral-7b.json")
-    assert codestral.layer_kinds == (LayerKind.MAMBA,) * 64 and codestral.attention is None
+    assert codestral.layer_mixers == ((LayerKind.MAMBA,),) * 64 and codestral.attention is None
     assert codestral.mamba.conv_dim == 8192 + 2 * 8 * 128
+    falcon = load_model_spec(CONFIGS / "falcon-h1-7b-instruct.json")
+    assert falcon.layer_mixers == ((LayerKind.MAMBA, LayerKind.ATTENTION),) * 44
+    assert falcon.mamba.conv_state_shape == (3, 3072 + 2 * 256) and falcon.mamba.ssm_state_shape == (24, 128, 256)
+    assert falcon.mamba.gate_norm == GateNorm.NONE and falcon.mamba.chunk_size == 128
+    a = falcon.attention
+    assert (a.num_heads, a.num_kv_heads, a.head_dim, a.rotary_dim, a.rope_theta) == (12, 2, 128, 128, 1e11)
 
 
 def test_recurrent_layers_declare_their_state():
@@ -41,22 +52,47 @@ def test_recurrent_layers_declare_their_state():
     assert spec.state_tensors(spec.attention_layers[0]) == ()
 
 
+def test_a_layer_of_two_mixers_keeps_the_state_of_both():
+    """Mamba2 beside attention in every layer (Falcon-H1's shape): each layer declares its conv and
+    SSM state and has KV, and everything sized from the spec follows from that."""
+    one_each = parse_model_spec(config("granite-4.0-h-tiny"))
+    n = one_each.num_layers
+    both = dataclasses.replace(one_each, layer_mixers=((LayerKind.MAMBA, LayerKind.ATTENTION),) * n)
+    assert both.mamba_layers == both.attention_layers == both.recurrent_layers == list(range(n))
+    assert both.layout() == ["mamba+attention"] * n and both.is_hybrid
+    assert both.state_tensors(7) == one_each.state_tensors(one_each.mamba_layers[0])
+    dtypes = StateDtypes(conv=torch.float32, ssm=torch.float32, kv=torch.float32)
+    names = expected_tensors(both, dtypes, 3)
+    assert set(names) == {f"layers.{i}.{t}" for i in range(n) for t in ("conv", "ssm", "k", "v")}
+    kv_heads, head_dim = both.attention.num_kv_heads, both.attention.head_dim
+    assert names["layers.5.k"] == ((3, kv_heads, head_dim), torch.float32)
+    mamba_only = state_bytes_by_kind(one_each, dtypes)
+    assert state_bytes_by_kind(both, dtypes) == {key: nbytes // 36 * n for key, nbytes in mamba_only.items()}
+    assert state_bytes_per_seq(both, dtypes) == sum(state_bytes_by_kind(both, dtypes).values())
+    small = dataclasses.replace(both, layer_mixers=both.layer_mixers[:2])
+    state_pool, kv_pool = StatePool(small, 2, dtypes, torch.device("cpu")), KVPool(small, 4, 16, torch.float32, torch.device("cpu"))
+    assert state_pool.of(1, "ssm").shape == (2, *both.mamba.ssm_state_shape) and sorted(kv_pool.k) == [0, 1]
+    with pytest.raises(ConfigError, match=r"layer 0's mixers mamba\+mamba declare the same state twice"):
+        dataclasses.replace(one_each, layer_mixers=((LayerKind.MAMBA, LayerKind.MAMBA),) * n)
+
+
 def test_old_and_new_layer_type_spellings_are_the_same_model():
     old = config("granite-4.0-h-tiny")
     new = dict(old, layer_types=["linear_attention" if t == "mamba" else "full_attention" for t in old["layer_types"]])
-    assert parse_model_spec(old).layer_kinds == parse_model_spec(new).layer_kinds
+    assert parse_model_spec(old).layer_mixers == parse_model_spec(new).layer_mixers
     pattern = config("nemotron-3-nano-30b-a3b")
     listed = dict(pattern)
     del listed["hybrid_override_pattern"]
     names = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
     listed["layers_block_type"] = [names[c] for c in pattern["hybrid_override_pattern"]]
-    assert parse_model_spec(pattern).layer_kinds == parse_model_spec(listed).layer_kinds
+    assert parse_model_spec(pattern).layer_mixers == parse_model_spec(listed).layer_mixers
 
 
 @pytest.mark.parametrize(
     "name,field",
     [("granite-4.0-h-tiny", "mamba_d_state"), ("granite-4.0-h-tiny", "mamba_n_heads"),
-     ("nemotron-3-nano-30b-a3b", "ssm_state_size"), ("mamba-codestral-7b", "head_dim"), ("mamba-codestral-7b", "conv_kernel")],
+     ("nemotron-3-nano-30b-a3b", "ssm_state_size"), ("mamba-codestral-7b", "head_dim"), ("mamba-codestral-7b", "conv_kernel"),
+     ("falcon-h1-7b-instruct", "mamba_d_ssm"), ("falcon-h1-7b-instruct", "mamba_d_state"), ("falcon-h1-7b-instruct", "mamba_d_conv")],
 )
 def test_a_recurrent_layer_missing_a_dimension_is_refused_naming_the_field(name, field):
     missing = config(name)
@@ -66,6 +102,29 @@ def test_a_recurrent_layer_missing_a_dimension_is_refused_naming_the_field(name,
     zero = dict(config(name), **{field: 0})
     with pytest.raises(ConfigError, match=field):
         parse_model_spec(zero)
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(mamba_d_head=100), r"mamba_n_heads \* mamba_d_head \(2400\) != the Mamba width mamba_d_ssm \(3072\)"),
+        (dict(mamba_d_ssm=None), r"mamba_n_heads \* mamba_d_head \(3072\) != the Mamba width mamba_d_ssm \(6144\)"),
+        (dict(hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
+        (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_type 'yarn' is not supported"),
+        (dict(mamba_n_groups=5), r"mamba heads \(24\) not divisible by n_groups \(5\)"),
+    ],
+)
+def test_a_falcon_h1_config_transformers_would_read_otherwise_is_refused(fields, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_model_spec(dict(config("falcon-h1-7b-instruct"), **fields))
+
+
+def test_falcon_h1_gate_norm_follows_its_flags():
+    read = [
+        parse_model_spec(dict(config("falcon-h1-7b-instruct"), mamba_rms_norm=norm, mamba_norm_before_gate=before)).mamba.gate_norm
+        for norm, before in ((False, True), (True, True), (True, False))
+    ]
+    assert read == [GateNorm.NONE, GateNorm.BEFORE_GATE, GateNorm.AFTER_GATE]
 
 
 def test_unknown_model_type_and_layer_type_are_refused():

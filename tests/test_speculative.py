@@ -18,7 +18,7 @@ from engram.engine.spec_config import SpeculativeConfig
 from engram.ops import verify
 from engram.ops.dispatch import kernels, use_kernels
 
-ARCHS = ["mamba2", "granite", "nemotron", "bamba"]
+ARCHS = ["mamba2", "granite", "nemotron", "bamba", "falcon_h1"]
 K = 3
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, "prompt_lookup_max": 3})
 # mixed lengths, some repeating (prompt lookup finds drafts), one longer than a mamba chunk

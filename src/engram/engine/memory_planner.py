@@ -74,16 +74,14 @@ def _total_bytes(spec: ModelSpec, dtypes: StateDtypes, state_len: int) -> int:
 
 
 def state_bytes_by_kind(spec: ModelSpec, dtypes: StateDtypes) -> dict[str, int]:
-    """Fixed per-sequence state bytes keyed `<layer kind>.<tensor>`, e.g. `mamba.ssm`.
-
-    Taken from a state of length 0, where attention KV is empty and so drops out.
-    """
+    """Fixed per-sequence state bytes keyed `<mixer kind>.<tensor>`, e.g. `mamba.ssm`: what each
+    layer's mixers declare (attention KV grows with the length and is not in it)."""
     out: dict[str, int] = {}
-    for name, (shape, dtype) in expected_tensors(spec, dtypes, 0).items():
-        _, index, tensor = name.split(".")
-        if nbytes := _nbytes(shape, dtype):
-            key = f"{spec.layer_kinds[int(index)].value}.{tensor}"
-            out[key] = out.get(key, 0) + nbytes
+    for layer in range(spec.num_layers):
+        for kind in spec.mixers(layer):
+            for t in spec.mixer_state_tensors(kind):
+                key = f"{kind.value}.{t.suffix}"
+                out[key] = out.get(key, 0) + _nbytes(t.shape, dtypes.of(t.role))
     return out
 
 

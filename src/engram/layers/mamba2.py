@@ -7,11 +7,14 @@ from torch import nn
 
 from engram.engine.forward_batch import ForwardBatch
 from engram.layers.linear import Linear
-from engram.models.spec import MambaSpec
+from engram.models.spec import GateNorm, MambaSpec
 from engram.ops.dispatch import kernels
 
 
 class Mamba2Mixer(nn.Module):
+    """`spec.gate_norm` says how the scan output meets the gate; Mamba2's own (norm after the gate)
+    has a fused decode op, the others take the state update and the gate as two ops."""
+
     def __init__(self, spec: MambaSpec, hidden_size: int, layer_index: int):
         super().__init__()
         self.spec = spec
@@ -23,8 +26,9 @@ class Mamba2Mixer(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(spec.num_heads))
         self.D = nn.Parameter(torch.ones(spec.num_heads))
         self.norm = nn.Module()
-        self.norm.weight = nn.Parameter(torch.ones(d_in))
-        self.out_proj = Linear(d_in, hidden_size, bias=spec.proj_bias)
+        if spec.gate_norm != GateNorm.NONE:
+            self.norm.weight = nn.Parameter(torch.ones(d_in))
+        self.out_proj = Linear(d_in, hidden_size, bias=spec.out_bias)
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         s, k = self.spec, kernels()
@@ -52,12 +56,14 @@ class Mamba2Mixer(nn.Module):
         x, B, C = xbc.split([s.intermediate_size, groups * n, groups * n], dim=-1)
         x = x.reshape(-1, heads, head_dim)
         B, C = B.reshape(-1, groups, n), C.reshape(-1, groups, n)
-        if batch.is_decode:
+        if batch.is_decode and s.gate_norm == GateNorm.AFTER_GATE:
             return k.ssd_state_update_norm_linear(
                 ssm_pool, slots, x, dt, self.dt_bias, s.time_step_limit, self.A_log, B, C, self.D, gate, self.norm.weight,
                 s.norm_eps, s.intermediate_size // groups, self.out_proj.weight, self.out_proj.bias,
             )
-        if batch.verify is not None:
+        if batch.is_decode:
+            y = k.ssd_state_update(ssm_pool, slots, x, dt, self.dt_bias, s.time_step_limit, self.A_log, B, C, self.D)
+        elif batch.verify is not None:
             y = k.ssd_verify(x, dt, self.dt_bias, s.time_step_limit, self.A_log, B, C, self.D, batch.seq_lens, ssm_pool, slots,
                              batch.verify.ssm[self.layer_index])
         else:
@@ -65,7 +71,11 @@ class Mamba2Mixer(nn.Module):
                 x, dt, self.dt_bias, s.time_step_limit, self.A_log, B, C, self.D, s.chunk_size, batch.seq_lens, ssm_pool, slots,
                 batch.cu_seqlens,
             )
-        y = k.gated_rms_norm(
-            y.reshape(-1, s.intermediate_size), gate, self.norm.weight, s.norm_eps, s.intermediate_size // groups, hidden.dtype
-        )
-        return self.out_proj(y)
+        return self.out_proj(self._gate(y.reshape(-1, s.intermediate_size), gate, hidden.dtype))
+
+    def _gate(self, y: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        s, k = self.spec, kernels()
+        if s.gate_norm == GateNorm.NONE:
+            return k.silu_gate(y, gate, dtype)
+        norm = k.gated_rms_norm if s.gate_norm == GateNorm.AFTER_GATE else k.norm_then_gate
+        return norm(y, gate, self.norm.weight, s.norm_eps, s.intermediate_size // s.n_groups, dtype)

@@ -26,11 +26,12 @@ WeightPlace = tuple[str, int | slice | None]
 
 
 def sequence_mixer(spec: ModelSpec, index: int) -> nn.Module:
-    """The token mixer of a recurrent or attention layer: Mamba2 or attention."""
-    if spec.layer_kinds[index] == LayerKind.MAMBA:
+    """The token mixer of a layer that has one: Mamba2 or attention."""
+    (kind,) = spec.mixers(index)
+    if kind == LayerKind.MAMBA:
         assert spec.mamba is not None, "a Mamba layer's spec has its dimensions"
         return Mamba2Mixer(spec.mamba, spec.hidden_size, index)
-    assert spec.attention is not None, "an attention layer's spec has its dimensions"
+    assert kind == LayerKind.ATTENTION and spec.attention is not None, f"{kind.value} is no sequence mixer with dimensions"
     return Attention(spec.attention, spec.hidden_size, index)
 
 
@@ -49,6 +50,9 @@ class CausalLM(nn.Module):
         self.tie_weights()
         self.layers = nn.ModuleList()
         self.norm: RMSNorm
+
+    def after_load(self) -> None:
+        """Called once the checkpoint's weights are in place (Falcon-H1 folds its multipliers into them)."""
 
     def tie_weights(self) -> None:
         """Share the embedding with the LM head (again after `to_empty`, which unties them)."""

@@ -70,6 +70,7 @@ def _fill(model: CausalLM, spec: ModelSpec, tensors: Iterable[tuple[str, str, Ca
     missing = [partly.get(name, name) for name in sorted(set(params) - loaded)]
     if missing:
         raise WeightLoadError(f"checkpoint lacks weights: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+    model.after_load()
     return model.eval()
 
 

@@ -22,7 +22,7 @@ class NemotronHBlock(nn.Module):
     def __init__(self, spec: ModelSpec, index: int):
         super().__init__()
         cfg = spec.config
-        kind = spec.layer_kinds[index]
+        (kind,) = spec.mixers(index)
         self.kind = kind
         self.input_norm = RMSNorm(spec.hidden_size, float(cfg.get("layer_norm_epsilon", 1e-5)), weight_in_fp32=True)
         act = _ACTIVATIONS[cfg.get("mlp_hidden_act", "relu2")]

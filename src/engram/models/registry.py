@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from engram.models.bamba import BambaForCausalLM
 from engram.models.base import CausalLM
+from engram.models.falcon_h1 import FalconH1ForCausalLM
 from engram.models.granitemoehybrid import GraniteMoeHybridForCausalLM
 from engram.models.mamba2 import Mamba2ForCausalLM
 from engram.models.nemotron_h import NemotronHForCausalLM
@@ -14,6 +15,7 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "granitemoehybrid": GraniteMoeHybridForCausalLM,
     "nemotron_h": NemotronHForCausalLM,
     "bamba": BambaForCausalLM,
+    "falcon_h1": FalconH1ForCausalLM,
 }
 
 

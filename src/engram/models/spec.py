@@ -59,6 +59,14 @@ _LAYER_KIND_ALIASES = {
 }
 
 
+class GateNorm(str, Enum):
+    """How a Mamba2 mixer's scan output y meets its gate z before the output projection."""
+
+    AFTER_GATE = "after_gate"  # rms_norm(y * silu(z)): Mamba2, Granite, Bamba, Nemotron-H
+    BEFORE_GATE = "before_gate"  # rms_norm(y) * silu(z): Falcon-H1 with mamba_norm_before_gate
+    NONE = "none"  # y * silu(z), no norm: Falcon-H1 without mamba_rms_norm
+
+
 @dataclass(frozen=True)
 class MambaSpec:
     """Shapes of one Mamba2 mixer (all Mamba2 layers of a model share them)."""
@@ -73,6 +81,12 @@ class MambaSpec:
     proj_bias: bool
     norm_eps: float
     time_step_limit: tuple[float, float] = (0.0, math.inf)
+    gate_norm: GateNorm = GateNorm.AFTER_GATE
+    out_proj_bias: bool | None = None  # None: as proj_bias (Falcon-H1 has a flag of its own)
+
+    @property
+    def out_bias(self) -> bool:
+        return self.proj_bias if self.out_proj_bias is None else self.out_proj_bias
 
     @property
     def intermediate_size(self) -> int:
@@ -115,7 +129,9 @@ class ModelSpec:
     model_type: str
     hidden_size: int
     vocab_size: int
-    layer_kinds: tuple[LayerKind, ...]
+    # Each layer's mixers: one for most architectures, several run side by side (Falcon-H1:
+    # Mamba2 and attention) whose state the layer keeps together.
+    layer_mixers: tuple[tuple[LayerKind, ...], ...]
     mamba: MambaSpec | None
     attention: AttentionSpec | None
     tie_word_embeddings: bool
@@ -125,15 +141,28 @@ class ModelSpec:
     config: dict[str, Any] = field(repr=False, compare=False)
     config_sha256: str = ""
 
+    def __post_init__(self) -> None:
+        for i in range(self.num_layers):  # the mixers of a layer share its snapshot names `layers.<i>.*`
+            names = [t.suffix for t in self.state_tensors(i)] + (["k", "v"] if LayerKind.ATTENTION in self.mixers(i) else [])
+            if len(set(names)) < len(names):
+                raise ConfigError(f"{self.architecture}: layer {i}'s mixers {self.layout()[i]} declare the same state twice: {names}")
+
     def _recurrent_mixers(self) -> dict[LayerKind, MambaSpec]:
         """The spec of each recurrent mixer kind this model has (one entry per kind)."""
         return {LayerKind.MAMBA: self.mamba} if self.mamba is not None else {}
 
-    def state_tensors(self, layer: int) -> tuple[StateTensor, ...]:
-        """The per-sequence state layer `layer` keeps (none for attention and MLP layers): the
-        concatenation over the layer's mixers, so a layer with two mixers declares both."""
-        mixer = self._recurrent_mixers().get(self.layer_kinds[layer])
+    def mixers(self, layer: int) -> tuple[LayerKind, ...]:
+        return self.layer_mixers[layer]
+
+    def mixer_state_tensors(self, kind: LayerKind) -> tuple[StateTensor, ...]:
+        """The per-sequence state one mixer of `kind` keeps (none for attention, MLP and MoE)."""
+        mixer = self._recurrent_mixers().get(kind)
         return mixer.state_tensors if mixer is not None else ()
+
+    def state_tensors(self, layer: int) -> tuple[StateTensor, ...]:
+        """The per-sequence state layer `layer` keeps: the concatenation over the layer's mixers,
+        so a layer with two mixers declares both."""
+        return tuple(t for kind in self.mixers(layer) for t in self.mixer_state_tensors(kind))
 
     @property
     def recurrent_layers(self) -> list[int]:
@@ -142,10 +171,11 @@ class ModelSpec:
 
     @property
     def num_layers(self) -> int:
-        return len(self.layer_kinds)
+        return len(self.layer_mixers)
 
     def layers_of(self, kind: LayerKind) -> list[int]:
-        return [i for i, k in enumerate(self.layer_kinds) if k == kind]
+        """Layers that have a mixer of `kind` (alone or beside others)."""
+        return [i for i, mixers in enumerate(self.layer_mixers) if kind in mixers]
 
     @property
     def mamba_layers(self) -> list[int]:
@@ -160,7 +190,9 @@ class ModelSpec:
         return bool(self.recurrent_layers) and bool(self.attention_layers)
 
     def layout(self) -> list[str]:
-        return [k.value for k in self.layer_kinds]
+        """Each layer's mixers, `+`-joined when several (`"mamba+attention"`): one-mixer layers read
+        as they always have, so snapshots of those models stay compatible."""
+        return ["+".join(k.value for k in mixers) for mixers in self.layer_mixers]
 
 
 def _require(cfg: dict, name: str, arch: str, aliases: tuple[str, ...] = ()) -> Any:
@@ -185,6 +217,13 @@ def _json_float(value: Any) -> float:
 def _time_step_limit(cfg: dict) -> tuple[float, float]:
     limit = cfg.get("time_step_limit") or cfg.get("mamba_dt_limit") or (0.0, math.inf)
     return (_json_float(limit[0]), _json_float(limit[1]))
+
+
+Layers = tuple[tuple[LayerKind, ...], ...]
+
+
+def _one_mixer_each(kinds: tuple[LayerKind, ...]) -> Layers:
+    return tuple((kind,) for kind in kinds)
 
 
 def _layer_kinds(raw: list[str] | str, arch: str, linear: LayerKind = LayerKind.MAMBA) -> tuple[LayerKind, ...]:
@@ -214,6 +253,10 @@ def _check_mamba_width(spec: MambaSpec, cfg: dict, arch: str, expand_field: str)
             f"{arch}: {expand_field} * hidden_size ({int(expand * cfg['hidden_size'])}) != "
             f"heads * head_dim ({spec.intermediate_size})"
         )
+    _check_mamba_groups(spec, arch)
+
+
+def _check_mamba_groups(spec: MambaSpec, arch: str) -> None:
     if spec.num_heads % spec.n_groups:
         raise ConfigError(f"{arch}: mamba heads ({spec.num_heads}) not divisible by n_groups ({spec.n_groups})")
 
@@ -253,7 +296,24 @@ def _parse_mamba2(cfg: dict, arch: str):
         time_step_limit=_time_step_limit(cfg),
     )
     _check_mamba_width(mamba, cfg, arch, "expand")
-    return (LayerKind.MAMBA,) * n, mamba, None
+    return _one_mixer_each((LayerKind.MAMBA,) * n), mamba, None
+
+
+def _mamba_fields(cfg: dict, arch: str, head_dim: int, eps: float, **extra: Any) -> MambaSpec:
+    """A MambaSpec from the `mamba_*` fields Granite 4.0-H, Bamba and Falcon-H1 share."""
+    return MambaSpec(
+        num_heads=_positive_int(cfg, "mamba_n_heads", arch),
+        head_dim=head_dim,
+        state_size=_positive_int(cfg, "mamba_d_state", arch),
+        n_groups=_positive_int(cfg, "mamba_n_groups", arch),
+        conv_kernel=_positive_int(cfg, "mamba_d_conv", arch),
+        chunk_size=int(cfg.get("mamba_chunk_size", 256)),
+        conv_bias=bool(cfg.get("mamba_conv_bias", True)),
+        proj_bias=bool(cfg.get("mamba_proj_bias", False)),
+        norm_eps=float(cfg.get("rms_norm_eps", eps)),
+        time_step_limit=_time_step_limit(cfg),
+        **extra,
+    )
 
 
 def _parse_granite_or_bamba(cfg: dict, arch: str):
@@ -269,18 +329,8 @@ def _parse_granite_or_bamba(cfg: dict, arch: str):
         kinds = _layer_kinds(raw, arch)
     mamba = None
     if LayerKind.MAMBA in kinds:
-        mamba = MambaSpec(
-            num_heads=_positive_int(cfg, "mamba_n_heads", arch),
-            head_dim=_mamba2_head_dim(cfg, arch, "mamba_n_heads", "mamba_d_head", "mamba_expand"),
-            state_size=_positive_int(cfg, "mamba_d_state", arch),
-            n_groups=_positive_int(cfg, "mamba_n_groups", arch),
-            conv_kernel=_positive_int(cfg, "mamba_d_conv", arch),
-            chunk_size=int(cfg.get("mamba_chunk_size", 256)),
-            conv_bias=bool(cfg.get("mamba_conv_bias", True)),
-            proj_bias=bool(cfg.get("mamba_proj_bias", False)),
-            norm_eps=float(cfg.get("rms_norm_eps", 1e-6 if mt != "bamba" else 1e-5)),
-            time_step_limit=_time_step_limit(cfg),
-        )
+        head_dim = _mamba2_head_dim(cfg, arch, "mamba_n_heads", "mamba_d_head", "mamba_expand")
+        mamba = _mamba_fields(cfg, arch, head_dim, 1e-6 if mt != "bamba" else 1e-5)
         _check_mamba_width(mamba, cfg, arch, "mamba_expand")
     attention = None
     if LayerKind.ATTENTION in kinds:
@@ -294,7 +344,7 @@ def _parse_granite_or_bamba(cfg: dict, arch: str):
             rotary_dim, theta = _rope(cfg, head_dim, 1.0) if uses_rope else (0, 10000.0)
             scaling = float(cfg.get("attention_multiplier", 1.0))
         attention = _attention(cfg, arch, scaling, rotary_dim, theta, head_dim, bool(cfg.get("attention_bias", False)))
-    return kinds, mamba, attention
+    return _one_mixer_each(kinds), mamba, attention
 
 
 def _parse_nemotron_h(cfg: dict, arch: str):
@@ -322,7 +372,39 @@ def _parse_nemotron_h(cfg: dict, arch: str):
         head_dim = cfg.get("head_dim") or _positive_int(cfg, "hidden_size", arch) // heads
         # transformers builds Nemotron-H's attention without biases, whatever attention_bias says
         attention = _attention(cfg, arch, None, 0, 10000.0, head_dim, bias=False)
-    return kinds, mamba, attention
+    return _one_mixer_each(kinds), mamba, attention
+
+
+def _parse_falcon_h1(cfg: dict, arch: str) -> tuple[Layers, MambaSpec, AttentionSpec]:
+    """Every layer runs Mamba2 and attention side by side (transformers' FalconH1DecoderLayer)."""
+    n = _positive_int(cfg, "num_hidden_layers", arch)
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"{arch}: hidden_act {cfg['hidden_act']!r} is not supported (only 'silu')")
+    heads = _positive_int(cfg, "mamba_n_heads", arch)
+    # transformers reads an absent mamba_d_ssm as its default (1024) and null as mamba_expand x hidden_size
+    if "mamba_d_ssm" not in cfg:
+        raise ConfigError(f"{arch}: config.json lacks required field 'mamba_d_ssm' (null: mamba_expand x hidden_size)")
+    if cfg["mamba_d_ssm"] is not None:
+        d_ssm = _positive_int(cfg, "mamba_d_ssm", arch)
+    else:
+        d_ssm = int(_positive_int(cfg, "mamba_expand", arch) * _positive_int(cfg, "hidden_size", arch))
+    head_dim = d_ssm // heads if cfg.get("mamba_d_head", "auto") == "auto" else _positive_int(cfg, "mamba_d_head", arch)
+    if heads * head_dim != d_ssm:
+        raise ConfigError(f"{arch}: mamba_n_heads * mamba_d_head ({heads * head_dim}) != the Mamba width mamba_d_ssm ({d_ssm})")
+    if not cfg.get("mamba_rms_norm", False):
+        gate_norm = GateNorm.NONE
+    else:
+        gate_norm = GateNorm.BEFORE_GATE if cfg.get("mamba_norm_before_gate", True) else GateNorm.AFTER_GATE
+    mamba = _mamba_fields(cfg, arch, head_dim, 1e-5, gate_norm=gate_norm, out_proj_bias=bool(cfg.get("projectors_bias", False)))
+    _check_mamba_groups(mamba, arch)
+    attention_heads = _positive_int(cfg, "num_attention_heads", arch)
+    head_dim = cfg.get("head_dim") or _positive_int(cfg, "hidden_size", arch) // attention_heads
+    rope_type = (cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}).get("rope_type", "default")
+    if rope_type != "default":
+        raise ConfigError(f"{arch}: rope_type {rope_type!r} is not supported (only 'default')")
+    rotary_dim, theta = _rope(cfg, head_dim, 1.0)
+    attention = _attention(cfg, arch, None, rotary_dim, theta, head_dim, bool(cfg.get("attention_bias", False)))
+    return ((LayerKind.MAMBA, LayerKind.ATTENTION),) * n, mamba, attention
 
 
 _PARSERS = {
@@ -330,6 +412,7 @@ _PARSERS = {
     "granitemoehybrid": _parse_granite_or_bamba,
     "bamba": _parse_granite_or_bamba,
     "nemotron_h": _parse_nemotron_h,
+    "falcon_h1": _parse_falcon_h1,
 }
 
 SUPPORTED_MODEL_TYPES = tuple(_PARSERS)
@@ -350,15 +433,15 @@ def parse_model_spec(cfg: dict, generation_config: dict | None = None, config_sh
     arch = (cfg.get("architectures") or [model_type])[0]
     if model_type not in _PARSERS:
         raise ConfigError(f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-    kinds, mamba, attention = _PARSERS[model_type](cfg, arch)
-    if not kinds:
+    layers, mamba, attention = _PARSERS[model_type](cfg, arch)
+    if not layers:
         raise ConfigError(f"{arch}: the model has no layers")
     return ModelSpec(
         architecture=arch,
         model_type=model_type,
         hidden_size=_positive_int(cfg, "hidden_size", arch),
         vocab_size=_positive_int(cfg, "vocab_size", arch),
-        layer_kinds=kinds,
+        layer_mixers=layers,
         mamba=mamba,
         attention=attention,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type == "mamba2")),

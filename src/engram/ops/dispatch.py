@@ -33,7 +33,9 @@ class KernelSet:
     add_rms_norm: Callable = norm.add_rms_norm
     add_rms_norm_linear: Callable = norm.add_rms_norm_linear
     gated_rms_norm: Callable = norm.gated_rms_norm
+    norm_then_gate: Callable = norm.norm_then_gate
     silu_and_mul: Callable = activation.silu_and_mul
+    silu_gate: Callable = activation.silu_gate
     store_kv: Callable = attention.store_kv
     paged_attention: Callable = attention.paged_attention
     moe_experts: Callable = moe.moe_experts

@@ -52,3 +52,14 @@ def gated_rms_norm(
     g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
     out = weight * g.view_as(h).to(dtype)
     return out if out_dtype is None else out.to(out_dtype)
+
+
+def norm_then_gate(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """Falcon-H1's output norm with norm_before_gate: weight * RMS-normalized x (within groups of
+    `group_size` channels), times silu(gate), in float32, cast to `out_dtype`."""
+    h = x.float()
+    g = h.view(*h.shape[:-1], -1, group_size)
+    g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * g.view_as(h) * F.silu(gate.float())).to(out_dtype)
