@@ -6,8 +6,9 @@ One engine on random weights (as bench_speed.py builds them) with a byte-level t
 the model's vocabulary. With B sequences decoding, the mean step time when none is constrained vs
 when every one follows a JSON schema (nested object, enum, pattern, array; xgrammar fills each
 row's bitmask on the host and applies it to the logits on the device, engine/grammar.py). Both
-runs sample at temperature 1 with the same prompts, so they take the same sampling path; a random
-model inside a free string rarely closes it, so no sequence ends in the timed steps (checked).
+runs are greedy on the same prompts; a random model inside a free string rarely closes it, so no
+sequence ends in the timed steps (checked). Seeded sampling would time the per-request generators
+(one host-driven draw per row) rather than the mask.
 """
 
 from __future__ import annotations
@@ -58,8 +59,8 @@ def main() -> None:
     bs.random_weights_model({**cfg, "eos_token_id": tokenizer.eos_token_id}, workdir)
     eng = engine_mod.LLMEngine(EngineArgs(model_path=str(workdir), dtype="bfloat16", device="cuda", max_running_requests=max(args.batches),
                                           max_total_tokens=65536, context_length=args.prompt_len + 8 * args.steps + 64))
-    free = SamplingParams(max_tokens=8 * args.steps, temperature=1.0, ignore_eos=True, seed=0)
-    constrained = SamplingParams(max_tokens=8 * args.steps, temperature=1.0, seed=0, structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    free = SamplingParams(max_tokens=8 * args.steps, temperature=0.0, ignore_eos=True)
+    constrained = SamplingParams(max_tokens=8 * args.steps, temperature=0.0, structured_outputs=StructuredOutputsParams(json=SCHEMA))
     results: dict = {"config": args.config, "schema": SCHEMA, "steps": args.steps, "prompt_len": args.prompt_len}
     for b in args.batches:
         mean_step_seconds(eng, b, 4, args.prompt_len, constrained)  # the grammar compiled, the mask kernel built

@@ -132,11 +132,21 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--max-total-tokens", type=int, default=65536)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile-verify", type=int, default=0, metavar="K",
+                    help="only profile verify steps of K drafted tokens at batch 1 (torch profiler: the top ops) and stop")
     args = ap.parse_args()
     args.batches = [int(x) for x in args.batches.split(",")]
     args.ks = [int(x) for x in args.ks.split(",")]
     results: dict = {"command": " ".join(sys.argv)}
     plain, spec = build_engines(args)
+    if args.profile_verify:
+        spec.speculator.drafter = FixedDrafter(args.profile_verify)
+        mean_step_seconds(spec, 1, 4, args.prompt_len)  # compiled and warm
+        with torch.profiler.profile() as prof:
+            mean_step_seconds(spec, 1, 8, args.prompt_len)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=15))
+        return
     results["device"] = torch.cuda.get_device_name(0) if plain.device.type == "cuda" else "cpu"
 
     steps: dict = {}
