@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -58,6 +60,32 @@ def test_draws_follow_the_filtered_distribution_and_greedy_rows_take_the_argmax(
     expected = expected.cpu()
     assert bool((freq[expected == 0] == 0).all())
     assert float((freq - expected).abs().max()) < 0.015  # about 6 standard deviations at n = 40,000
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_seeded_draws_follow_the_filtered_distribution_and_do_not_depend_on_their_batch(device):
+    """A seed of its own: one uniform from the request's CPU generator picks the token by inverse
+    CDF, so the draws follow the distribution, and a row draws the same token alone, in any batch
+    and on any device."""
+    n = 20_000
+    logits = _logits(1, vocab=12, seed=2).to(device)
+    p = SamplingParams(temperature=0.8, top_k=8, top_p=0.9, seed=0)
+    expected = torch.softmax(filter_logits(logits, [p])[0], dim=-1).cpu()
+
+    def draw(rows: torch.Tensor, seeds: list[int]) -> list[int]:
+        params = [dataclasses.replace(p, seed=s) for s in seeds]
+        generators: list[torch.Generator | None] = [torch.Generator().manual_seed(s) for s in seeds]
+        return sample_batch(rows, params, lambda i: (None, None), generators, torch.Generator(device).manual_seed(0))
+
+    tokens = draw(logits.expand(n, -1).contiguous(), list(range(n)))
+    freq = torch.bincount(torch.tensor(tokens), minlength=12).float() / n
+    assert bool((freq[expected == 0] == 0).all())
+    assert float((freq - expected).abs().max()) < 0.02  # about 6 standard deviations at n = 20,000
+    others = _logits(5, vocab=12, seed=9).to(device)
+    for s in (3, 17):
+        alone = draw(logits, [s])[0]
+        assert draw(torch.cat([others[:2], logits, others[2:]]), [1, 2, s, 4, 5, 6])[2] == alone
+        assert draw(logits.cpu(), [s])[0] == alone
 
 
 @pytest.mark.parametrize("device", DEVICES)

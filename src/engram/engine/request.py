@@ -119,7 +119,7 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Penalties or a logit bias: the row is sampled on its own (`sampler.sample_row`)."""
+        """Penalties or a logit bias: the row is adjusted on its own (`sampler.sample_adjusted`)."""
         return self.has_penalties or bool(self.logit_bias)
 
 

@@ -6,10 +6,11 @@ Logits may live on the GPU and come in the model's dtype: every computation on t
 logit bias or a seed of its own at once, on the logits' device and with no host sync: greedy rows
 take the argmax, the others filter in one batch and draw by an exponential race (the argmax of
 p / Exp(1), which picks token i with probability p_i) from the engine's generator on that device.
-`sample_batch` takes a whole step: those rows go through `sample_on_device`, every other row
-through `sample_row`, which applies the bias and penalties and filters on the logits' device and
-draws from the request's own (CPU) generator when it has a seed, so seeded sampling gives the same
-tokens on any device."""
+`sample_batch` takes a whole step: those rows go through `sample_on_device`, the others through
+`sample_adjusted` in one batch, which applies each row's bias and penalties and filters on the
+logits' device and draws by inverse CDF from one uniform per row, taken from the request's own
+(CPU) generator when it has a seed: a seeded row's token depends on neither the device nor the
+rows beside it, and a step of seeded rows costs one host round trip, not one per row."""
 
 from __future__ import annotations
 
@@ -82,20 +83,31 @@ def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
     return logits
 
 
-def sample_row(
+def sample_adjusted(
     logits: torch.Tensor,
-    params: SamplingParams,
-    prompt_mask: torch.Tensor | None,
-    output_counts: torch.Tensor | None,
-    generator: torch.Generator | None,
-) -> int:
-    logits = adjust_logits(logits.to(torch.float32, copy=True), params, prompt_mask, output_counts)
-    if params.greedy:
-        return int(logits.argmax())
-    probs = torch.softmax(filter_logits(logits[None], [params])[0], dim=-1)
-    if generator is not None and probs.device != generator.device:
-        probs = probs.to(generator.device)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    params: list[SamplingParams],
+    history: list[tuple[torch.Tensor | None, torch.Tensor | None]],
+    generators: list[torch.Generator | None],
+    device_generator: torch.Generator,
+) -> torch.Tensor:
+    """Token ids [R] for rows of `logits` [R, V] with a logit bias, penalties (history[i]: row i's
+    prompt mask and output counts) or a seed of their own (generators[i], on the CPU)."""
+    adjusted = torch.stack([adjust_logits(row.to(torch.float32, copy=True), p, *h) for row, p, h in zip(logits, params, history)])
+    tokens = adjusted.argmax(-1)
+    drawn = [i for i, p in enumerate(params) if not p.greedy]
+    if not drawn:
+        return tokens
+    probs = torch.softmax(filter_logits(adjusted[drawn], [params[i] for i in drawn]), dim=-1)
+    cdf = probs.double().cumsum(-1)
+    u = torch.empty(len(drawn), dtype=torch.float64, device=logits.device).uniform_(generator=device_generator)
+    seeded = [j for j, i in enumerate(drawn) if generators[i] is not None]
+    if seeded:
+        own = [float(torch.rand(1, dtype=torch.float64, generator=generators[drawn[j]])) for j in seeded]
+        u[torch.tensor(seeded, device=u.device)] = torch.tensor(own, dtype=torch.float64).to(u.device)
+    # the first token whose cumulative probability exceeds u x total: one of positive probability, as u < 1
+    chosen = torch.searchsorted(cdf, u[:, None] * cdf[:, -1:], right=True)[:, 0].clamp_(max=cdf.shape[-1] - 1)
+    tokens[torch.tensor(drawn, device=tokens.device)] = chosen
+    return tokens
 
 
 def samples_on_device(params: SamplingParams) -> bool:
@@ -138,9 +150,17 @@ def sample_batch(
         chosen = sample_on_device(rows, params if whole else [params[i] for i in batched], device_generator)
         for i, t in zip(batched, chosen.tolist()):
             tokens[i] = t
-    for i in sorted(set(range(len(params))) - set(batched)):
-        prompt_mask, output_counts = history(i) if params[i].has_penalties else (None, None)
-        tokens[i] = sample_row(logits[i], params[i], prompt_mask, output_counts, generators[i] or device_generator)
+    rest = sorted(set(range(len(params))) - set(batched))
+    if rest:
+        chosen = sample_adjusted(
+            logits[torch.tensor(rest, device=logits.device)],
+            [params[i] for i in rest],
+            [history(i) if params[i].has_penalties else (None, None) for i in rest],
+            [generators[i] for i in rest],
+            device_generator,
+        )
+        for i, t in zip(rest, chosen.tolist()):
+            tokens[i] = t
     return tokens
 
 
