@@ -45,7 +45,7 @@ from engram.state.snapshot import (
     validate_id,
 )
 from engram.state.store import Clock, SnapshotWriter, TierStats, WarmCache
-from engram.state.tiers import ActiveTier, SnapshotPolicy, SnapshotTrigger, TierConfig
+from engram.state.tiers import ActiveTier, EngineSlot, SnapshotPolicy, SnapshotTrigger, TierConfig
 from engram.state.transfer import Export, read_export, write_export
 from engram.state.turns import (
     UNUSABLE_CONVERSATION,
@@ -280,41 +280,64 @@ class ConversationManager:
             self._busy[conversation_id] = idempotency_key
             self.last_used[conversation_id] = self.clock()
             adoptable = base is not None and source is conv and not self.health.refuses(self.quarantine, conversation_id, base.ref)
-            active_since = self.active.claim(conversation_id, base.ref) if adoptable else None
-        try:
-            started = time.perf_counter()
-            state, tier = self._nearest_state(source, base)
-            load_seconds = time.perf_counter() - started if tier == "cold" else 0.0
-        except BaseException:
-            with self._lock:
-                if active_since is not None:
-                    self.active.unclaim(conversation_id, base.ref, active_since)
-            self.release(conversation_id)
-            raise
-        resume_key = None
-        if active_since is not None:
-            resume_key, tier = retain_key(conversation_id, base.ref), "active"  # the new request adopts it
-        with self._lock:
-            if base is not None and tier is None:
-                self.stats.misses += 1
-            elif base is not None:
-                self._count("hits", tier)
+            claimed = adoptable and base is not None and self.active.claim(conversation_id, base.ref)
         forked = source is not conv
-        return TurnPlan(
+        plan = TurnPlan(
             conversation_id=conversation_id,
             branch=branch,
             turn=1 if forked or base is None else base.turn + 1,
             parent=base.ref if base and not forked else None,
             history_tokens=source.tokens(base),
             history_messages=source.messages(base),
-            state=state,
-            state_tier=tier,
-            resume_key=resume_key,
-            load_seconds=load_seconds,
+            state=None,
+            state_tier=None,
             idempotency_key=idempotency_key,
             history_ends_with_reply=base is not None and base.reply,
             forked_from=f"{from_conversation}@{base.ref}" if forked and base else None,
         )
+        if claimed and base is not None:  # the new request adopts the slot: nothing is fetched (`fall_back` if it cannot)
+            plan.state_tier, plan.resume_key = "active", retain_key(conversation_id, base.ref)
+            with self._lock:
+                self._count("hits", "active")
+            return plan
+        try:
+            self._fetch_state(plan, source, base)
+        except BaseException:
+            self.release(conversation_id)
+            raise
+        return plan
+
+    def fall_back(self, plan: TurnPlan) -> None:
+        """The slot `begin` found was gone when the request came to adopt it (reclaimed meanwhile):
+        fetch the state the turn starts from instead (warm or cold), and count that tier's hit."""
+        assert plan.parent is not None and plan.resume_key is not None
+        with self._lock:
+            conv = self._conversations[plan.conversation_id]
+            base = conv.turns[plan.parent]
+            self.stats.hits["active"] -= 1
+        plan.resume_key = None
+        self._fetch_state(plan, conv, base)
+
+    def _fetch_state(self, plan: TurnPlan, conv: Conversation, base: Turn | None) -> None:
+        """Put into `plan` the nearest state of `base`'s chain (warm, or read from the cold tier) and count its tier."""
+        started = time.perf_counter()
+        plan.state, plan.state_tier = self._nearest_state(conv, base)
+        plan.load_seconds = time.perf_counter() - started if plan.state_tier == "cold" else 0.0
+        with self._lock:
+            if base is not None and plan.state_tier is None:
+                self.stats.misses += 1
+            elif plan.state_tier is not None:
+                self._count("hits", plan.state_tier)
+
+    def tier_of(self, conversation_id: str, turn: Turn) -> str | None:
+        """Where the turn's state is now: "active" (an engine slot), "warm" (host memory), "cold"
+        (a snapshot); None: nowhere (recomputed from its tokens when needed)."""
+        with self._lock:
+            if self.active.holds(conversation_id, turn.ref):
+                return "active"
+            if self.warm.peek(conversation_id, turn.ref) is not None:
+                return "warm"
+        return "cold" if turn.snapshot else None
 
     def _fork_source(self, conv: Conversation, from_conversation: str, tenant: str | None) -> Conversation:
         if conv.turns:
@@ -365,9 +388,11 @@ class ConversationManager:
         state: SequenceState | None,
         tool_calls: bool = False,
         answer: TurnAnswer | None = None,
+        retained: EngineSlot | None = None,
     ) -> Turn:
-        """Record the turn, keep its state warm (and its engine slot active), snapshot it per the
-        policy (now, or written behind with async durability), release the conversation."""
+        """Record the turn, keep its state warm (and its engine slot active: `retained`, the
+        engine's handle of it, says while it is), snapshot it per the policy (now, or written
+        behind with async durability), release the conversation."""
         try:
             with self._lock:
                 conv = self._conversations[plan.conversation_id]
@@ -400,7 +425,7 @@ class ConversationManager:
                     if state.nbytes > self.warm.max_bytes:  # it cannot stay in memory: written now, as any state leaving it
                         wanted = wanted or self._written_on_leaving_memory(plan.conversation_id, turn.ref)
                     self.warm.put(plan.conversation_id, turn.ref, state)
-                    self.active.keep(plan.conversation_id, turn.ref, now)
+                    self.active.keep(plan.conversation_id, turn.ref, now, retained)
             job = lambda: self._commit(conv, turn, state if wanted else None, recorded)  # noqa: E731
             if self.writer is not None:
                 self.writer.submit(job)
