@@ -319,6 +319,7 @@ def test_a_resumed_turn_whose_slot_is_retained_reads_nothing_and_falls_back_only
     computed = engine.stats().prefill_tokens_computed_total
     out = finish_turn(engine, m, plan, new, require_adoption=True)
     assert engine.stats().prefill_tokens_computed_total - computed == len(new) + 1 and loads == []
+    assert m.state_stats()["tiers"]["active"]["turns"] == 1  # the new turn's slot; the adopted one is no one's now
     assert out.token_ids == full(engine, before + new, max_tokens=4)
 
     m.warm.drop("r", "main/000002")
@@ -357,3 +358,14 @@ def test_the_server_fetches_the_fallback_state_only_once_adoption_failed(engine,
     assert calls[1]["initial_state"] is plan.state and plan.state_tier == "warm"
     assert out.token_ids == full(engine, before + new, max_tokens=4) and out.num_cached_tokens == len(before) - 1
     m.release("s")
+
+
+def test_a_slot_whose_request_never_came_is_still_released_when_idle(engine, tmp_path):
+    clock = Clock()
+    m = manager_for(engine, tmp_path, clock)
+    finish_turn(engine, m, m.begin("n"), random_prompt(6, 97))
+    plan = m.begin("n")
+    m.release("n")  # refused before it reached the engine (a template error, a client gone)
+    assert m.tier_of("n", m.require("n").latest("main")) == "active"
+    clock.now += 11
+    assert m.maintain() == [plan.resume_key]

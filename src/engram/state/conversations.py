@@ -261,9 +261,9 @@ class ConversationManager:
                 self._check_regenerable(conv, base)
             self._conversations.setdefault(conversation_id, conv)
             self._busy[conversation_id] = idempotency_key
-            self.last_used[conversation_id] = self.clock()
+            now = self.last_used[conversation_id] = self.clock()
             adoptable = base is not None and source is conv and not self.health.refuses(self.quarantine, conversation_id, base.ref)
-            claimed = adoptable and base is not None and self.active.claim(conversation_id, base.ref)
+            claimed = adoptable and base is not None and self.active.claim(conversation_id, base.ref, now)
         forked = source is not conv
         plan = TurnPlan(
             conversation_id=conversation_id,

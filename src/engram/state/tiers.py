@@ -92,9 +92,17 @@ class ActiveTier:
     def keep(self, conversation_id: str, ref: str, now: float, slot: EngineSlot | None = None) -> None:
         self._kept[(conversation_id, ref)] = _Kept(now, slot)
 
-    def claim(self, conversation_id: str, ref: str) -> bool:
-        """Take the entry of the slot a new request adopts: whether the slot is still held."""
-        kept = self._kept.pop((conversation_id, ref), None)
+    def claim(self, conversation_id: str, ref: str, now: float) -> bool:
+        """Whether the turn's slot is still held, for a new request to adopt (a use, at `now`). An
+        entry with the engine's handle stays until the handle says the slot went (adopted,
+        reclaimed), so that a request that never comes to adopt it (refused, its client gone)
+        leaves it to the idle release; one without a handle is taken out now."""
+        key = (conversation_id, ref)
+        kept = self._kept.get(key)
+        if kept is None or kept.slot is None or not kept.held:
+            self._kept.pop(key, None)
+        else:
+            kept.last_use = now
         return kept is not None and kept.held
 
     def renamed(self, conversation_id: str, ref: str) -> None:
