@@ -27,8 +27,8 @@ def running_server(model_path: str, model_name: str, engine_fields: Mapping[str,
                    **server_fields) -> Iterator[BackgroundServer]:
     """Prefix caching is off unless asked for: the tests' reference requests (a full prefill to
     compare a restored state with) must not be served from an earlier request's state."""
-    engine_args = EngineArgs(model_path=str(model_path), max_running_requests=4, max_total_tokens=8192, context_length=1024,
-                             **(engine_fields or {}))  # type: ignore[arg-type]
+    fields = {"max_running_requests": 4, "max_total_tokens": 8192, "context_length": 1024, **(engine_fields or {})}
+    engine_args = EngineArgs(model_path=str(model_path), **fields)  # type: ignore[arg-type]
     server_fields.setdefault("enable_prefix_caching", False)
     with BackgroundServer(build_app(engine_args, ServerArgs(served_model_name=model_name, **server_fields))) as srv:
         yield srv

@@ -186,7 +186,7 @@ def test_the_warm_limit_counts_conversations_not_their_turns(engine, tmp_path):
     for seed in (2, 3):
         take_turn(engine, manager, "b", random_prompt(4, seed), max_tokens=2)
     assert len(manager.warm) == 3  # a's turn, b's two turns: two conversations
-    assert manager.begin("a").state is not None
+    assert manager.warm.peek("a", "main/000001") is not None
 
 
 def test_the_warm_limit_evicts_the_least_recently_used_conversation_whole():
@@ -353,7 +353,7 @@ def test_a_regenerate_whose_record_cannot_be_written_keeps_the_turns_it_would_re
         assert current.snapshot_manifest("rg", conv.latest("main"))["state_len"] == len(history) - 1
     new = random_prompt(4, 7)
     turn, out, _, plan = take_turn(engine, manager, "rg", new, max_tokens=3)
-    assert turn.turn == 4 and plan.state.state_len == len(history) - 1
+    assert turn.turn == 4 and out.num_cached_tokens == len(history) - 1  # from turn 3's state (its engine slot)
     assert out.token_ids == full_generation(engine, history + new, max_tokens=3)
     turn, out, _, plan = take_turn(engine, manager_for(engine, tmp_path), "rg", random_prompt(4, 8), from_turn=2, max_tokens=3)
     two = manager.require("rg").tokens(manager.require("rg").turns[ref_name("main", 2)])

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 from engine_utils import store_file
-from server_utils import running_server
+from server_utils import metric_value, running_server
 
 from engram.client import EngramClient, SnapshotManager, SnapshotNotFoundError
 from engram.models.builtin import DEMO_MODEL_DIR
@@ -23,8 +23,8 @@ USER_TURNS = ["Hello there, how are you?", "Tell me about state space models.", 
 
 
 @contextlib.contextmanager
-def serving(path: str, snapshot_dir, **server_fields):
-    with running_server(path, MODEL, snapshot_dir=str(snapshot_dir), **server_fields) as srv, httpx.Client(base_url=srv.url, timeout=120) as http:
+def serving(path: str, snapshot_dir, engine_fields=None, **server_fields):
+    with running_server(path, MODEL, engine_fields, snapshot_dir=str(snapshot_dir), **server_fields) as srv, httpx.Client(base_url=srv.url, timeout=120) as http:
         yield srv, http
 
 
@@ -692,3 +692,23 @@ def test_a_turn_preempted_over_http_while_its_last_token_is_in_flight_is_recorde
         prompt_ids = fill[: len(fill) - reply["usage"]["completion_tokens"]]
         full = http.post("/generate", json={"input_ids": prompt_ids, "sampling_params": {"temperature": 0, "max_new_tokens": 10}}).json()
         assert full["output_ids"] == fill[len(prompt_ids):] and full["text"] == reply["choices"][0]["message"]["content"]
+
+
+def test_a_slot_the_engine_reclaims_leaves_the_active_tier_at_once(checkpoint_dir, tmp_path):
+    """Memory pressure: a request of no conversation needs the KV pages a finished turn's slot
+    holds; the scheduler reclaims them, and the tier report says so before any maintenance runs."""
+    with serving(checkpoint_dir("nemotron"), tmp_path, engine_fields={"max_total_tokens": 512, "context_length": 512}) as (srv, http):
+        chat(http, "a", "hello")
+
+        def tiers():
+            turns = http.get("/v1/conversations/a").json()["turns"]
+            active = metric_value(http.get("/metrics").text, "engram:state_tier_entries", model_name=MODEL, tier="active")
+            return [t["tier"] for t in turns], active, http.get("/v1/state/stats").json()["tiers"]["active"]["turns"]
+
+        assert tiers() == (["active"], 1.0, 1)
+        long = {"input_ids": [3 + i % 200 for i in range(500)], "sampling_params": {"temperature": 0, "max_new_tokens": 2}}
+        assert http.post("/generate", json=long).status_code == 200  # every KV page: the retained slot's too
+        assert stats(srv).retained_slots == 0
+        assert tiers() == (["warm"], 0.0, 0)
+        history = snapshot_info(http, "a", 1)["fill_ids"]
+        assert chat(http, "a", "more")["usage"]["prompt_tokens_details"]["cached_tokens"] == len(history) - 1  # from the warm copy

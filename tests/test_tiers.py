@@ -280,3 +280,92 @@ def test_a_cold_load_does_not_hold_up_other_conversations(engine, tmp_path, monk
     release.set()
     worker.join(30)
     assert plans["other"].state is None and plans["slow"].state_tier == "cold"
+
+
+def counting_loads(manager) -> list[str]:
+    """Every cold-store load of `manager` from now on (the location it read)."""
+    loads: list[str] = []
+    real = manager.store.load
+
+    def load(location, resident=None):
+        loads.append(location)
+        return real(location, resident)
+
+    manager.store.load = load
+    return loads
+
+
+def finish_turn(engine, manager, plan, new, **engine_kwargs):
+    """Run the turn `plan` starts with `new` tokens in the engine, handing the engine's slot handle to the manager."""
+    prompt = plan.history_tokens + new
+    engine.add_request("t", prompt, greedy(4), initial_state=plan.state, capture_state=True, resume_key=plan.resume_key,
+                       retain_key=retain_key(plan.conversation_id, plan.ref), **engine_kwargs)
+    out = run_to_end(engine)["t"]
+    manager.finish(plan, prompt, out.token_ids, [{"role": "user", "content": "x"}], out.state, retained=out.retained)
+    return out
+
+
+def test_a_resumed_turn_whose_slot_is_retained_reads_nothing_and_falls_back_only_when_it_is_gone(engine, tmp_path):
+    from engram.engine.request import SlotNotRetainedError
+
+    m = manager_for(engine, tmp_path, Clock())
+    finish_turn(engine, m, m.begin("r"), random_prompt(9, 90))
+    m.warm.drop("r", "main/000001")  # the only other copy is the snapshot: a fallback would read it
+    loads = counting_loads(m)
+    plan = m.begin("r")
+    assert (plan.state_tier, plan.state, loads) == ("active", None, [])  # nothing fetched for a slot that is adopted
+    new = random_prompt(5, 91)
+    before = history(m, "r")
+    computed = engine.stats().prefill_tokens_computed_total
+    out = finish_turn(engine, m, plan, new, require_adoption=True)
+    assert engine.stats().prefill_tokens_computed_total - computed == len(new) + 1 and loads == []
+    assert m.state_stats()["tiers"]["active"]["turns"] == 1  # the new turn's slot; the adopted one is no one's now
+    assert out.token_ids == full(engine, before + new, max_tokens=4)
+
+    m.warm.drop("r", "main/000002")
+    plan = m.begin("r")
+    assert plan.state_tier == "active"
+    engine.release_retained(plan.resume_key)  # reclaimed between the plan and the request
+    new, before = random_prompt(4, 92), history(m, "r")
+    with pytest.raises(SlotNotRetainedError):
+        engine.add_request("t", plan.history_tokens + new, greedy(4), resume_key=plan.resume_key, require_adoption=True)
+    m.fall_back(plan)  # only now is the state fetched
+    assert plan.state_tier == "cold" and plan.resume_key is None and len(loads) == 1
+    out = finish_turn(engine, m, plan, new)
+    assert out.token_ids == full(engine, before + new, max_tokens=4) and out.num_cached_tokens == len(before) - 1
+    assert m.state_stats()["hits"] == {"active": 1, "warm": 0, "cold": 1}
+
+
+
+def test_the_server_fetches_the_fallback_state_only_once_adoption_failed(engine, tmp_path):
+    import asyncio
+
+    from engram.server.conversations import ConversationTurns
+
+    m = manager_for(engine, tmp_path, Clock())
+    finish_turn(engine, m, m.begin("s"), random_prompt(8, 95))
+    plan = m.begin("s")
+    engine.release_retained(plan.resume_key)  # reclaimed after the plan
+    new, before, calls = random_prompt(4, 96), history(m, "s"), []
+
+    async def generate(**kwargs):
+        calls.append(dict(kwargs))
+        engine.add_request("t", plan.history_tokens + new, greedy(4), **kwargs)
+        return run_to_end(engine)["t"]
+
+    out = asyncio.run(ConversationTurns(m, tokenizer=None).start(plan, generate))
+    assert [(c["resume_key"] is not None, c["require_adoption"]) for c in calls] == [(True, True), (False, False)]
+    assert calls[1]["initial_state"] is plan.state and plan.state_tier == "warm"
+    assert out.token_ids == full(engine, before + new, max_tokens=4) and out.num_cached_tokens == len(before) - 1
+    m.release("s")
+
+
+def test_a_slot_whose_request_never_came_is_still_released_when_idle(engine, tmp_path):
+    clock = Clock()
+    m = manager_for(engine, tmp_path, clock)
+    finish_turn(engine, m, m.begin("n"), random_prompt(6, 97))
+    plan = m.begin("n")
+    m.release("n")  # refused before it reached the engine (a template error, a client gone)
+    assert m.tier_of("n", m.require("n").latest("main")) == "active"
+    clock.now += 11
+    assert m.maintain() == [plan.resume_key]

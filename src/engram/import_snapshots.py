@@ -132,6 +132,8 @@ def _import_turn(found: PredecessorTurn, engine: LLMEngine, manager: Conversatio
             raise RefusedFile(f"conversation {cid!r} answered with an earlier turn")
         if plan.history_tokens != tokens[: len(plan.history_tokens)]:
             raise RefusedFile(f"its token ids do not extend those of turn {plan.parent} of the conversation")
+        if plan.resume_key is not None:  # the manager's ACTIVE tier names a slot this command never keeps: fetch the state
+            manager.fall_back(plan)
         state = _recompute(engine, tokens, plan.state, request_id())
     except BaseException:
         manager.release(cid)

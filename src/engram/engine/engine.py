@@ -17,7 +17,7 @@ from engram.args import EngineArgs
 from engram.engine import memory_planner
 from engram.engine.detokenizer import detokenize_step, find_stop_string, stop_prefix_len
 from engram.engine.pools import HostCopier, KVPool, StatePool, capture_state, restore_state
-from engram.engine.request import FinishReason, RequestOutput, SamplingParams, StructuredOutputsParams
+from engram.engine.request import FinishReason, RequestOutput, SamplingParams, SlotNotRetainedError, StructuredOutputsParams
 from engram.engine.runner import ModelRunner
 from engram.engine.sampler import (
     prompt_token_logprobs,
@@ -182,13 +182,15 @@ class LLMEngine:
         capture_prompt_state: bool = False,
         retain_key: str | None = None,
         resume_key: str | None = None,
+        require_adoption: bool = False,
         internal: bool = False,
         grammar: Any = None,
         embed: bool = False,
     ) -> None:
         """Queue a request. `initial_state` covers a prefix of the prompt (restored, not computed);
         `resume_key` names a retained slot holding such a state (adopted without a copy when it is
-        still there, else `initial_state` is used). `capture_state` returns the final state in
+        still there, else `initial_state` is used; with `require_adoption`, SlotNotRetainedError
+        instead, so that the caller fetches the fallback state only then). `capture_state` returns the final state in
         the output; `capture_prompt_state` returns the state after the prompt (`prompt_state`: a
         prefix-cache entry; its recurrent part is copied when the prefill ends, its KV at finish);
         `retain_key` keeps the final state in its slot under that key. An `internal`
@@ -201,6 +203,10 @@ class LLMEngine:
         prompt = list(prompt_token_ids)  # the request's own copy (lists compare with the states' token lists)
         retained = self.scheduler.retained.get(resume_key) if resume_key is not None else None
         adoptable = retained is not None and _prefix_mismatch(retained.tokens, retained.state_len, prompt) is None
+        if retained is not None and not adoptable:  # not this prompt's state
+            self.scheduler.drop_retained(resume_key)
+        if require_adoption and not adoptable:
+            raise SlotNotRetainedError(f"no retained slot under {resume_key!r} holds a prefix of this prompt")
         restored = retained.state_len if adoptable else (initial_state.state_len if initial_state is not None else 0)
         self.check_request(prompt, params, restored)
         if (embed or params.prompt_logprobs is not None) and restored:
@@ -214,8 +220,6 @@ class LLMEngine:
             check_state(self.spec, self.state_dtypes, initial_state, check_finite=False)
         if params.structured_outputs is not None and grammar is None:
             grammar = self.compile_grammar(params.structured_outputs)
-        if retained is not None and not adoptable:  # not this prompt's state
-            self.scheduler.drop_retained(resume_key)
         generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         seq = Sequence(request_id, prompt, params, generator, initial_state, capture_state, retain_key, internal)
         seq.capture_prompt = capture_prompt_state
@@ -524,7 +528,7 @@ class LLMEngine:
                     self.kv_pool.pending.mark(seq.blocks, ready)
                 seq.prompt_state = SequenceState(list(seq.prompt_token_ids), seq.num_prompt_tokens, {**seq.prompt_recurrent, **kv}, ready)
             if seq.retain_key is not None:
-                self.scheduler.retain(seq.retain_key, seq)
+                seq.retained = self.scheduler.retain(seq.retain_key, seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         self.scheduler.remove(seq)
@@ -550,6 +554,7 @@ class LLMEngine:
             prompt_state=seq.prompt_state,
             prompt_logprobs=seq.prompt_logprobs if p.prompt_logprobs is not None and not seq.wants_prompt_rows else None,
             embedding=(seq.hidden_sum / seq.num_prompt_tokens).tolist() if seq.embed and seq.is_finished and seq.hidden_sum is not None else None,
+            retained=seq.retained,
         )
         seq.emitted_tokens += len(new_ids)
         seq.emitted_chars = text_end

@@ -5,9 +5,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engram.state.sequence_state import SequenceState
+
+if TYPE_CHECKING:
+    from engram.engine.scheduler import RetainedSlot
 
 # Temperatures below this count as 0 (greedy), as in vLLM: dividing logits by them overflows.
 GREEDY_TEMPERATURE = 1e-5
@@ -137,6 +140,11 @@ class TokenLogprob:
     rank: int | None = None  # 1 + how many tokens are likelier (computed for prompt logprobs)
 
 
+class SlotNotRetainedError(Exception):
+    """A request that must adopt a retained slot (`require_adoption`) found none it could adopt:
+    the caller fetches the state it falls back to and submits the request again with it."""
+
+
 @dataclass
 class RequestOutput:
     """A snapshot of a request's progress; the engine emits one per step that changed it."""
@@ -158,6 +166,7 @@ class RequestOutput:
     # vLLM's prompt logprobs, once the prompt is computed: None for the first token, then each token's
     prompt_logprobs: list[TokenLogprob | None] | None = None
     embedding: list[float] | None = None  # an embedding request's mean last hidden state, when finished
+    retained: RetainedSlot | None = None  # the slot kept under the request's retain_key at finish (its `held` says while it is)
 
 
 def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:

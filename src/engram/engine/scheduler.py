@@ -40,14 +40,18 @@ class ScheduledChunk:
         return range(max(self.start, self.seq.prompt_rows_done), min(self.start + self.length, self.seq.num_prompt_tokens))
 
 
-@dataclass
+@dataclass(eq=False)
 class RetainedSlot:
-    """A finished sequence's slot and KV pages, still holding its state after `state_len` tokens."""
+    """A finished sequence's slot and KV pages, still holding its state after `state_len` tokens.
+    The scheduler alone decides when it goes; `held` says whether it is still there, so that
+    whoever was handed it (the conversation manager's ACTIVE tier) asks it instead of keeping a
+    copy that could disagree."""
 
     slot: int
     blocks: list[int]
     tokens: list[int]
     state_len: int
+    held: bool = True  # False once adopted by a request or freed (reclaimed, released, superseded)
 
 
 class Scheduler:
@@ -83,15 +87,19 @@ class Scheduler:
 
     # ---- the ACTIVE tier --------------------------------------------------------------------
 
-    def retain(self, key: str, seq: Sequence) -> None:
+    def retain(self, key: str, seq: Sequence) -> RetainedSlot:
         """Keep a finished sequence's slot and pages under `key` instead of freeing them."""
         self.drop_retained(key)  # an older state under the same key is superseded
-        self.retained[key] = RetainedSlot(seq.slot, seq.blocks, list(seq.token_ids), seq.num_computed)
+        kept = self.retained[key] = RetainedSlot(seq.slot, seq.blocks, list(seq.token_ids), seq.num_computed)
         seq.slot, seq.blocks = None, []
+        return kept
 
     def adopt(self, key: str) -> RetainedSlot | None:
         """Take a retained slot out of the pool of reclaimable ones (it now belongs to a request)."""
-        return self.retained.pop(key, None)
+        kept = self.retained.pop(key, None)
+        if kept is not None:
+            kept.held = False
+        return kept
 
     def drop_retained(self, key: str) -> bool:
         kept = self.retained.pop(key, None)
@@ -100,6 +108,7 @@ class Scheduler:
         return kept is not None
 
     def free_retained(self, kept: RetainedSlot) -> None:
+        kept.held = False
         self.state_pool.free(kept.slot)
         self.kv_pool.free(kept.blocks)
         self.num_reclaimed += 1

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +21,7 @@ import jinja2
 from engram.args import ServerArgs
 from engram.engine.async_engine import AsyncEngine
 from engram.engine.engine import LLMEngine
-from engram.engine.request import FinishReason, RequestOutput
+from engram.engine.request import FinishReason, RequestOutput, SlotNotRetainedError
 from engram.models.embedded import default_cache_dir
 from engram.server.chat_reply import ReplyFormat
 from engram.server.errors import APIError
@@ -168,12 +168,24 @@ class ConversationTurns:
         )
 
     def engine_kwargs(self, plan: TurnPlan) -> dict[str, Any]:
-        """How the engine should start the turn: the state to restore (or the slot to adopt), and
-        to capture the final state (and keep its slot, when the memory tiers are on)."""
-        kwargs: dict[str, Any] = {"initial_state": plan.state, "capture_state": True, "resume_key": plan.resume_key}
+        """How the engine should start the turn: the state to restore (or the slot to adopt: the
+        engine refuses with SlotNotRetainedError if it is gone, see `start`), and to capture the
+        final state (and keep its slot, when the memory tiers are on)."""
+        kwargs: dict[str, Any] = {"initial_state": plan.state, "capture_state": True, "resume_key": plan.resume_key,
+                                  "require_adoption": plan.resume_key is not None and plan.state is None}
         if self.manager.tiers.enabled:
             kwargs["retain_key"] = retain_key(plan.conversation_id, plan.ref)
         return kwargs
+
+    async def start(self, plan: TurnPlan, generate: Callable[..., Awaitable[AsyncIterator[RequestOutput]]]) -> AsyncIterator[RequestOutput]:
+        """Start the turn's request with `generate(**engine_kwargs)`. If the slot `begin` found
+        was reclaimed before the engine came to adopt it, the state the turn falls back to is
+        fetched only then (off the event loop: it may read a snapshot) and the request starts from it."""
+        try:
+            return await generate(**self.engine_kwargs(plan))
+        except SlotNotRetainedError:
+            await asyncio.to_thread(self.manager.fall_back, plan)
+            return await generate(**self.engine_kwargs(plan))
 
     def prompt(self, plan: TurnPlan, new_messages: list[dict], generate: bool = True, options: dict[str, Any] | None = None) -> list[int]:
         """The history's exact tokens followed by the template rendering of only the new messages
@@ -282,7 +294,7 @@ class ConversationTurns:
                             out.text if parsed else None)
         work = asyncio.ensure_future(asyncio.to_thread(
             self.manager.finish, plan, out.prompt_token_ids, out.token_ids, messages, out.state,
-            reply is not None and bool(reply.calls), answer,
+            reply is not None and bool(reply.calls), answer, out.retained,
         ))
         try:
             return await asyncio.shield(work)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import hashlib
 import re
 import time
@@ -157,7 +158,7 @@ async def _conversation_turn(
         messages = new_messages(plan.history_messages, messages)
         # the template and tokenizer, off the event loop
         prompt = await asyncio.to_thread(turns.prompt, plan, messages, params.max_tokens != 0, request.chat_template_options())
-        outputs = await s.generate(engine_request_id(caller.tenant, rid), prompt, params, timer, **turns.engine_kwargs(plan))
+        outputs = await turns.start(plan, functools.partial(s.generate, engine_request_id(caller.tenant, rid), prompt, params, timer))
     except BaseException:
         turns.manager.release(plan.conversation_id)
         raise

@@ -202,7 +202,7 @@ async def get_conversation(conversation_id: str, raw_request: Request) -> dict[s
         },
         "turns": [
             {"branch": t.branch, "turn": t.turn, "parent": t.parent, "snapshot": t.snapshot, "state_len": t.state_len,
-             "created_at": t.created_at, "tool_calls": t.tool_calls}
+             "created_at": t.created_at, "tool_calls": t.tool_calls, "tier": s.conversations.manager.tier_of(conv.conversation_id, t)}
             for t in sorted(conv.turns.values(), key=lambda t: (t.branch, t.turn))
         ],
     }

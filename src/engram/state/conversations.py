@@ -21,32 +21,27 @@ from engram.models.spec import ModelSpec
 from engram.state.chunks import DEFAULT_CHUNK_TOKENS, ORPHAN_GRACE_S, PrefixHasher, StoredState, kv_tensor_names
 from engram.state.cold import ColdStore, FilesystemColdStore
 from engram.state.eviction import ComputeSavedPolicy, PrefillCost
+from engram.state.exchange import export_of, read_import, write_imported
 from engram.state.health import HealthMonitor, Quarantine
 from engram.state.identity import ModelIdentity
-from engram.state.manifest import stored_state
 from engram.state.prefix_cache import PrefixCache
 from engram.state.prefix_disk import PrefixDisk
+from engram.state.records import RecordFiles
 from engram.state.sequence_state import SequenceState, StateDtypes
 from engram.state.snapshot import (
     QUARANTINE_NAME,
-    RECORD_NAME,
     SnapshotCorruptError,
     SnapshotError,
-    SnapshotMeta,
     SnapshotNotFoundError,
     atomic_write,
-    check_no_links,
-    check_no_links_under,
     dtype_names,
-    is_stale_temp_file,
-    read_no_follow,
-    reason_without_paths,
-    snapshot_label,
     validate_id,
 )
+from engram.state.snapshot import RECORD_NAME as RECORD_NAME  # re-exported: the record's name, as this module's callers know it
+from engram.state.snapshots import TurnSnapshots
 from engram.state.store import Clock, SnapshotWriter, TierStats, WarmCache
-from engram.state.tiers import ActiveTier, SnapshotPolicy, SnapshotTrigger, TierConfig
-from engram.state.transfer import Export, read_export, write_export
+from engram.state.tiers import ActiveTier, EngineSlot, SnapshotPolicy, SnapshotTrigger, TierConfig
+from engram.state.transfer import write_export
 from engram.state.turns import (
     UNUSABLE_CONVERSATION,
     Conversation,
@@ -87,13 +82,17 @@ class ConversationManager:
     ):
         self.spec, self.dtypes, self.model, self.tokenizer_sha256 = spec, dtypes, model, tokenizer_sha256
         self.policy = policy
+        self._lock = threading.RLock()
+        self.stats = TierStats()
         self.root = Path(snapshot_dir) if snapshot_dir is not None else None
+        self.records = RecordFiles(self.root) if self.root is not None else None
         identity = json.dumps({"model": asdict(model), "tokenizer": tokenizer_sha256, "layout": spec.layout(), "dtypes": dtype_names(dtypes)},
                               sort_keys=True).encode()
         hasher = PrefixHasher(identity, chunk_tokens)
         self.store: ColdStore | None = (
             FilesystemColdStore(self.root, spec, dtypes, hasher, model, tokenizer_sha256) if self.root is not None else None
         )
+        self.turn_snapshots = TurnSnapshots(self.store, self.stats, self._lock) if self.store is not None else None
         # States after whole prompts, for requests of no conversation (0 bytes: prefix caching off),
         # also kept on disk (0 bytes, or no store: memory only); both tiers evict by the compute a byte saves.
         eviction = ComputeSavedPolicy(PrefillCost.of(spec))
@@ -106,7 +105,6 @@ class ConversationManager:
         self.prefix_cache = (
             PrefixCache(hasher, prefix_cache_bytes, prefix_cache_min_tokens, self.prefix_disk, eviction) if prefix_cache_bytes > 0 else None
         )
-        self._stored: dict[tuple[str, str], StoredState] = {}  # (conversation, ref) -> its snapshot's store references
         self.orphan_grace_s = ORPHAN_GRACE_S  # store files younger than this are never swept (a save may still reference them)
         # Due at start (a crash may have left unreferenced files), but not at once: startup reads no record.
         self._sweep_due, self._next_sweep = True, clock() + 60.0
@@ -115,7 +113,6 @@ class ConversationManager:
         self.warm = warm
         self.warm.clock = clock
         self.warm.on_evict = self._evicted
-        self.stats = TierStats()
         self.active = ActiveTier()
         self.last_used: dict[str, float] = {}  # conversation -> last use (for cold expiry)
         self._next_expiry_scan = 0.0
@@ -127,7 +124,6 @@ class ConversationManager:
         self._busy: dict[str, str | None] = {}  # conversation -> the idempotency key of its request in flight
         self._unsaved_by_health: set[tuple[str, str]] = set()  # turns whose state the health policy kept off disk
         self._unrecorded: set[str] = set()  # async: conversations whose answered turns a failed record write left out
-        self._lock = threading.RLock()
 
     def _mark_sweep_due(self) -> None:
         self._sweep_due = True
@@ -139,47 +135,36 @@ class ConversationManager:
     def persistent(self) -> bool:
         return self.root is not None
 
-    # ---- records -----------------------------------------------------------------------------
+    def _saved(self) -> TurnSnapshots:
+        """The turns' snapshots; SnapshotError when persistence is off."""
+        if self.turn_snapshots is None:
+            raise SnapshotError("snapshot persistence is disabled (start the server with --enable-snapshot-persistence)")
+        return self.turn_snapshots
 
-    def _record_path(self, conversation_id: str) -> Path:
-        return check_no_links(self.root, self.root / validate_id(conversation_id, "conversation_id") / RECORD_NAME)
+    # ---- records -----------------------------------------------------------------------------
 
     def get(self, conversation_id: str) -> Conversation | None:
         """The conversation, loaded from disk on first access (startup indexes nothing)."""
         validate_id(conversation_id, "conversation_id")
         with self._lock:
             conv = self._conversations.get(conversation_id)
-            if conv is None and self.persistent and self._record_path(conversation_id).is_file():
-                check_no_links_under(self.root, self.root / conversation_id)  # before a file of it is read or removed
-                conv = self._read_record(conversation_id)
+            if conv is None and self.records is not None and self.records.exists(conversation_id):
+                self.records.check_folder(conversation_id)
+                conv = self.records.read(conversation_id)
                 self._conversations[conversation_id] = conv
-                self._remove_orphans(conv)
+                self._remove_orphans(conv, self.records)
             return conv
 
-    def _read_record(self, conversation_id: str) -> Conversation:
-        path = self._record_path(conversation_id)
-        try:
-            conv = Conversation.from_json(json.loads(read_no_follow(path)))
-        except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
-            raise ConversationRecordError(f"the record of conversation {conversation_id!r} is unreadable: {reason_without_paths(e)}") from e
-        if conv.conversation_id != conversation_id:
-            raise ConversationRecordError(f"the record of conversation {conversation_id!r} is that of {conv.conversation_id!r}")
-        return conv
-
-    def _remove_orphans(self, conv: Conversation) -> None:
+    def _remove_orphans(self, conv: Conversation, records: RecordFiles) -> None:
         """Delete snapshot files the record does not point at: a crash between a snapshot's commit
         and its record's leaves one, for a turn that was never recorded (so never answered under
         sync durability)."""
-        recorded = {self._locate(conv.conversation_id, t) for t in conv.turns.values() if t.snapshot}
-        for entry in self.store.snapshots(conv.conversation_id):
-            if entry["path"] not in recorded:
-                log.warning("removing snapshot %s: its conversation record does not list it (left by a crash)", entry["path"])
-                self.store.delete(entry["path"])
-                self._sweep_due = True
-        for path in self._record_path(conv.conversation_id).parent.rglob(".*.tmp-*"):
-            if is_stale_temp_file(path):
-                log.warning("removing %s: the temp file of a write that never finished", path)
-                path.unlink(missing_ok=True)
+        saved = self._saved()
+        for location in saved.unrecorded(conv):
+            log.warning("removing snapshot %s: its conversation record does not list it (left by a crash)", location)
+            saved.store.delete(location)
+            self._sweep_due = True
+        records.remove_stale_temp_files(conv.conversation_id)
 
     def require(self, conversation_id: str, tenant: str | None = None) -> Conversation:
         """The conversation, if `tenant` may see it (None: any); another tenant's is not found, as a
@@ -190,16 +175,14 @@ class ConversationManager:
         return conv
 
     def _persist(self, conv: Conversation) -> None:
-        if self.persistent:
-            atomic_write(self._record_path(conv.conversation_id), json.dumps(conv.to_json()).encode())
+        """Write the conversation's record (after the snapshot files it lists: the caller's order)."""
+        if self.records is not None:
+            atomic_write(self.records.path(conv.conversation_id), self.records.encode(conv))
             self._unrecorded.discard(conv.conversation_id)
 
     def list_ids(self) -> list[str]:
         with self._lock:
-            ids = set(self._conversations)
-            if self.persistent and self.root.is_dir():
-                ids |= {p.parent.name for p in self.root.glob(f"*/{RECORD_NAME}") if not (p.is_symlink() or p.parent.is_symlink())}
-            return sorted(ids)
+            return sorted(set(self._conversations) | (self.records.ids() if self.records is not None else set()))
 
     def visible(self, tenant: str | None, after: str | None = None, limit: int | None = None) -> list[Conversation]:
         """The conversations `tenant` may see (None: all), in id order, from the first id past
@@ -278,43 +261,66 @@ class ConversationManager:
                 self._check_regenerable(conv, base)
             self._conversations.setdefault(conversation_id, conv)
             self._busy[conversation_id] = idempotency_key
-            self.last_used[conversation_id] = self.clock()
+            now = self.last_used[conversation_id] = self.clock()
             adoptable = base is not None and source is conv and not self.health.refuses(self.quarantine, conversation_id, base.ref)
-            active_since = self.active.claim(conversation_id, base.ref) if adoptable else None
-        try:
-            started = time.perf_counter()
-            state, tier = self._nearest_state(source, base)
-            load_seconds = time.perf_counter() - started if tier == "cold" else 0.0
-        except BaseException:
-            with self._lock:
-                if active_since is not None:
-                    self.active.unclaim(conversation_id, base.ref, active_since)
-            self.release(conversation_id)
-            raise
-        resume_key = None
-        if active_since is not None:
-            resume_key, tier = retain_key(conversation_id, base.ref), "active"  # the new request adopts it
-        with self._lock:
-            if base is not None and tier is None:
-                self.stats.misses += 1
-            elif base is not None:
-                self._count("hits", tier)
+            claimed = adoptable and base is not None and self.active.claim(conversation_id, base.ref, now)
         forked = source is not conv
-        return TurnPlan(
+        plan = TurnPlan(
             conversation_id=conversation_id,
             branch=branch,
             turn=1 if forked or base is None else base.turn + 1,
             parent=base.ref if base and not forked else None,
             history_tokens=source.tokens(base),
             history_messages=source.messages(base),
-            state=state,
-            state_tier=tier,
-            resume_key=resume_key,
-            load_seconds=load_seconds,
+            state=None,
+            state_tier=None,
             idempotency_key=idempotency_key,
             history_ends_with_reply=base is not None and base.reply,
             forked_from=f"{from_conversation}@{base.ref}" if forked and base else None,
         )
+        if claimed and base is not None:  # the new request adopts the slot: nothing is fetched (`fall_back` if it cannot)
+            plan.state_tier, plan.resume_key = "active", retain_key(conversation_id, base.ref)
+            with self._lock:
+                self._count("hits", "active")
+            return plan
+        try:
+            self._fetch_state(plan, source, base)
+        except BaseException:
+            self.release(conversation_id)
+            raise
+        return plan
+
+    def fall_back(self, plan: TurnPlan) -> None:
+        """The slot `begin` found was gone when the request came to adopt it (reclaimed meanwhile):
+        fetch the state the turn starts from instead (warm or cold), and count that tier's hit."""
+        assert plan.parent is not None and plan.resume_key is not None
+        with self._lock:
+            conv = self._conversations[plan.conversation_id]
+            base = conv.turns[plan.parent]
+            self.stats.hits["active"] -= 1
+        plan.resume_key = None
+        self._fetch_state(plan, conv, base)
+
+    def _fetch_state(self, plan: TurnPlan, conv: Conversation, base: Turn | None) -> None:
+        """Put into `plan` the nearest state of `base`'s chain (warm, or read from the cold tier) and count its tier."""
+        started = time.perf_counter()
+        plan.state, plan.state_tier = self._nearest_state(conv, base)
+        plan.load_seconds = time.perf_counter() - started if plan.state_tier == "cold" else 0.0
+        with self._lock:
+            if base is not None and plan.state_tier is None:
+                self.stats.misses += 1
+            elif plan.state_tier is not None:
+                self._count("hits", plan.state_tier)
+
+    def tier_of(self, conversation_id: str, turn: Turn) -> str | None:
+        """Where the turn's state is now: "active" (an engine slot), "warm" (host memory), "cold"
+        (a snapshot); None: nowhere (recomputed from its tokens when needed)."""
+        with self._lock:
+            if self.active.holds(conversation_id, turn.ref):
+                return "active"
+            if self.warm.peek(conversation_id, turn.ref) is not None:
+                return "warm"
+        return "cold" if turn.snapshot else None
 
     def _fork_source(self, conv: Conversation, from_conversation: str, tenant: str | None) -> Conversation:
         if conv.turns:
@@ -365,9 +371,11 @@ class ConversationManager:
         state: SequenceState | None,
         tool_calls: bool = False,
         answer: TurnAnswer | None = None,
+        retained: EngineSlot | None = None,
     ) -> Turn:
-        """Record the turn, keep its state warm (and its engine slot active), snapshot it per the
-        policy (now, or written behind with async durability), release the conversation."""
+        """Record the turn, keep its state warm (and its engine slot active: `retained`, the
+        engine's handle of it, says while it is), snapshot it per the policy (now, or written
+        behind with async durability), release the conversation."""
         try:
             with self._lock:
                 conv = self._conversations[plan.conversation_id]
@@ -400,7 +408,7 @@ class ConversationManager:
                     if state.nbytes > self.warm.max_bytes:  # it cannot stay in memory: written now, as any state leaving it
                         wanted = wanted or self._written_on_leaving_memory(plan.conversation_id, turn.ref)
                     self.warm.put(plan.conversation_id, turn.ref, state)
-                    self.active.keep(plan.conversation_id, turn.ref, now)
+                    self.active.keep(plan.conversation_id, turn.ref, now, retained)
             job = lambda: self._commit(conv, turn, state if wanted else None, recorded)  # noqa: E731
             if self.writer is not None:
                 self.writer.submit(job)
@@ -447,7 +455,7 @@ class ConversationManager:
         with self._lock:
             if conv.turns.get(turn.ref) is not turn:  # forgotten meanwhile (regenerated or deleted)
                 return
-            base = self._stored_base(conv, turn) if state is not None else None
+            base = self._saved().stored_base(conv, turn) if state is not None else None
         written = False
         if state is not None:
             try:
@@ -486,47 +494,15 @@ class ConversationManager:
     # ---- snapshots ------------------------------------------------------------------------------
 
     def _write_snapshot(self, conv: Conversation, turn: Turn, state: SequenceState) -> None:
-        self._save_file(conv, turn, state, self._stored_base(conv, turn))
+        self._save_file(conv, turn, state, self._saved().stored_base(conv, turn))
         turn.snapshot = True
 
-    def _stored_base(self, conv: Conversation, turn: Turn) -> StoredState | None:
-        """The store references of the nearest earlier turn in `turn`'s chain that has a v2
-        snapshot: its pieces are the new snapshot's too, so only what follows them is written.
-        Called under the lock."""
-        for t in reversed(conv.chain(turn)[:-1]):
-            if not t.snapshot:
-                continue
-            try:
-                return self._stored_of(conv.conversation_id, t)
-            except SnapshotError as e:
-                log.warning("conversation %r turn %s: %s; its snapshot lends nothing to the next", conv.conversation_id, t.ref, e)
-                return None
-        return None
-
     def _stored_of(self, conversation_id: str, turn: Turn) -> StoredState | None:
-        """The store references of a turn's snapshot (None for a v1 file), from memory or its manifest."""
-        stored = self._stored.get((conversation_id, turn.ref))
-        if stored is None:
-            stored = self.store.references(self._locate(conversation_id, turn))
-        return stored
-
-    def _locate(self, conversation_id: str, turn: Turn) -> str:
-        return self.store.locate(conversation_id, turn.branch, turn.turn)
+        return self._saved().stored_of(conversation_id, turn)
 
     def _save_file(self, conv: Conversation, turn: Turn, state: SequenceState, base: StoredState | None) -> None:
-        """Write the turn's snapshot (counted and timed): the store files its base lacks, then its
-        manifest; the record does not point at it yet."""
-        meta = SnapshotMeta(conversation_id=conv.conversation_id, branch=turn.branch, turn=turn.turn, parent=turn.parent)
-        started = time.perf_counter()
-        try:
-            stored = self.store.save(state, meta, base)
-        except Exception:
-            with self._lock:
-                self.stats.snapshot_write_failures += 1
-            raise
-        with self._lock:
-            self._stored[(conv.conversation_id, turn.ref)] = stored
-            self.stats.snapshot_write_seconds.observe(time.perf_counter() - started)
+        """Write the turn's snapshot; the record does not point at it yet."""
+        stored = self._saved().save(conv, turn, state, base)
         if self.prefix_disk is not None and self.prefix_cache is not None and self.prefix_cache.wants(state.state_len):
             self.prefix_disk.index(state, stored)  # a prefix other requests may begin with: an entry naming the snapshot's files
 
@@ -556,18 +532,13 @@ class ConversationManager:
                 log.warning("snapshot %s beyond the retention count not deleted: %s", t.ref, e)
 
     def _delete_turn_file(self, conversation_id: str, turn: Turn) -> None:
-        """Delete a turn's snapshot (its manifest; the store files it shares with other turns stay
-        until a sweep finds nothing referencing them)."""
-        self._stored.pop((conversation_id, turn.ref), None)
         self._sweep_due = True
-        try:
-            self.store.delete(self._locate(conversation_id, turn))
-        except SnapshotNotFoundError:
-            pass
+        with contextlib.suppress(SnapshotNotFoundError):
+            self._saved().delete(conversation_id, turn.branch, turn.turn)
 
     def save(self, conversation_id: str, branch: str = "main", turn: int | None = None) -> Turn:
         """Write a snapshot of a turn whose state is still held (the manual trigger)."""
-        self._require_persistence()
+        self._saved()
         with self._lock:
             conv = self.require(conversation_id)
             target = self.find_turn(conv, branch, turn)
@@ -586,30 +557,11 @@ class ConversationManager:
                 self._persist_and_prune(conv, target.branch)
             return target
 
-    def _check_belongs(self, manifest: dict, path: str, conv: Conversation, turn: Turn) -> None:
-        """Raise SnapshotCorruptError unless the file's manifest names this conversation's turn
-        and the state length its record holds (the checksum covers the tensors, not the manifest)."""
-        named = (manifest.get("conversation_id"), manifest.get("branch"), manifest.get("turn"), manifest.get("state_len"))
-        recorded = (conv.conversation_id, turn.branch, turn.turn, turn.state_len)
-        if named != recorded:
-            raise SnapshotCorruptError(
-                f"{snapshot_label(path)}: the manifest names (conversation, branch, turn, state_len) {named!r}, the record {recorded!r}"
-            )
-
     def _load_turn(self, conversation_id: str, turn: Turn) -> SequenceState:
-        """Load and verify the turn's snapshot, which must hold its recorded history's tokens."""
-        self._require_persistence()
+        """Load and verify the turn's snapshot, taking the KV a warm state of the conversation holds from it."""
+        saved = self._saved()
         conv = self.require(conversation_id)
-        path = self._locate(conversation_id, turn)
-        state, manifest = self.store.load(path, self._resident_prefix(conv, turn))
-        self._check_belongs(manifest, path, conv, turn)
-        stored = stored_state(manifest, snapshot_label(path))
-        if stored is not None:
-            with self._lock:
-                self._stored[(conversation_id, turn.ref)] = stored
-        if list(state.tokens[: state.state_len]) != conv.tokens(turn)[: state.state_len]:
-            raise SnapshotCorruptError(f"{snapshot_label(path)}: its tokens are not the recorded history of turn {turn.ref}")
-        return state
+        return saved.load(conv, turn, self._resident_prefix(conv, turn))
 
     def _resident_prefix(self, conv: Conversation, turn: Turn) -> SequenceState | None:
         """The state in memory of this conversation that shares the longest prefix with the turn's
@@ -628,7 +580,7 @@ class ConversationManager:
         """Manifest and path of every snapshot the conversation records point at, in order of
         conversation, branch and turn (the records are the source of truth, see `get`). An
         unreadable record or snapshot is logged and left out."""
-        self._require_persistence()
+        self._saved()
         out = []
         for cid in [conversation_id] if conversation_id is not None else self.list_ids():
             try:
@@ -646,17 +598,12 @@ class ConversationManager:
         return out
 
     def snapshot_manifest(self, conversation_id: str, turn: Turn) -> dict:
-        self._require_persistence()
-        path = self._locate(conversation_id, turn)
-        if not turn.snapshot or not self.store.exists(path):
-            raise SnapshotNotFoundError(f"turn {turn.ref} of conversation {conversation_id!r} has no snapshot")
-        manifest = self.store.manifest(path)
-        self._check_belongs(manifest, path, self.require(conversation_id), turn)
-        return {**manifest, "path": path}
+        saved = self._saved()
+        return saved.manifest(self.require(conversation_id), turn)
 
     def snapshot_tokens(self, manifest: dict) -> list[int]:
         """The token ids a snapshot covers (its `fill_ids`), read without the state tensors."""
-        return self.store.tokens(manifest)
+        return self._saved().store.tokens(manifest)
 
     def load_into_warm(self, conversation_id: str, turn: Turn) -> SequenceState:
         """The turn's state, from the warm cache or its verified snapshot file (then kept warm).
@@ -675,14 +622,13 @@ class ConversationManager:
         return state
 
     def delete_snapshot(self, conversation_id: str, branch: str, turn: int) -> None:
-        self._require_persistence()
+        saved = self._saved()
         with self._lock:
-            self.store.delete(self.store.locate(conversation_id, branch, turn))
-            self._stored.pop((conversation_id, ref_name(branch, turn)), None)
+            saved.delete(conversation_id, branch, turn)
             self._sweep_due = True
             conv = self.get(conversation_id)
             target = conv.turns.get(ref_name(branch, turn)) if conv else None
-            if target is not None:
+            if conv is not None and target is not None:
                 target.snapshot = False
                 self._persist(conv)
 
@@ -691,8 +637,8 @@ class ConversationManager:
         for a `tenant`: whose it is cannot be told); a link in its folder refuses it all, before
         anything is forgotten."""
         with self._lock:
-            if self.persistent:
-                check_no_links_under(self.root, self.root / validate_id(conversation_id, "conversation_id"))
+            if self.records is not None:
+                self.records.check_folder(conversation_id)
             try:
                 conv = self.require(conversation_id, tenant)
             except ConversationRecordError:
@@ -701,20 +647,11 @@ class ConversationManager:
                 conv = None
             if conversation_id in self._busy:
                 raise ConversationBusyError(f"conversation {conversation_id!r} has a request in flight")
-            for t in list(conv.turns.values()) if conv is not None else ():
-                self._forget_turn(conv, t)
-            if self.persistent:
-                if conv is None:  # no record to say which files are its snapshots: every file of its branches
-                    for path in self._record_path(conversation_id).parent.glob("*/*"):
-                        if path.is_file():
-                            path.unlink()
-                self._record_path(conversation_id).unlink(missing_ok=True)
-                for folder in sorted(self._record_path(conversation_id).parent.glob("*"), reverse=True):
-                    if folder.is_dir() and not any(folder.iterdir()):
-                        folder.rmdir()
-                folder = self._record_path(conversation_id).parent
-                if folder.is_dir() and not any(folder.iterdir()):
-                    folder.rmdir()
+            if conv is not None:
+                for t in list(conv.turns.values()):
+                    self._forget_turn(conv, t)
+            if self.records is not None:  # without a record to say which files are its snapshots: every file of its branches
+                self.records.remove(conversation_id, with_branch_files=conv is None)
             self._conversations.pop(conversation_id, None)
             self._sweep_due = True
             self.health.forget(conversation_id)
@@ -739,9 +676,8 @@ class ConversationManager:
         with self._lock:
             self.stats.demotions["active_to_warm"] += self.active.demote_idle(now - self.tiers.active_timeout)
             for cid, ref in self.warm.idle(now - self.tiers.warm_timeout):
-                if cid in self._busy:
-                    continue
-                if not self._demote_to_cold(cid, ref, self.warm.peek(cid, ref)):
+                state = self.warm.peek(cid, ref)
+                if cid in self._busy or state is None or not self._demote_to_cold(cid, ref, state):
                     continue
                 self.warm.drop(cid, ref)
                 self._count("demotions", "warm_to_cold")
@@ -791,7 +727,7 @@ class ConversationManager:
                         referenced |= stored.keys
         if self.prefix_disk is not None:
             referenced |= self.prefix_disk.referenced()
-        removed = self.store.sweep(referenced, self.orphan_grace_s)
+        removed = self._saved().store.sweep(referenced, self.orphan_grace_s)
         if removed:
             log.info("store sweep: %d unreferenced files removed", removed)
         return removed
@@ -842,24 +778,25 @@ class ConversationManager:
     def _last_use(self, conversation_id: str) -> float:
         if conversation_id in self.last_used:
             return self.last_used[conversation_id]
-        record = self._record_path(conversation_id)
-        return record.stat().st_mtime if record.is_file() else self.clock()
+        written = self.records.modified(conversation_id) if self.records is not None else None
+        return written if written is not None else self.clock()
 
     def preload(self, count: int) -> int:
         """Warm the latest snapshot of each branch of the `count` most recently used conversations."""
-        if count <= 0 or not self.persistent or not self.root.is_dir():
+        if count <= 0 or self.records is None:
             return 0
-        records = sorted(self.root.glob(f"*/{RECORD_NAME}"), key=lambda p: p.stat().st_mtime, reverse=True)[:count]
         loaded = 0
-        for record in records:
+        for cid in self.records.most_recent(count):
             try:
-                conv = self.get(record.parent.name)
+                conv = self.get(cid)
             except UNUSABLE_CONVERSATION as e:
                 log.warning("preload skipped: %s", e)
                 continue
+            if conv is None:  # removed meanwhile
+                continue
             for branch in conv.branches():
                 turn = conv.latest(branch)
-                if turn.snapshot:
+                if turn is not None and turn.snapshot:
                     try:
                         self.load_into_warm(conv.conversation_id, turn)
                         loaded += 1
@@ -928,7 +865,9 @@ class ConversationManager:
             for cid, ref in unwritten:
                 if time.monotonic() >= deadline:
                     break
-                self._demote_to_cold(cid, ref, self.warm.peek(cid, ref))
+                state = self.warm.peek(cid, ref)
+                if state is not None:
+                    self._demote_to_cold(cid, ref, state)
                 written += not self._unwritten(cid, ref)
         if unwritten:
             log.info("shutdown: %d of %d states held only in memory written as snapshots (the rest: the shutdown budget "
@@ -937,50 +876,20 @@ class ConversationManager:
     # ---- export and import ----------------------------------------------------------------------
 
     def export_conversation(self, conversation_id: str, tenant: str | None, out: IO[bytes]) -> None:
-        """Write the conversation as one file (state/transfer.py): its record, every snapshot and
+        """Write the conversation as one file (state/exchange.py): its record, every snapshot and
         the store files they name."""
-        self._require_persistence()
+        saved = self._saved()
         with self._lock:
-            conv = self.require(conversation_id, tenant)
-            export = Export(record=conv.to_json())
-            for t in (t for t in conv.turns.values() if t.snapshot):
-                location = self._locate(conversation_id, t)
-                try:
-                    data = self.store.read(location)
-                except FileNotFoundError:
-                    continue
-                suffix = Path(location).suffix
-                export.turns[f"turns/{t.branch}/{t.turn:06d}{suffix}"] = data
-                stored = stored_state(json.loads(data), snapshot_label(location)) if suffix == ".json" else None
-                if stored is not None:
-                    export.store_files.update(self.store.store_members(stored))
+            export = export_of(self.require(conversation_id, tenant), saved)
         write_export(export, out)
 
     def import_conversation(self, src: IO[bytes], tenant: str | None, conversation_id: str | None = None) -> Conversation:
         """Add the conversation an export holds, as `conversation_id` (default: its own id),
         belonging to `tenant`. Every snapshot must load and verify here (this model, tokenizer,
         layout, dtypes, checksums); otherwise nothing of it is listed. An id in use is a conflict."""
-        self._require_persistence()
-        record, snapshots = None, {}
-        for kind, item in read_export(src):
-            if kind == "index":
-                record = item
-            elif kind == "turn":
-                branch, number, suffix, data = item
-                snapshots[ref_name(validate_id(branch, "branch"), number)] = (suffix, data)
-            else:
-                store_kind, key, stream = item
-                self.store.adopt(store_kind, key, stream)
-        try:
-            conv = Conversation.from_json(record)
-        except (TypeError, KeyError, ValueError, AttributeError) as e:
-            raise SnapshotCorruptError(f"the export's conversation record is unreadable: {e!r}") from e
-        cid = validate_id(conversation_id or conv.conversation_id, "conversation_id")
-        renamed = cid != conv.conversation_id
-        conv.conversation_id, conv.owner = cid, tenant
-        for t in conv.turns.values():
-            validate_id(t.branch, "branch")
-            t.snapshot = t.ref in snapshots and not (renamed and snapshots[t.ref][0] == "safetensors")  # v1 names its conversation inside
+        saved = self._saved()
+        conv, snapshots = read_import(src, saved, tenant, conversation_id)
+        cid = conv.conversation_id
         with self._lock:
             if cid in self._busy or self.get(cid) is not None:
                 raise ConversationConflictError(f"conversation {cid!r} exists already; import it under another conversation_id")
@@ -989,14 +898,7 @@ class ConversationManager:
         written: list[tuple[str, str]] = []  # (location, ref)
         try:
             for t in (t for t in conv.turns.values() if t.snapshot):
-                suffix, data = snapshots[t.ref]
-                if suffix == "json":
-                    manifest = json.loads(data)
-                    manifest["conversation_id"] = cid
-                    data = json.dumps(manifest, sort_keys=True).encode()
-                location = self.store.locate(cid, t.branch, t.turn, suffix)
-                self.store.write(location, data)
-                written.append((location, t.ref))
+                written.append((write_imported(saved, conv, t.ref, *snapshots[t.ref]), t.ref))
                 self._load_turn(cid, t)  # checked like any snapshot; refused whole otherwise
             with self._lock:
                 self._persist(conv)
@@ -1005,17 +907,13 @@ class ConversationManager:
                 self._conversations.pop(cid, None)
                 for location, ref in written:
                     with contextlib.suppress(SnapshotNotFoundError):
-                        self.store.delete(location)
-                    self._stored.pop((cid, ref), None)
+                        saved.store.delete(location)
+                    saved.forget(cid, ref)
                 self._sweep_due = True
             raise
         finally:
             self.release(cid)
         return conv
-
-    def _require_persistence(self) -> None:
-        if not self.persistent:
-            raise SnapshotError("snapshot persistence is disabled (start the server with --enable-snapshot-persistence)")
 
 
 def _common_prefix(a: list[int], b: list[int], limit: int) -> int:

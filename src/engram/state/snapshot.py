@@ -190,7 +190,7 @@ def dtype_names(dtypes: StateDtypes) -> dict[str, str]:
 def _tensor_digest(name: str, t: torch.Tensor) -> bytes:
     t = t.contiguous()
     h = hashlib.sha256(f"{name}\0{_dtype_name(t.dtype)}\0{','.join(map(str, t.shape))}\0".encode())
-    h.update(t.reshape(-1).view(torch.uint8).numpy())
+    h.update(t.reshape(-1).view(torch.uint8).numpy().data)
     return h.digest()
 
 

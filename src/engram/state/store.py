@@ -102,7 +102,7 @@ class WarmCache:
         while self._states:
             latest = self._latest_use()
             if len(latest) > self.max_conversations:  # every state of the least recently used conversation
-                out = min(latest, key=latest.get)
+                out = min(latest, key=latest.__getitem__)
                 victims = [key for key in self._states if key[0] == out]
             elif self.nbytes > self.max_bytes:  # the least recently used state
                 victims = [next(iter(self._states))]

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 from enum import Enum
+from typing import Protocol
 
 from engram.state.turns import retain_key
 
@@ -46,28 +47,63 @@ class SnapshotPolicy:
         return False
 
 
+class EngineSlot(Protocol):
+    """The engine's handle of a slot it keeps for a finished turn (`RetainedSlot`): the scheduler
+    alone frees it (adoption, reclaim under memory pressure, release, a superseding turn) and
+    says so through `held`."""
+
+    @property
+    def held(self) -> bool: ...
+
+
+@dataclass
+class _Kept:
+    last_use: float
+    slot: EngineSlot | None  # None: no handle was given (a caller driving the engine itself); held until released
+
+    @property
+    def held(self) -> bool:
+        return self.slot is None or self.slot.held
+
+
 class ActiveTier:
-    """The ACTIVE tier's bookkeeping: the finished turns whose engine slot is still retained, by
-    (conversation, ref), with their last use, and the slots to hand back to the engine. The slots
-    themselves are the scheduler's (`Scheduler.retained`, under `retain_key`: debt 7 of
-    docs/ARCHITECTURE.md). Called under the conversation manager's lock."""
+    """The ACTIVE tier: the finished turns whose engine slot is still retained, by (conversation,
+    ref), with their last use, and the slots to hand back to the engine. Whether a slot is still
+    there is the engine's to say (`EngineSlot.held`): an entry whose slot the scheduler reclaimed
+    is gone at once, with no copy to bring up to date. Called under the conversation manager's lock."""
 
     def __init__(self) -> None:
-        self._used: OrderedDict[tuple[str, str], float] = OrderedDict()
+        self._kept: OrderedDict[tuple[str, str], _Kept] = OrderedDict()
         self._release: list[str] = []  # engine slots no turn holds any more, handed out by `take_released`
 
+    def _prune(self) -> None:
+        """Drop the entries whose slot the engine freed on its own (memory pressure, a prompt it did not prefix)."""
+        for key in [key for key, kept in self._kept.items() if not kept.held]:
+            del self._kept[key]
+
     def __len__(self) -> int:
-        return len(self._used)
+        self._prune()
+        return len(self._kept)
 
-    def keep(self, conversation_id: str, ref: str, now: float) -> None:
-        self._used[(conversation_id, ref)] = now
+    def holds(self, conversation_id: str, ref: str) -> bool:
+        kept = self._kept.get((conversation_id, ref))
+        return kept is not None and kept.held
 
-    def claim(self, conversation_id: str, ref: str) -> float | None:
-        """Take the entry of a slot a new request adopts: its last use (None: not held)."""
-        return self._used.pop((conversation_id, ref), None)
+    def keep(self, conversation_id: str, ref: str, now: float, slot: EngineSlot | None = None) -> None:
+        self._kept[(conversation_id, ref)] = _Kept(now, slot)
 
-    def unclaim(self, conversation_id: str, ref: str, last_use: float) -> None:
-        self._used[(conversation_id, ref)] = last_use
+    def claim(self, conversation_id: str, ref: str, now: float) -> bool:
+        """Whether the turn's slot is still held, for a new request to adopt (a use, at `now`). An
+        entry with the engine's handle stays until the handle says the slot went (adopted,
+        reclaimed), so that a request that never comes to adopt it (refused, its client gone)
+        leaves it to the idle release; one without a handle is taken out now."""
+        key = (conversation_id, ref)
+        kept = self._kept.get(key)
+        if kept is None or kept.slot is None or not kept.held:
+            self._kept.pop(key, None)
+        else:
+            kept.last_use = now
+        return kept is not None and kept.held
 
     def renamed(self, conversation_id: str, ref: str) -> None:
         """The slot under this turn's key is a new turn's now: a forgotten turn's release of the key is void."""
@@ -76,18 +112,20 @@ class ActiveTier:
             self._release.remove(key)
 
     def forget(self, conversation_id: str, ref: str) -> None:
-        """The turn is gone: its slot, if held, is handed back."""
-        if self._used.pop((conversation_id, ref), None) is not None:
+        """The turn is gone: its slot, if still held, is handed back."""
+        kept = self._kept.pop((conversation_id, ref), None)
+        if kept is not None and kept.held:
             self._release.append(retain_key(conversation_id, ref))
 
     def hand_back(self, conversation_id: str, ref: str) -> None:
         """Hand back whatever slot the engine keeps under this turn's key, held here or not."""
-        self._used.pop((conversation_id, ref), None)
+        self._kept.pop((conversation_id, ref), None)
         self._release.append(retain_key(conversation_id, ref))
 
     def demote_idle(self, used_before: float) -> int:
         """Hand back the slots last used before `used_before`; how many."""
-        idle = [key for key, used in self._used.items() if used < used_before]
+        self._prune()
+        idle = [key for key, kept in self._kept.items() if kept.last_use < used_before]
         for conversation_id, ref in idle:
             self.forget(conversation_id, ref)
         return len(idle)
