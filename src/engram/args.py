@@ -59,7 +59,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         kind = _base_type(hints[f.name])
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
         help_text = f.metadata.get("help", "")
         if kind is bool:
             parser.add_argument(_flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction, default=default, help=help_text)

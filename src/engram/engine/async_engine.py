@@ -137,7 +137,12 @@ class AsyncEngine:
 
     async def abort_all(self, prefix: str = "") -> None:
         """Abort every running request (whose id starts with `prefix`)."""
-        await self._call(lambda: [self._abort(request_id, None) for request_id in list(self._streams) if request_id.startswith(prefix)])
+        def abort_matching() -> None:
+            for request_id in list(self._streams):
+                if request_id.startswith(prefix):
+                    self._abort(request_id, None)
+
+        await self._call(abort_matching)
 
     async def flush_cache(self) -> bool:
         return await self._call(self.engine.flush_cache)
@@ -186,6 +191,15 @@ class AsyncEngine:
         if live is not None and (stream is None or live is stream):
             self.engine.abort_request(request_id)
 
+    @staticmethod
+    def _run_commands(commands: list[tuple[Callable[[], Any], Future[Any]]]) -> None:
+        for fn, future in commands:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except Exception as e:  # reported to the caller
+                    future.set_exception(e)
+
     def _run(self) -> None:
         failed_last_step = False
         while True:
@@ -195,13 +209,8 @@ class AsyncEngine:
                 if self._stopping:
                     break
                 commands, self._commands = self._commands, []
-            for fn, future in commands:
-                if future.set_running_or_notify_cancel():
-                    try:
-                        future.set_result(fn())
-                    except Exception as e:  # reported to the caller
-                        future.set_exception(e)
-            commands = fn = future = None  # the last command may hold a state to restore: not kept while idle
+            self._run_commands(commands)
+            del commands  # a command may hold a state to restore: not kept while idle
             outputs: list[RequestOutput] = []
             if self.engine.has_unfinished_requests():
                 try:

@@ -35,7 +35,7 @@ def detokenize_step(tokenizer, seq: Sequence) -> None:
 def find_stop_string(seq: Sequence, new_chars: int) -> str | None:
     """If a stop string appears in the text (looking only where new text could complete one),
     truncate the text before it (after it, with include_stop_str_in_output) and return it."""
-    for stop in seq.params.stop:
+    for stop in seq.params.stop_strings:
         search_from = max(0, len(seq.text) - new_chars - len(stop) + 1)
         idx = seq.text.find(stop, search_from)
         if idx != -1:
@@ -52,7 +52,7 @@ def stop_prefix_len(seq: Sequence) -> int:
         return 0
     pending = len(seq.text) - seq.emitted_chars
     held = 0
-    for stop in seq.params.stop:
+    for stop in seq.params.stop_strings:
         for k in range(min(len(stop) - 1, pending), held, -1):
             if seq.text.endswith(stop[:k]):
                 held = k

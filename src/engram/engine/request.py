@@ -68,6 +68,12 @@ class SamplingParams:
     bad_words: list[str] | None = None  # never generate these words (their tokens, with and without a leading space)
     prompt_logprobs: int | None = None  # logprob of each prompt token and the top ones at its position
 
+    @property
+    def stop_strings(self) -> list[str]:
+        """`stop` as a list (what __post_init__ makes of it)."""
+        assert isinstance(self.stop, list)
+        return self.stop
+
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]

@@ -53,7 +53,7 @@ def adjust_logits(
             logits = torch.where(seen, penalized, logits)
     if (params.frequency_penalty or params.presence_penalty) and output_counts is not None:
         counts = output_counts.to(logits.dtype)
-        logits = logits - (params.frequency_penalty * counts + params.presence_penalty * in_output.to(logits.dtype))
+        logits = logits - (params.frequency_penalty * counts + params.presence_penalty * (output_counts > 0).to(logits.dtype))
     return logits
 
 
@@ -121,7 +121,11 @@ def sample_on_device(
 ) -> torch.Tensor:
     """Token ids [R] (int64, on the logits' device) for rows that `samples_on_device` serves.
     `argmax_done`: `out` already holds each row's argmax (a decode graph took it)."""
-    tokens = out if argmax_done else kernels().argmax(logits, out=out)
+    if argmax_done:
+        assert out is not None, "argmax_done: `out` holds the argmax"
+        tokens = out
+    else:
+        tokens = kernels().argmax(logits, out=out)
     drawn = [i for i, p in enumerate(params) if not p.greedy]
     if drawn:
         rows = torch.tensor(drawn, device=logits.device)

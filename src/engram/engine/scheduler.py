@@ -90,6 +90,7 @@ class Scheduler:
     def retain(self, key: str, seq: Sequence) -> RetainedSlot:
         """Keep a finished sequence's slot and pages under `key` instead of freeing them."""
         self.drop_retained(key)  # an older state under the same key is superseded
+        assert seq.slot is not None, "a finished sequence keeps its slot until it is freed or retained"
         kept = self.retained[key] = RetainedSlot(seq.slot, seq.blocks, list(seq.token_ids), seq.num_computed)
         seq.slot, seq.blocks = None, []
         return kept

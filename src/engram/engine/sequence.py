@@ -12,6 +12,8 @@ from engram.engine.request import FinishReason, SamplingParams, TokenLogprob
 from engram.state.sequence_state import SequenceState
 
 if TYPE_CHECKING:
+    from tokenizers.decoders import DecodeStream
+
     from engram.engine.scheduler import RetainedSlot
 
 
@@ -62,7 +64,7 @@ class Sequence:
     emitted_tokens: int = 0
     emitted_chars: int = 0
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
-    decode_stream: object | None = None  # tokenizers' incremental decoder (fast tokenizers)
+    decode_stream: DecodeStream | None = None  # tokenizers' incremental decoder (fast tokenizers)
     prefix_offset: int = 0  # incremental detokenization window over the output tokens (others)
     read_offset: int = 0
 
