@@ -15,6 +15,7 @@ from engram.engine.forward_batch import ForwardBatch
 from engram.layers.attention import Attention
 from engram.layers.mamba2 import Mamba2Mixer
 from engram.layers.norm import RMSNorm
+from engram.layers.parallel import Shard
 from engram.models.spec import LayerKind, ModelSpec
 
 # (checkpoint-name pattern, internal name template). A template ending in "[i]" names a stacked
@@ -90,6 +91,15 @@ class CausalLM(nn.Module):
 
     def map_weight_name(self, name: str) -> WeightPlace | None:
         """Checkpoint tensor name -> its place in the model; None to skip it."""
+        internal = self._internal_name(name)
+        if internal is None:
+            return None
+        if internal[1] is not None:
+            return internal
+        return self._packed_place(internal[0])
+
+    def _internal_name(self, name: str) -> tuple[str, int | None] | None:
+        """Checkpoint tensor name -> (internal name, expert row or None), before packed parts are placed."""
         if any(re.search(p, name) for p in self.ignored_weights):
             return None
         for pattern, template in self.rename_rules:
@@ -97,8 +107,33 @@ class CausalLM(nn.Module):
             if m:
                 if template.endswith("[i]"):
                     return m.expand(template[:-3]), int(m.group("expert"))
-                return self._packed_place(m.expand(template))
-        return self._packed_place(name)
+                return m.expand(template), None
+        return name, None
+
+    def weight_shard(self, name: str) -> Shard | None:
+        """The part of checkpoint tensor `name` this rank keeps (None: all of it, as without
+        tensor parallelism), as the module it lands in declares (`tp_shards`)."""
+        internal = self._internal_name(name)
+        if internal is None:
+            return None
+        parts = internal[0].split(".")
+        for cut in range(len(parts) - 1, 0, -1):
+            try:
+                module = self.get_submodule(".".join(parts[:cut]))
+            except AttributeError:
+                continue
+            if getattr(module, "tp", None) is not None and hasattr(module, "tp_shards"):
+                return module.tp_shards().get(".".join(parts[cut:]))
+        return None
+
+    def state_shards(self, rank: int) -> dict[str, Shard]:
+        """Rank `rank`'s part of every per-sequence state tensor (recurrent state and KV rows), by
+        snapshot name; empty without tensor parallelism."""
+        shards: dict[str, Shard] = {}
+        for module in self.modules():
+            if getattr(module, "tp", None) is not None and hasattr(module, "state_shards"):
+                shards.update(module.state_shards(rank))
+        return shards
 
     def _packed_place(self, internal: str) -> WeightPlace:
         """A part of a packed parameter (a module's `packed_parts`, e.g. attention's q, k and v in
