@@ -6,6 +6,7 @@ import copy
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,6 +127,8 @@ class LLMEngine:
         use_kernels(self._kernels)
         self.tokenizer = load_tokenizer(self.model_path)
         self.tp_leader = self._start_tensor_parallel(weights)
+        # the other ranks stop with this engine: on close(), when it is collected, or at exit
+        self._stop_ranks = weakref.finalize(self, self.tp_leader.close) if self.tp_leader is not None else None
         if self.tp_leader is not None:
             self.model = load_model(self.spec, self.model_path, self.dtype, self.device, self.tp_leader.tp)
         elif weights is None:
@@ -194,9 +197,8 @@ class LLMEngine:
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks' processes (nothing to do with one rank)."""
-        if self.tp_leader is not None:
-            self.tp_leader.close()
-            self.tp_leader = None
+        if self._stop_ranks is not None:
+            self._stop_ranks()
 
     def _plan_memory(self) -> memory_planner.MemoryPlan:
         plan = memory_planner.plan_for_args(

@@ -194,7 +194,8 @@ def _run_op(state: RankState, op: Op, host: tuple) -> None:
     elif op == Op.GATHER_STATE:
         state.gather_state(*host)
     elif op == Op.WRITE_KV:
-        state.write_kv(None, *host, None)
+        n, length = host
+        state.write_kv(None, n, length, None)
     elif op == Op.GATHER_KV:
         state.gather_kv(None, *host)
 

@@ -122,8 +122,9 @@ class CausalLM(nn.Module):
                 module = self.get_submodule(".".join(parts[:cut]))
             except AttributeError:
                 continue
-            if getattr(module, "tp", None) is not None and hasattr(module, "tp_shards"):
-                return module.tp_shards().get(".".join(parts[cut:]))
+            shards = getattr(module, "tp_shards", None)
+            if shards is not None and getattr(module, "tp", None) is not None:
+                return shards().get(".".join(parts[cut:]))
         return None
 
     def state_shards(self, rank: int) -> dict[str, Shard]:
@@ -131,8 +132,9 @@ class CausalLM(nn.Module):
         snapshot name; empty without tensor parallelism."""
         shards: dict[str, Shard] = {}
         for module in self.modules():
-            if getattr(module, "tp", None) is not None and hasattr(module, "state_shards"):
-                shards.update(module.state_shards(rank))
+            of_rank = getattr(module, "state_shards", None)
+            if of_rank is not None and getattr(module, "tp", None) is not None:
+                shards.update(of_rank(rank))
         return shards
 
     def _packed_place(self, internal: str) -> WeightPlace:
