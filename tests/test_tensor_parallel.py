@@ -21,6 +21,8 @@ from engram.models.spec import ConfigError
 _SHAPES = {
     "mamba2": dict(num_heads=8, head_dim=12, n_groups=4),
     "granite": dict(num_attention_heads=8, num_key_value_heads=2, mamba_n_heads=8, mamba_d_head=12, mamba_n_groups=4),
+    "nemotron": {},  # the test shapes (6 Mamba2 heads in 2 groups): TP=2 only
+    "bamba": {},
 }
 SIZES = (1, 2, 4)
 
@@ -55,10 +57,10 @@ def _decode(engine, max_tokens: int = 12) -> tuple[list[list[int]], list[torch.T
     return [out[f"r{i}"].token_ids for i in range(len(PROMPTS))], logits
 
 
-@pytest.mark.parametrize("kind", sorted(_SHAPES))
-def test_greedy_outputs_and_logits_at_tp2_and_tp4_equal_tp1(kind, engines):
+@pytest.mark.parametrize("kind,sizes", [("mamba2", (2, 4)), ("granite", (2, 4)), ("nemotron", (2,)), ("bamba", (2,))])
+def test_greedy_outputs_and_logits_at_tp2_and_tp4_equal_tp1(kind, sizes, engines):
     tokens, logits = _decode(engines(kind, 1))
-    for size in (2, 4):
+    for size in sizes:
         got, got_logits = _decode(engines(kind, size))
         assert got == tokens, f"TP={size}"
         assert len(got_logits) == len(logits)
@@ -71,7 +73,7 @@ def _capture(engine, prompt: list[int]):
     return run_to_end(engine)["head"].state
 
 
-@pytest.mark.parametrize("kind", sorted(_SHAPES))
+@pytest.mark.parametrize("kind", ["mamba2", "granite"])
 def test_a_captured_state_has_the_unsharded_layout_at_every_size(kind, engines):
     prompt = PROMPTS[2]
     whole = _capture(engines(kind, 1), prompt)

@@ -72,8 +72,7 @@ def _report(spec: ModelSpec, plan: MemoryPlan, info: dict) -> str:
         ("weights", format_bytes(plan.weights_bytes), f"{info['dtype']}, from {info['weights_source']}"),
         ("forward scratch", format_bytes(plan.scratch_bytes), f"{info['max_num_batched_tokens']} batched tokens"),
         ("margin", format_bytes(plan.margin_bytes), ""),
-        ("state cache", format_bytes(plan.state_cache_bytes),
-         f"{plan.max_running_requests} x {format_bytes(plan.state_bytes_per_seq)} per sequence"),
+        ("state cache", format_bytes(plan.state_cache_bytes), f"{plan.max_running_requests} x {format_bytes(plan.state_bytes_per_seq)} per sequence"),
         *((f"  {kind}", format_bytes(n), "per sequence") for kind, n in plan.state_bytes_by_kind.items()),
         ("KV per token", format_bytes(plan.kv_bytes_per_token), ""),
         ("KV cache", format_bytes(plan.kv_cache_bytes), f"{plan.num_kv_blocks} pages of {plan.kv_block_size} tokens"),
@@ -83,10 +82,12 @@ def _report(spec: ModelSpec, plan: MemoryPlan, info: dict) -> str:
     lines = [
         f"{spec.architecture} ({spec.model_type}) from {info['model_path']}",
         f"layers: {kinds}",
-        *([f"per rank of --tensor-parallel-size {info['tensor_parallel_size']} (device memory is each rank's)"]
-          if info["tensor_parallel_size"] > 1 else []),
-        f"dtypes: weights {info['dtype']}, conv state {plan.conv_state_dtype}, "
-        f"ssm state {plan.ssm_state_dtype}, kv cache {plan.kv_cache_dtype}",
+        *(
+            [f"per rank of --tensor-parallel-size {info['tensor_parallel_size']} (device memory is each rank's)"]
+            if info["tensor_parallel_size"] > 1
+            else []
+        ),
+        f"dtypes: weights {info['dtype']}, conv state {plan.conv_state_dtype}, ssm state {plan.ssm_state_dtype}, kv cache {plan.kv_cache_dtype}",
         "",
         *(f"  {name:<18}{value:>14}   {note}".rstrip() for name, value, note in rows),
         "",

@@ -57,6 +57,7 @@ class Op(IntEnum):
     GATHER_STATE = 4
     WRITE_KV = 5
     GATHER_KV = 6
+    POOLS = 7  # the pools' sizes, once rank 0 has planned its memory
 
 
 def check_split(spec: ModelSpec, size: int) -> None:
@@ -111,8 +112,16 @@ class RankState:
         """Rank 0 sends `batch`; a follower rebuilds it from the broadcast and runs its forward."""
         if batch is not None:
             assert batch.cu_seqlens is not None and batch.context_lens_t is not None, "an eager batch carries its lengths on the device"
-            parts = [batch.input_ids, batch.positions, batch.state_slots, batch.slot_mapping, batch.block_tables.reshape(-1),
-                     batch.logits_indices, batch.cu_seqlens, batch.context_lens_t]
+            parts = [
+                batch.input_ids,
+                batch.positions,
+                batch.state_slots,
+                batch.slot_mapping,
+                batch.block_tables.reshape(-1),
+                batch.logits_indices,
+                batch.cu_seqlens,
+                batch.context_lens_t,
+            ]
             self.broadcast(torch.cat([p.to(torch.int64) for p in parts]))
             return batch
         assert host is not None and self.state_pool is not None and self.kv_pool is not None
@@ -121,8 +130,9 @@ class RankState:
         sizes = [t, t, s, t if self.kv_pool.needs_pages else 0, s * width, rows, s + 1, s]
         flat = self.broadcast(torch.empty(sum(sizes), dtype=torch.int64, device=self.device))
         ids, pos, slots, slot_mapping, tables, logits_rows, cu, ctx = flat.split(sizes)
-        batch = ForwardBatch(ids, pos, seq_lens, context_lens, slots, slot_mapping, tables.view(s, width), logits_rows,
-                             self.state_pool, self.kv_pool, cu, ctx)
+        batch = ForwardBatch(
+            ids, pos, seq_lens, context_lens, slots, slot_mapping, tables.view(s, width), logits_rows, self.state_pool, self.kv_pool, cu, ctx
+        )
         with torch.inference_mode():
             self.model.final_hidden(batch)
         return None
@@ -158,7 +168,11 @@ class RankState:
         return (length, self.spec.attention.num_kv_heads, self.spec.attention.head_dim)
 
     def _blocks(self, blocks: list[int] | None, n: int) -> list[int]:
-        sent = torch.tensor(blocks, dtype=torch.int64, device=self.device) if blocks is not None else torch.empty(n, dtype=torch.int64, device=self.device)
+        sent = (
+            torch.tensor(blocks, dtype=torch.int64, device=self.device)
+            if blocks is not None
+            else torch.empty(n, dtype=torch.int64, device=self.device)
+        )
         return self.broadcast(sent).tolist()
 
     def write_kv(self, blocks: list[int] | None, n: int, length: int, tensors: dict[str, torch.Tensor] | None) -> None:
@@ -167,7 +181,11 @@ class RankState:
         mine = {}
         for name in self._kv_names():
             dtype = self.dtypes.kv
-            full = tensors[name].to(self.device, dtype).contiguous() if tensors is not None else torch.empty(self._kv_shape(length), dtype=dtype, device=self.device)
+            full = (
+                tensors[name].to(self.device, dtype).contiguous()
+                if tensors is not None
+                else torch.empty(self._kv_shape(length), dtype=dtype, device=self.device)
+            )
             mine[name] = self.shards[self.tp.rank][name].take(self.broadcast(full))
         KVPool.write(self.kv_pool, blocks, length, mine)
 
@@ -236,7 +254,10 @@ def _follow(rank: int, size: int, store_path: str, args: EngineArgs, conn: Conne
         conn.send(("error", f"rank {rank}: {type(e).__name__}: {e}"))
         return
     conn.send(("ready", None))
-    num_slots, num_blocks = conn.recv()
+    op, host = conn.recv()
+    if op == Op.STOP:  # rank 0 failed to start
+        return
+    num_slots, num_blocks = host
     shard_spec = local_spec(spec, size)
     state.state_pool = StatePool(shard_spec, num_slots, state.dtypes, device)
     state.kv_pool = KVPool(shard_spec, num_blocks, args.kv_block_size, state.dtypes.kv, device)
@@ -246,7 +267,10 @@ def _follow(rank: int, size: int, store_path: str, args: EngineArgs, conn: Conne
             if parent is not None and not parent.is_alive():
                 return
             continue
-        op, host = conn.recv()
+        try:
+            op, host = conn.recv()
+        except EOFError:  # rank 0's end of the pipe closed
+            return
         if op == Op.STOP:
             return
         _run_op(state, Op(op), host)
@@ -281,7 +305,7 @@ class Leader:
             self.close()
             raise RuntimeError("tensor-parallel ranks failed to start: " + "; ".join(errors))
         for conn in self._conns:
-            conn.send((num_slots, num_blocks))
+            conn.send((int(Op.POOLS), (num_slots, num_blocks)))
         self.state = state
 
     def _send(self, op: Op, *host: Any) -> RankState:

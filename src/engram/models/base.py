@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from engram.engine.forward_batch import ForwardBatch
+from engram.layers import parallel
 from engram.layers.attention import Attention
 from engram.layers.mamba2 import Mamba2Mixer
 from engram.layers.norm import RMSNorm
@@ -45,6 +46,8 @@ class CausalLM(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
         self.spec = spec
+        building = parallel.current()
+        self.tensor_parallel_size = building.size if building is not None else 1
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.tie_weights()
@@ -113,7 +116,7 @@ class CausalLM(nn.Module):
     def weight_shard(self, name: str) -> Shard | None:
         """The part of checkpoint tensor `name` this rank keeps (None: all of it, as without
         tensor parallelism), as the module it lands in declares (`tp_shards`)."""
-        internal = self._internal_name(name)
+        internal = self._internal_name(name) if self.tensor_parallel_size > 1 else None
         if internal is None:
             return None
         parts = internal[0].split(".")

@@ -91,9 +91,7 @@ def _spans(rows: list[int]) -> str:
     return ", ".join(spans)
 
 
-def load_model(
-    spec: ModelSpec, model_path: str | Path, dtype: torch.dtype, device: torch.device, tp: TensorParallel | None = None
-) -> CausalLM:
+def load_model(spec: ModelSpec, model_path: str | Path, dtype: torch.dtype, device: torch.device, tp: TensorParallel | None = None) -> CausalLM:
     """The checkpoint's model; with `tp`, rank `tp.rank`'s share, each tensor read only in that part."""
     model = empty_model(spec, dtype, device, tp)
     files = safetensors_files(Path(model_path))
@@ -111,9 +109,7 @@ def load_model(
     return _fill(model, spec, tqdm(tensors(), total=total, desc="loading weights", unit="tensor", disable=None))
 
 
-def load_model_from_state_dict(
-    spec: ModelSpec, state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype, device: torch.device
-) -> CausalLM:
+def load_model_from_state_dict(spec: ModelSpec, state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> CausalLM:
     """Build a model from tensors already in memory under checkpoint names (e.g. a `transformers`
     model's `state_dict()`), so that both engines run on the same weights (benchmarks, tests)."""
     model = empty_model(spec, dtype, device)
