@@ -14,6 +14,9 @@ from test_conversations import full_generation, manager_for, take_turn
 
 from engram import plan
 from engram.args import EngineArgs, add_dataclass_args
+from engram.engine import engine as engine_module
+from engram.engine import tensor_parallel
+from engram.engine.memory_planner import MemoryPlanError
 from engram.models.spec import ConfigError
 
 # Shapes every size up to 4 divides: Mamba2 heads and groups, attention heads; Granite's 2 KV heads
@@ -130,3 +133,17 @@ def test_plan_sizes_each_ranks_share(engines, capsys):
         assert one["weights_bytes"] / size < plans[size]["weights_bytes"] < one["weights_bytes"]
     # 2 KV heads: one per rank at TP=2, and still one (a replica) at TP=4
     assert plans[2]["kv_bytes_per_token"] * 2 == one["kv_bytes_per_token"] == plans[4]["kv_bytes_per_token"] * 2
+
+
+def test_a_failed_start_stops_the_other_ranks(engines, monkeypatch):
+    started = []
+
+    class Recording(tensor_parallel.Leader):
+        def __init__(self, *args):
+            super().__init__(*args)
+            started.extend(self._procs)
+
+    monkeypatch.setattr(engine_module, "Leader", Recording)
+    with pytest.raises(MemoryPlanError, match="exceed the budget"):
+        make_engine(str(engines("mamba2", 1).model_path), tensor_parallel_size=2, cpu_memory_gb=1e-6)
+    assert len(started) == 1 and not started[0].is_alive()

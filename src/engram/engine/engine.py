@@ -129,18 +129,11 @@ class LLMEngine:
         self.tp_leader = self._start_tensor_parallel(weights)
         # the other ranks stop with this engine: on close(), when it is collected, or at exit
         self._stop_ranks = weakref.finalize(self, self.tp_leader.close) if self.tp_leader is not None else None
-        if self.tp_leader is not None:
-            self.model = load_model(self.spec, self.model_path, self.dtype, self.device, self.tp_leader.tp)
-        elif weights is None:
-            self.model = load_model(self.spec, self.model_path, self.dtype, self.device)
-        else:
-            self.model = load_model_from_state_dict(self.spec, weights, self.dtype, self.device)
-        # the shapes of this rank's share of each sequence's state: the pools' and the memory plan's
-        self.shard_spec = local_spec(self.spec, args.tensor_parallel_size)
-
-        self.plan = self._plan_memory()
-        self.max_context_length = self.plan.context_length
-        self.state_pool, self.kv_pool = self._pools()
+        try:
+            self._load_and_allocate(weights)
+        except BaseException:
+            self.close()  # the other ranks' processes do not outlive a failed start
+            raise
         self.scheduler = Scheduler(self.state_pool, self.kv_pool, args.max_running_requests, args.max_num_batched_tokens,
                                    args.enable_mixed_chunk)
         self.copier = HostCopier(self.device)
@@ -168,6 +161,20 @@ class LLMEngine:
         self._grammars_lock = threading.Lock()
         install_compile_counter()
         self._work_at_ready: int | None = None  # graph captures + compilations when ready was marked
+
+    def _load_and_allocate(self, weights: Mapping[str, torch.Tensor] | None) -> None:
+        """The model (this rank's share), the memory plan, and the state and KV pools."""
+        if self.tp_leader is not None:
+            self.model = load_model(self.spec, self.model_path, self.dtype, self.device, self.tp_leader.tp)
+        elif weights is None:
+            self.model = load_model(self.spec, self.model_path, self.dtype, self.device)
+        else:
+            self.model = load_model_from_state_dict(self.spec, weights, self.dtype, self.device)
+        # the shapes of this rank's share of each sequence's state: the pools' and the memory plan's
+        self.shard_spec = local_spec(self.spec, self.args.tensor_parallel_size)
+        self.plan = self._plan_memory()
+        self.max_context_length = self.plan.context_length
+        self.state_pool, self.kv_pool = self._pools()
 
     def _start_tensor_parallel(self, weights: Mapping[str, torch.Tensor] | None) -> Leader | None:
         """The other ranks' processes (None at --tensor-parallel-size 1, the single-process path)."""
