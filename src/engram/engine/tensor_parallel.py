@@ -3,7 +3,7 @@
 Rank 0 runs the scheduler, the sampler and everything else of the engine. Each rank holds its
 share of the weights and of every sequence's state (layers/parallel.py says which). Whatever
 touches the model or the pools is one operation that every rank runs in the same order: rank 0
-sends each follower the operation and its small host data (lengths, slot) through a pipe, then
+sends each follower the operation and its small host data (lengths, slot, KV pages) through a pipe, then
 the ranks run it together over the process group (gloo on CPU, NCCL on CUDA):
 
 - FORWARD: the step's batch (token ids, positions, state slots, KV slots, block tables, logits
@@ -108,24 +108,24 @@ class RankState:
             self.shards[rank][name].place(full, piece)
         return full
 
-    def forward(self, batch: ForwardBatch | None, host: tuple[list[int], list[int], int, int] | None) -> ForwardBatch | None:
-        """Rank 0 sends `batch`; a follower rebuilds it from the broadcast and runs its forward."""
-        if batch is not None:
-            assert batch.cu_seqlens is not None and batch.context_lens_t is not None, "an eager batch carries its lengths on the device"
-            parts = [
-                batch.input_ids,
-                batch.positions,
-                batch.state_slots,
-                batch.slot_mapping,
-                batch.block_tables.reshape(-1),
-                batch.logits_indices,
-                batch.cu_seqlens,
-                batch.context_lens_t,
-            ]
-            self.broadcast(torch.cat([p.to(torch.int64) for p in parts]))
-            return batch
-        assert host is not None and self.state_pool is not None and self.kv_pool is not None
-        seq_lens, context_lens, width, rows = host
+    def send_batch(self, batch: ForwardBatch) -> None:
+        """Rank 0's side of a forward: the batch's device tensors as one broadcast."""
+        assert batch.cu_seqlens is not None and batch.context_lens_t is not None, "an eager batch carries its lengths on the device"
+        parts = [
+            batch.input_ids,
+            batch.positions,
+            batch.state_slots,
+            batch.slot_mapping,
+            batch.block_tables.reshape(-1),
+            batch.logits_indices,
+            batch.cu_seqlens,
+            batch.context_lens_t,
+        ]
+        self.broadcast(torch.cat([p.to(torch.int64) for p in parts]))
+
+    def run_batch(self, seq_lens: list[int], context_lens: list[int], width: int, rows: int) -> None:
+        """A follower's side: the batch rebuilt from the broadcast, and its forward (no logits)."""
+        assert self.state_pool is not None and self.kv_pool is not None
         t, s = sum(seq_lens), len(seq_lens)
         sizes = [t, t, s, t if self.kv_pool.needs_pages else 0, s * width, rows, s + 1, s]
         flat = self.broadcast(torch.empty(sum(sizes), dtype=torch.int64, device=self.device))
@@ -135,76 +135,55 @@ class RankState:
         )
         with torch.inference_mode():
             self.model.final_hidden(batch)
-        return None
 
     def zero(self, slot: int) -> None:
         assert self.state_pool is not None
         for t in self.state_pool.tensors.values():
             t[slot].zero_()
 
-    def _full_recurrent(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        return recurrent_tensors(self.spec, self.dtypes)
+    def _part(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, tensors: dict[str, torch.Tensor] | None) -> torch.Tensor:
+        """Rank 0's canonical tensor `name` (from `tensors`) broadcast; this rank's part of it."""
+        full = tensors[name].to(self.device, dtype).contiguous() if tensors is not None else torch.empty(shape, dtype=dtype, device=self.device)
+        return self.shards[self.tp.rank][name].take(self.broadcast(full))
+
+    def _gather_all(self, parts: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+        """Every tensor of `parts` gathered and assembled (on rank 0; empty elsewhere)."""
+        out = {}
+        for name in sorted(parts):
+            full = self.gather(name, parts[name], shapes[name])
+            if full is not None:
+                out[name] = full
+        return out
 
     def write_state(self, slot: int, tensors: dict[str, torch.Tensor] | None) -> None:
         assert self.state_pool is not None
-        for name, (shape, dtype) in sorted(self._full_recurrent().items()):
-            full = tensors[name].to(self.device, dtype).contiguous() if tensors is not None else torch.empty(shape, dtype=dtype, device=self.device)
-            self.state_pool.tensors[name][slot].copy_(self.shards[self.tp.rank][name].take(self.broadcast(full)))
+        for name, (shape, dtype) in sorted(recurrent_tensors(self.spec, self.dtypes).items()):
+            self.state_pool.tensors[name][slot].copy_(self._part(name, shape, dtype, tensors))
 
     def gather_state(self, slot: int) -> dict[str, torch.Tensor]:
         assert self.state_pool is not None
-        out = {}
-        for name, (shape, _) in sorted(self._full_recurrent().items()):
-            full = self.gather(name, self.state_pool.tensors[name][slot], shape)
-            if full is not None:
-                out[name] = full
-        return out
+        shapes = {name: shape for name, (shape, _) in recurrent_tensors(self.spec, self.dtypes).items()}
+        return self._gather_all({name: self.state_pool.tensors[name][slot] for name in shapes}, shapes)
 
-    def _kv_names(self) -> list[str]:
-        return [f"layers.{i}.{kv}" for i in self.spec.attention_layers for kv in ("k", "v")]
-
-    def _kv_shape(self, length: int) -> tuple[int, int, int]:
+    def _kv_shapes(self, length: int) -> dict[str, tuple[int, ...]]:
         assert self.spec.attention is not None
-        return (length, self.spec.attention.num_kv_heads, self.spec.attention.head_dim)
+        shape = (length, self.spec.attention.num_kv_heads, self.spec.attention.head_dim)
+        return {f"layers.{i}.{kv}": shape for i in self.spec.attention_layers for kv in ("k", "v")}
 
-    def _blocks(self, blocks: list[int] | None, n: int) -> list[int]:
-        sent = (
-            torch.tensor(blocks, dtype=torch.int64, device=self.device)
-            if blocks is not None
-            else torch.empty(n, dtype=torch.int64, device=self.device)
-        )
-        return self.broadcast(sent).tolist()
-
-    def write_kv(self, blocks: list[int] | None, n: int, length: int, tensors: dict[str, torch.Tensor] | None) -> None:
+    def write_kv(self, blocks: list[int], length: int, tensors: dict[str, torch.Tensor] | None) -> None:
         assert self.kv_pool is not None
-        blocks = self._blocks(blocks, n)
-        mine = {}
-        for name in self._kv_names():
-            dtype = self.dtypes.kv
-            full = (
-                tensors[name].to(self.device, dtype).contiguous()
-                if tensors is not None
-                else torch.empty(self._kv_shape(length), dtype=dtype, device=self.device)
-            )
-            mine[name] = self.shards[self.tp.rank][name].take(self.broadcast(full))
-        KVPool.write(self.kv_pool, blocks, length, mine)
+        parts = {name: self._part(name, shape, self.dtypes.kv, tensors) for name, shape in sorted(self._kv_shapes(length).items())}
+        KVPool.write(self.kv_pool, blocks, length, parts)
 
-    def gather_kv(self, blocks: list[int] | None, n: int, length: int) -> dict[str, torch.Tensor]:
+    def gather_kv(self, blocks: list[int], length: int) -> dict[str, torch.Tensor]:
         assert self.kv_pool is not None
-        blocks = self._blocks(blocks, n)
-        mine = KVPool.gather(self.kv_pool, blocks, length)
-        out = {}
-        for name in self._kv_names():
-            full = self.gather(name, mine[name], self._kv_shape(length))
-            if full is not None:
-                out[name] = full
-        return out
+        return self._gather_all(KVPool.gather(self.kv_pool, blocks, length), self._kv_shapes(length))
 
 
 def _run_op(state: RankState, op: Op, host: tuple) -> None:
     """A follower's side of one operation (rank 0's is in `Leader`)."""
     if op == Op.FORWARD:
-        state.forward(None, host)
+        state.run_batch(*host)
     elif op == Op.ZERO:
         state.zero(*host)
     elif op == Op.WRITE_STATE:
@@ -212,10 +191,10 @@ def _run_op(state: RankState, op: Op, host: tuple) -> None:
     elif op == Op.GATHER_STATE:
         state.gather_state(*host)
     elif op == Op.WRITE_KV:
-        n, length = host
-        state.write_kv(None, n, length, None)
+        blocks, length = host
+        state.write_kv(blocks, length, None)
     elif op == Op.GATHER_KV:
-        state.gather_kv(None, *host)
+        state.gather_kv(*host)
 
 
 def _device(args: EngineArgs, rank: int) -> torch.device:
@@ -316,7 +295,7 @@ class Leader:
 
     def forward(self, batch: ForwardBatch) -> None:
         width = batch.block_tables.shape[1]
-        self._send(Op.FORWARD, batch.seq_lens, batch.context_lens, width, batch.logits_indices.numel()).forward(batch, None)
+        self._send(Op.FORWARD, batch.seq_lens, batch.context_lens, width, batch.logits_indices.numel()).send_batch(batch)
 
     def zero(self, slot: int) -> None:
         self._send(Op.ZERO, slot)
@@ -328,10 +307,10 @@ class Leader:
         return self._send(Op.GATHER_STATE, slot).gather_state(slot)
 
     def write_kv(self, blocks: list[int], length: int, tensors: dict[str, torch.Tensor]) -> None:
-        self._send(Op.WRITE_KV, len(blocks), length).write_kv(blocks, len(blocks), length, tensors)
+        self._send(Op.WRITE_KV, blocks, length).write_kv(blocks, length, tensors)
 
     def gather_kv(self, blocks: list[int], length: int) -> dict[str, torch.Tensor]:
-        return self._send(Op.GATHER_KV, len(blocks), length).gather_kv(blocks, len(blocks), length)
+        return self._send(Op.GATHER_KV, blocks, length).gather_kv(blocks, length)
 
     def close(self) -> None:
         """Stop the followers (idempotent)."""
