@@ -37,6 +37,12 @@ class EngineArgs:
         default=True,
         metadata={"help": "pick tokens on the device (greedy, or sampled without penalties, logprobs or a seed) and launch the next step before reading them back, so that the host's work overlaps the GPU's"},
     )
+    tensor_parallel_size: int = field(
+        default=1,
+        metadata={"help": "ranks the model is split over, one process each (NCCL on CUDA, one GPU per rank; gloo on CPU): "
+                          "heads, groups and MLP/expert widths must divide by it; snapshots do not depend on it",
+                  "aliases": ("--tp", "--tp-size")},
+    )
     speculative_config: str | None = field(
         default=None,
         metadata={"help": "speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": k, "
@@ -61,13 +67,14 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
         kind = _base_type(hints[f.name])
         default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
         help_text = f.metadata.get("help", "")
+        names = (_flag(f.name), *f.metadata.get("aliases", ()))
         if kind is bool:
-            parser.add_argument(_flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+            parser.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=default, help=help_text)
         elif typing.get_origin(kind) is list:  # a repeatable flag
-            parser.add_argument(_flag(f.name), dest=f.name, action="append", type=typing.get_args(kind)[0], default=default, help=help_text)
+            parser.add_argument(*names, dest=f.name, action="append", type=typing.get_args(kind)[0], default=default, help=help_text)
         else:
             choices = f.metadata.get("choices")
-            parser.add_argument(_flag(f.name), dest=f.name, type=kind, default=default, choices=choices, help=help_text)
+            parser.add_argument(*names, dest=f.name, type=kind, default=default, choices=choices, help=help_text)
 
 
 def from_namespace(cls: type, ns: argparse.Namespace):

@@ -24,7 +24,9 @@ from engram.engine.memory_planner import (
     resolve_dtype,
     weight_files,
     weights_bytes,
+    weights_bytes_per_rank,
 )
+from engram.layers.parallel import local_spec
 from engram.models.spec import ModelSpec, load_model_spec
 
 _ENGINE_FLAGS = (
@@ -37,6 +39,7 @@ _ENGINE_FLAGS = (
     "mamba_ssm_dtype",
     "kv_cache_dtype",
     "speculative_config",
+    "tensor_parallel_size",
 )
 
 
@@ -69,8 +72,7 @@ def _report(spec: ModelSpec, plan: MemoryPlan, info: dict) -> str:
         ("weights", format_bytes(plan.weights_bytes), f"{info['dtype']}, from {info['weights_source']}"),
         ("forward scratch", format_bytes(plan.scratch_bytes), f"{info['max_num_batched_tokens']} batched tokens"),
         ("margin", format_bytes(plan.margin_bytes), ""),
-        ("state cache", format_bytes(plan.state_cache_bytes),
-         f"{plan.max_running_requests} x {format_bytes(plan.state_bytes_per_seq)} per sequence"),
+        ("state cache", format_bytes(plan.state_cache_bytes), f"{plan.max_running_requests} x {format_bytes(plan.state_bytes_per_seq)} per sequence"),
         *((f"  {kind}", format_bytes(n), "per sequence") for kind, n in plan.state_bytes_by_kind.items()),
         ("KV per token", format_bytes(plan.kv_bytes_per_token), ""),
         ("KV cache", format_bytes(plan.kv_cache_bytes), f"{plan.num_kv_blocks} pages of {plan.kv_block_size} tokens"),
@@ -80,8 +82,12 @@ def _report(spec: ModelSpec, plan: MemoryPlan, info: dict) -> str:
     lines = [
         f"{spec.architecture} ({spec.model_type}) from {info['model_path']}",
         f"layers: {kinds}",
-        f"dtypes: weights {info['dtype']}, conv state {plan.conv_state_dtype}, "
-        f"ssm state {plan.ssm_state_dtype}, kv cache {plan.kv_cache_dtype}",
+        *(
+            [f"per rank of --tensor-parallel-size {info['tensor_parallel_size']} (device memory is each rank's)"]
+            if info["tensor_parallel_size"] > 1
+            else []
+        ),
+        f"dtypes: weights {info['dtype']}, conv state {plan.conv_state_dtype}, ssm state {plan.ssm_state_dtype}, kv cache {plan.kv_cache_dtype}",
         "",
         *(f"  {name:<18}{value:>14}   {note}".rstrip() for name, value, note in rows),
         "",
@@ -97,12 +103,15 @@ def run_plan(args: argparse.Namespace) -> int:
     try:
         spec = load_model_spec(args.model_path)
         dtype = resolve_dtype(args.dtype, "--dtype", resolve_dtype(spec.torch_dtype or "bfloat16", "config.json torch_dtype"))
-        plan = plan_for_args(
-            spec,
+        size = args.tensor_parallel_size
+        if size < 1:
+            raise ValueError(f"--tensor-parallel-size must be at least 1, got {size}")
+        plan = plan_for_args(  # one rank's share: its weights, its part of every state, on its own device
+            local_spec(spec, size),
             from_namespace(EngineArgs, args),
             model_dtype=dtype,
             total_memory_bytes=int(args.gpu_memory_gb * GiB),
-            weights_bytes=weights_bytes(args.model_path, dtype),
+            weights_bytes=weights_bytes_per_rank(weights_bytes(args.model_path, dtype), spec, size),
         )
     except ValueError as e:  # ConfigError, unknown dtype names
         print(f"engram plan: {e}", file=sys.stderr)
@@ -113,6 +122,7 @@ def run_plan(args: argparse.Namespace) -> int:
         "dtype": dtype_name(dtype),
         "weights_source": "safetensors" if weight_files(args.model_path) else "config.json",
         "max_num_batched_tokens": args.max_num_batched_tokens,
+        "tensor_parallel_size": args.tensor_parallel_size,
     }
     print(json.dumps({**info, **plan.to_dict()}, indent=2) if args.json else _report(spec, plan, info))
     return 0 if plan.fits else 1

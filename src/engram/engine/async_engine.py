@@ -104,6 +104,7 @@ class AsyncEngine:
             self._cond.notify()
         if self._thread is not None:
             self._thread.join()
+        self.engine.close()
 
     @property
     def is_alive(self) -> bool:

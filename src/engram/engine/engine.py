@@ -6,6 +6,7 @@ import copy
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,8 +33,10 @@ from engram.engine.scheduler import ScheduledChunk, Scheduler
 from engram.engine.sequence import Sequence, SequenceStatus
 from engram.engine.spec_config import SpeculativeConfig
 from engram.engine.speculative import Speculator
+from engram.engine.tensor_parallel import Leader, LeaderKVPool, LeaderStatePool, rank_state
 from engram.engine.token_masks import bad_words_token_ids, mask_logits
 from engram.engine.warmup import WarmupReport, install_compile_counter, kernel_compilations, name_late_compilations, warm_up
+from engram.layers.parallel import local_spec
 from engram.models.loader import load_model, load_model_from_state_dict
 from engram.models.spec import load_model_spec
 from engram.ops.dispatch import select_kernels, use_kernels
@@ -123,21 +126,21 @@ class LLMEngine:
         self._kernels = select_kernels(self.device.type, args.enable_fast_ops)
         use_kernels(self._kernels)
         self.tokenizer = load_tokenizer(self.model_path)
-        if weights is None:
-            self.model = load_model(self.spec, self.model_path, self.dtype, self.device)
-        else:
-            self.model = load_model_from_state_dict(self.spec, weights, self.dtype, self.device)
-
-        self.plan = self._plan_memory()
-        self.max_context_length = self.plan.context_length
-        self.state_pool = StatePool(self.spec, args.max_running_requests, self.state_dtypes, self.device)
-        self.kv_pool = KVPool(self.spec, self.plan.num_kv_blocks, args.kv_block_size, self.state_dtypes.kv, self.device)
+        self.tp_leader = self._start_tensor_parallel(weights)
+        # the other ranks stop with this engine: on close(), when it is collected, or at exit
+        self._stop_ranks = weakref.finalize(self, self.tp_leader.close) if self.tp_leader is not None else None
+        try:
+            self._load_and_allocate(weights)
+        except BaseException:
+            self.close()  # the other ranks' processes do not outlive a failed start
+            raise
         self.scheduler = Scheduler(self.state_pool, self.kv_pool, args.max_running_requests, args.max_num_batched_tokens,
                                    args.enable_mixed_chunk)
         self.copier = HostCopier(self.device)
         self.runner = ModelRunner(
             self.model, self.state_pool, self.kv_pool, self.device,
-            enable_cuda_graph=args.enable_cuda_graph, max_context_length=self.max_context_length,
+            enable_cuda_graph=args.enable_cuda_graph and self.tp_leader is None, max_context_length=self.max_context_length,
+            batch_sink=self.tp_leader.forward if self.tp_leader is not None else None,
         )
         self.speculator = (
             Speculator(SpeculativeConfig.parse(args.speculative_config), self.state_pool, self.kv_pool, self.max_context_length)
@@ -159,9 +162,54 @@ class LLMEngine:
         install_compile_counter()
         self._work_at_ready: int | None = None  # graph captures + compilations when ready was marked
 
+    def _load_and_allocate(self, weights: Mapping[str, torch.Tensor] | None) -> None:
+        """The model (this rank's share), the memory plan, and the state and KV pools."""
+        if self.tp_leader is not None:
+            self.model = load_model(self.spec, self.model_path, self.dtype, self.device, self.tp_leader.tp)
+        elif weights is None:
+            self.model = load_model(self.spec, self.model_path, self.dtype, self.device)
+        else:
+            self.model = load_model_from_state_dict(self.spec, weights, self.dtype, self.device)
+        # the shapes of this rank's share of each sequence's state: the pools' and the memory plan's
+        self.shard_spec = local_spec(self.spec, self.args.tensor_parallel_size)
+        self.plan = self._plan_memory()
+        self.max_context_length = self.plan.context_length
+        self.state_pool, self.kv_pool = self._pools()
+
+    def _start_tensor_parallel(self, weights: Mapping[str, torch.Tensor] | None) -> Leader | None:
+        """The other ranks' processes (None at --tensor-parallel-size 1, the single-process path)."""
+        size = self.args.tensor_parallel_size
+        if size < 1:
+            raise ValueError(f"--tensor-parallel-size must be at least 1, got {size}")
+        if size == 1:
+            return None
+        if weights is not None:
+            raise ValueError("--tensor-parallel-size > 1 loads each rank's share from the checkpoint folder, not from in-memory weights")
+        if self.args.speculative_config is not None:
+            raise ValueError("--speculative-config is not supported with --tensor-parallel-size > 1 yet")
+        return Leader(self.args, self.spec, self.device)
+
+    def _pools(self) -> tuple[StatePool, KVPool]:
+        """This rank's state and KV pools; under tensor parallelism, rank 0's, leading the others'."""
+        args, spec, dtypes = self.args, self.shard_spec, self.state_dtypes
+        if self.tp_leader is None:
+            return (StatePool(spec, args.max_running_requests, dtypes, self.device),
+                    KVPool(spec, self.plan.num_kv_blocks, args.kv_block_size, dtypes.kv, self.device))
+        leader = self.tp_leader
+        leader.start(rank_state(args, self.spec, leader.tp, self.device, self.model), args.max_running_requests, self.plan.num_kv_blocks)
+        state_pool = LeaderStatePool(leader, spec, args.max_running_requests, dtypes, self.device)
+        kv_pool = LeaderKVPool(leader, spec, self.plan.num_kv_blocks, args.kv_block_size, dtypes.kv, self.device)
+        leader.state.state_pool, leader.state.kv_pool = state_pool, kv_pool
+        return state_pool, kv_pool
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks' processes (nothing to do with one rank)."""
+        if self._stop_ranks is not None:
+            self._stop_ranks()
+
     def _plan_memory(self) -> memory_planner.MemoryPlan:
         plan = memory_planner.plan_for_args(
-            self.spec,
+            self.shard_spec,
             self.args,
             model_dtype=self.dtype,
             total_memory_bytes=memory_planner.device_memory_bytes(self.device.type, self.args.cpu_memory_gb),

@@ -19,6 +19,8 @@ import torch
 
 from engram.args import EngineArgs
 from engram.engine.spec_config import speculative_tokens
+from engram.layers.parallel import TensorParallel
+from engram.models.loader import empty_model
 from engram.models.spec import ModelSpec, load_model_spec
 from engram.state.identity import safetensors_header
 from engram.state.sequence_state import StateDtypes, expected_tensors
@@ -146,6 +148,19 @@ def weights_bytes(model_path: str | Path, dtype: torch.dtype) -> int:
         skip = {"lm_head.weight"} if spec.tie_word_embeddings else set()
         return _safetensors_numel(files, skip) * dtype.itemsize
     return _config_numel(spec) * dtype.itemsize
+
+
+def weights_bytes_per_rank(total: int, spec: ModelSpec, size: int) -> int:
+    """One tensor-parallel rank's share of `total` weight bytes: scaled by the part of the model's
+    parameters rank 0 holds (both counted on the meta device), as embeddings, norms and routers are
+    whole on every rank. A split that does not divide raises ConfigError."""
+    if size == 1:
+        return total
+    whole, share = (
+        sum(p.numel() for p in empty_model(spec, torch.float32, torch.device("meta"), tp).parameters())
+        for tp in (None, TensorParallel(0, size))
+    )
+    return math.ceil(total * share / whole)
 
 
 def _widest_activation(spec: ModelSpec) -> int:

@@ -90,8 +90,12 @@ class ModelRunner:
         *,
         enable_cuda_graph: bool = False,
         max_context_length: int | None = None,
+        batch_sink: Callable[[ForwardBatch], None] | None = None,
     ):
+        """`batch_sink` sees every eager batch before its forward (tensor parallelism: rank 0 sends
+        it to the other ranks, which run the same forward)."""
         self.model = model
+        self.batch_sink = batch_sink
         self.state_pool = state_pool
         self.kv_pool = kv_pool
         self.device = device
@@ -162,7 +166,7 @@ class ModelRunner:
         input_ids_t = put(input_ids)
         if feed_at:
             input_ids_t[put(np.asarray(feed_at))] = self.sampled[put(np.asarray(feed_rows))]
-        return ForwardBatch(
+        batch = ForwardBatch(
             input_ids=input_ids_t,
             positions=put(positions),
             seq_lens=seq_lens,
@@ -177,6 +181,9 @@ class ModelRunner:
             context_lens_t=put(np.asarray(context_lens, dtype=np.int64)),
             verify=verify,
         )
+        if self.batch_sink is not None:
+            self.batch_sink(batch)
+        return batch
 
     # ---- CUDA graphs for decode steps -----------------------------------------------------------
 

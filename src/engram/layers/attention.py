@@ -6,7 +6,9 @@ import torch
 from torch import nn
 
 from engram.engine.forward_batch import ForwardBatch
+from engram.layers import parallel
 from engram.layers.linear import Linear
+from engram.layers.parallel import Shard, even
 from engram.models.spec import AttentionSpec
 from engram.ops.dispatch import kernels
 from engram.ops.rotary import apply_rotary, rotary_cos_sin
@@ -15,6 +17,9 @@ from engram.ops.rotary import apply_rotary, rotary_cos_sin
 class Attention(nn.Module):
     def __init__(self, spec: AttentionSpec, hidden_size: int, layer_index: int):
         super().__init__()
+        self.tp = parallel.current()
+        self.full_spec = spec
+        spec = parallel.local_attention(spec, self.tp.size) if self.tp is not None else spec
         self.spec = spec
         self.layer_index = layer_index
         q_dim, kv_dim = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
@@ -34,6 +39,24 @@ class Attention(nn.Module):
                 parts[f"{name}.bias"] = ("qkv_proj.bias", rows)
             start += size
         return parts
+
+    def tp_shards(self) -> dict[str, Shard]:
+        """This rank's query heads of q_proj and o_proj, its KV heads of k_proj and v_proj."""
+        assert self.tp is not None
+        s, rank, size = self.full_spec, self.tp.rank, self.tp.size
+        q = (even(s.num_heads * s.head_dim, rank, size),)
+        first, last = parallel.kv_heads_of(s, rank, size)
+        kv = ((first * s.head_dim, last * s.head_dim),)
+        return {
+            **parallel.linear_shards(rank, q, column=("q_proj",), row=("o_proj",), out_features=self.o_proj.out_features),
+            **parallel.linear_shards(rank, kv, column=("k_proj", "v_proj")),
+        }
+
+    def state_shards(self, rank: int) -> dict[str, Shard]:
+        """Rank `rank`'s KV heads of this layer's cache rows [tokens, kv_heads, head_dim]."""
+        assert self.tp is not None
+        heads = Shard(-2, (parallel.kv_heads_of(self.full_spec, rank, self.tp.size),))
+        return {f"layers.{self.layer_index}.k": heads, f"layers.{self.layer_index}.v": heads}
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         s, k = self.spec, kernels()
@@ -58,4 +81,5 @@ class Attention(nn.Module):
             batch.cu_seqlens,
             batch.context_lens_t,
         )
-        return self.o_proj(out.reshape(-1, s.num_heads * s.head_dim))
+        out = self.o_proj(out.reshape(-1, s.num_heads * s.head_dim))
+        return out if self.tp is None else self.tp.all_reduce(out)

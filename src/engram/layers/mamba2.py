@@ -6,7 +6,9 @@ import torch
 from torch import nn
 
 from engram.engine.forward_batch import ForwardBatch
+from engram.layers import parallel
 from engram.layers.linear import Linear
+from engram.layers.parallel import Shard, even
 from engram.models.spec import GateNorm, MambaSpec
 from engram.ops.dispatch import kernels
 
@@ -17,6 +19,9 @@ class Mamba2Mixer(nn.Module):
 
     def __init__(self, spec: MambaSpec, hidden_size: int, layer_index: int):
         super().__init__()
+        self.tp = parallel.current()
+        self.full_spec = spec
+        spec = parallel.local_mamba(spec, self.tp.size) if self.tp is not None else spec
         self.spec = spec
         self.layer_index = layer_index
         d_in = spec.intermediate_size
@@ -29,6 +34,38 @@ class Mamba2Mixer(nn.Module):
         if spec.gate_norm != GateNorm.NONE:
             self.norm.weight = nn.Parameter(torch.ones(d_in))
         self.out_proj = Linear(d_in, hidden_size, bias=spec.out_bias)
+
+    def _ranges(self, rank: int) -> dict[str, tuple[tuple[int, int], ...]]:
+        """Rank `rank`'s heads, and its channels of x, B and C within the conv's [x, B, C] and of
+        z within the gate, in the full mixer's layout."""
+        assert self.tp is not None
+        s, size = self.full_spec, self.tp.size
+        d_in, gn = s.intermediate_size, s.n_groups * s.state_size
+        xbc = (even(d_in, rank, size), even(gn, rank, size, d_in), even(gn, rank, size, d_in + gn))
+        return {"x": xbc[:1], "xbc": xbc, "heads": (even(s.num_heads, rank, size),)}
+
+    def tp_shards(self) -> dict[str, Shard]:
+        """This rank's part of each checkpoint tensor: in_proj's rows are [z, x, B, C, dt]."""
+        assert self.tp is not None
+        s, r = self.full_spec, self._ranges(self.tp.rank)
+        d_in = s.intermediate_size
+        rows = (r["x"][0], *((a + d_in, b + d_in) for a, b in r["xbc"]), *((a + d_in + s.conv_dim, b + d_in + s.conv_dim) for a, b in r["heads"]))
+        channels, heads = Shard(-1, r["xbc"]), Shard(-1, r["heads"])
+        return {
+            **parallel.linear_shards(self.tp.rank, rows, column=("in_proj",)),
+            "conv1d.weight": Shard(-3, r["xbc"]),
+            "conv1d.bias": channels,
+            "dt_bias": heads,
+            "A_log": heads,
+            "D": heads,
+            "norm.weight": Shard(-1, r["x"]),
+            **parallel.linear_shards(self.tp.rank, r["x"], row=("out_proj",), out_features=self.out_proj.out_features),
+        }
+
+    def state_shards(self, rank: int) -> dict[str, Shard]:
+        """Rank `rank`'s part of this layer's conv state [K-1, x|B|C] and SSM state [heads, ...]."""
+        r = self._ranges(rank)
+        return {f"layers.{self.layer_index}.conv": Shard(-1, r["xbc"]), f"layers.{self.layer_index}.ssm": Shard(-3, r["heads"])}
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         s, k = self.spec, kernels()
@@ -48,8 +85,7 @@ class Mamba2Mixer(nn.Module):
         else:
             gate, xbc, dt = self.in_proj(hidden).split([s.intermediate_size, s.conv_dim, heads], dim=-1)
             if batch.verify is not None:  # a speculative step: every position's state kept, the pool left as it is
-                xbc = k.causal_conv1d_verify(xbc, weight, self.conv1d.bias, conv_pool, slots, batch.seq_lens,
-                                             batch.verify.conv[self.layer_index])
+                xbc = k.causal_conv1d_verify(xbc, weight, self.conv1d.bias, conv_pool, slots, batch.seq_lens, batch.verify.conv[self.layer_index])
             else:
                 xbc = k.causal_conv1d_varlen(xbc, weight, self.conv1d.bias, conv_pool, slots, batch.seq_lens, batch.cu_seqlens)
 
@@ -57,10 +93,11 @@ class Mamba2Mixer(nn.Module):
         x = x.reshape(-1, heads, head_dim)
         B, C = B.reshape(-1, groups, n), C.reshape(-1, groups, n)
         if batch.is_decode and s.gate_norm == GateNorm.AFTER_GATE:
-            return k.ssd_state_update_norm_linear(
+            out = k.ssd_state_update_norm_linear(
                 ssm_pool, slots, x, dt, self.dt_bias, s.time_step_limit, self.A_log, B, C, self.D, gate, self.norm.weight,
                 s.norm_eps, s.intermediate_size // groups, self.out_proj.weight, self.out_proj.bias,
             )
+            return out if self.tp is None else self.tp.all_reduce(out)
         if batch.is_decode:
             y = k.ssd_state_update(ssm_pool, slots, x, dt, self.dt_bias, s.time_step_limit, self.A_log, B, C, self.D)
         elif batch.verify is not None:
@@ -71,7 +108,8 @@ class Mamba2Mixer(nn.Module):
                 x, dt, self.dt_bias, s.time_step_limit, self.A_log, B, C, self.D, s.chunk_size, batch.seq_lens, ssm_pool, slots,
                 batch.cu_seqlens,
             )
-        return self.out_proj(self._gate(y.reshape(-1, s.intermediate_size), gate, hidden.dtype))
+        out = self.out_proj(self._gate(y.reshape(-1, s.intermediate_size), gate, hidden.dtype))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
     def _gate(self, y: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         s, k = self.spec, kernels()

@@ -8,51 +8,90 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engram.layers import parallel
 from engram.layers.linear import Linear
 from engram.layers.norm import RMSNorm
+from engram.layers.parallel import Range, Shard, TensorParallel, even
 from engram.ops.dispatch import kernels
 from engram.ops.moe import route_sigmoid_grouped
 
 
-class GatedMLP(nn.Module):
+class _Sharded(nn.Module):
+    """A block whose intermediate channels are split over the tensor-parallel ranks (each keeps
+    `width / size` of them), its output summed over the ranks."""
+
+    def _local_width(self, width: int) -> int:
+        self.tp: TensorParallel | None = parallel.current()
+        self.full_width = width
+        return width if self.tp is None else parallel.split(width, f"{type(self).__name__} intermediate size", self.tp.size)
+
+    def _inner(self, parts: int = 1) -> tuple[Range, ...]:
+        """This rank's channels of each of `parts` consecutive blocks of the full width."""
+        assert self.tp is not None
+        w = self.full_width
+        return tuple(even(w, self.tp.rank, self.tp.size, i * w) for i in range(parts))
+
+    def _reduce(self, out: torch.Tensor) -> torch.Tensor:
+        return out if self.tp is None else self.tp.all_reduce(out)
+
+
+class GatedMLP(_Sharded):
     """down(act(gate(x)) * up(x)) with separate gate/up projections (Bamba)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
         super().__init__()
+        intermediate_size = self._local_width(intermediate_size)
         self.gate_proj = Linear(hidden_size, intermediate_size, bias=bias)
         self.up_proj = Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
+    def tp_shards(self) -> dict[str, Shard]:
+        assert self.tp is not None
+        out = self.down_proj.out_features
+        return parallel.linear_shards(self.tp.rank, self._inner(), ("gate_proj", "up_proj"), ("down_proj",), out)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self._reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
 
 
-class FusedGatedMLP(nn.Module):
+class FusedGatedMLP(_Sharded):
     """Gate and up in one projection, split in halves (Granite's shared MLP)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
+        intermediate_size = self._local_width(intermediate_size)
         self.input_linear = Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.output_linear = Linear(intermediate_size, hidden_size, bias=False)
 
+    def tp_shards(self) -> dict[str, Shard]:
+        assert self.tp is not None
+        return parallel.linear_shards(self.tp.rank, self._inner(2), column=("input_linear",)) | parallel.linear_shards(
+            self.tp.rank, self._inner(), row=("output_linear",)
+        )
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.output_linear(kernels().silu_and_mul(self.input_linear(x)))
+        return self._reduce(self.output_linear(kernels().silu_and_mul(self.input_linear(x))))
 
     def as_shared_expert(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.input_linear.weight, self.output_linear.weight
 
 
-class PlainMLP(nn.Module):
+class PlainMLP(_Sharded):
     """down(act(up(x))) (Nemotron-H, relu^2)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, act: Callable[[torch.Tensor], torch.Tensor], bias: bool = False):
         super().__init__()
+        intermediate_size = self._local_width(intermediate_size)
         self.up_proj = Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
         self.act = act
 
+    def tp_shards(self) -> dict[str, Shard]:
+        assert self.tp is not None
+        return parallel.linear_shards(self.tp.rank, self._inner(), ("up_proj",), ("down_proj",), self.down_proj.out_features)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.up_proj(x)))
+        return self._reduce(self.down_proj(self.act(self.up_proj(x))))
 
     def as_shared_expert(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Its weights for `moe_experts(shared=...)`; None when biases keep it a separate MLP."""
@@ -80,13 +119,14 @@ class _Gate(nn.Module):
         self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
 
 
-class SoftmaxTopKMoE(nn.Module):
+class SoftmaxTopKMoE(_Sharded):
     """Granite MoE: softmax over the top-k router logits, gated SiLU experts, plus the block's
     shared MLP computed with them (one set of kernels for both). It takes the block's residual
     stream and applies the norm before it itself, in the same op as the router."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int):
         super().__init__()
+        intermediate_size = self._local_width(intermediate_size)
         self.top_k = top_k
         self.router = _Router(hidden_size, num_experts)
         self.input_linear = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
@@ -101,16 +141,20 @@ class SoftmaxTopKMoE(nn.Module):
         h, residual, logits = k.add_rms_norm_linear(x, residual, norm.weight, norm.eps, residual_scale, self.router.layer.weight)
         shared = shared_mlp.as_shared_expert()
         out = k.softmax_topk_experts(h, logits, self.top_k, self.input_linear, self.output_linear, F.silu, True, shared)
-        return out, residual
+        return self._reduce(out), residual
+
+    def tp_shards(self) -> dict[str, Shard]:
+        """Tensor-parallel inside each expert: its gate and up rows, its down columns (the router is whole)."""
+        return {"input_linear": Shard(-2, self._inner(2)), "output_linear": Shard(-1, self._inner())}
 
 
-class SigmoidGroupedMoE(nn.Module):
+class SigmoidGroupedMoE(_Sharded):
     """Nemotron-H MoE: sigmoid router with correction bias and group choice, relu^2 experts,
     plus always-on shared experts."""
 
     def __init__(self, cfg: dict, hidden_size: int, act: Callable[[torch.Tensor], torch.Tensor]):
         super().__init__()
-        num_experts, inter = cfg["n_routed_experts"], cfg["moe_intermediate_size"]
+        num_experts, inter = cfg["n_routed_experts"], self._local_width(cfg["moe_intermediate_size"])
         self.top_k = cfg["num_experts_per_tok"]
         self.n_group, self.topk_group = cfg.get("n_group", 1), cfg.get("topk_group", 1)
         self.norm_topk_prob = cfg.get("norm_topk_prob", True)
@@ -127,5 +171,9 @@ class SigmoidGroupedMoE(nn.Module):
             logits, self.gate.e_score_correction_bias, self.top_k, self.n_group, self.topk_group, self.norm_topk_prob, self.routed_scaling
         )
         shared = self.shared_experts.as_shared_expert()
-        out = kernels().moe_experts(x, self.up_proj, self.down_proj, weights, ids, self.act, False, shared)
+        out = self._reduce(kernels().moe_experts(x, self.up_proj, self.down_proj, weights, ids, self.act, False, shared))
         return out if shared is not None else out + self.shared_experts(x)
+
+    def tp_shards(self) -> dict[str, Shard]:
+        """Tensor-parallel inside each expert (the router and its bias are whole)."""
+        return {"up_proj": Shard(-2, self._inner()), "down_proj": Shard(-1, self._inner())}

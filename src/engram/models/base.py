@@ -12,9 +12,11 @@ import torch
 from torch import nn
 
 from engram.engine.forward_batch import ForwardBatch
+from engram.layers import parallel
 from engram.layers.attention import Attention
 from engram.layers.mamba2 import Mamba2Mixer
 from engram.layers.norm import RMSNorm
+from engram.layers.parallel import Shard
 from engram.models.spec import LayerKind, ModelSpec
 
 # (checkpoint-name pattern, internal name template). A template ending in "[i]" names a stacked
@@ -45,6 +47,8 @@ class CausalLM(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
         self.spec = spec
+        building = parallel.current()
+        self.tensor_parallel_size = building.size if building is not None else 1
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.tie_weights()
@@ -94,6 +98,15 @@ class CausalLM(nn.Module):
 
     def map_weight_name(self, name: str) -> WeightPlace | None:
         """Checkpoint tensor name -> its place in the model; None to skip it."""
+        internal = self._internal_name(name)
+        if internal is None:
+            return None
+        if internal[1] is not None:
+            return internal
+        return self._packed_place(internal[0])
+
+    def _internal_name(self, name: str) -> tuple[str, int | None] | None:
+        """Checkpoint tensor name -> (internal name, expert row or None), before packed parts are placed."""
         if any(re.search(p, name) for p in self.ignored_weights):
             return None
         for pattern, template in self.rename_rules:
@@ -101,8 +114,35 @@ class CausalLM(nn.Module):
             if m:
                 if template.endswith("[i]"):
                     return m.expand(template[:-3]), int(m.group("expert"))
-                return self._packed_place(m.expand(template))
-        return self._packed_place(name)
+                return m.expand(template), None
+        return name, None
+
+    def weight_shard(self, name: str) -> Shard | None:
+        """The part of checkpoint tensor `name` this rank keeps (None: all of it, as without
+        tensor parallelism), as the module it lands in declares (`tp_shards`)."""
+        internal = self._internal_name(name) if self.tensor_parallel_size > 1 else None
+        if internal is None:
+            return None
+        parts = internal[0].split(".")
+        for cut in range(len(parts) - 1, 0, -1):
+            try:
+                module = self.get_submodule(".".join(parts[:cut]))
+            except AttributeError:
+                continue
+            shards = getattr(module, "tp_shards", None)
+            if shards is not None and getattr(module, "tp", None) is not None:
+                return shards().get(".".join(parts[cut:]))
+        return None
+
+    def state_shards(self, rank: int) -> dict[str, Shard]:
+        """Rank `rank`'s part of every per-sequence state tensor (recurrent state and KV rows), by
+        snapshot name; empty without tensor parallelism."""
+        shards: dict[str, Shard] = {}
+        for module in self.modules():
+            of_rank = getattr(module, "state_shards", None)
+            if of_rank is not None and getattr(module, "tp", None) is not None:
+                shards.update(of_rank(rank))
+        return shards
 
     def _packed_place(self, internal: str) -> WeightPlace:
         """A part of a packed parameter (a module's `packed_parts`, e.g. attention's q, k and v in

@@ -129,6 +129,8 @@ class FalconH1ForCausalLM(CausalLM):
 
     def __init__(self, spec: ModelSpec):
         super().__init__(spec)
+        if self.tensor_parallel_size > 1:  # the folds below index the whole projections' rows
+            raise ConfigError("FalconH1ForCausalLM does not run with --tensor-parallel-size > 1 yet")
         self.multipliers = FalconH1Multipliers.of(spec.config)
         if self.multipliers.lm_head == 0.0:
             raise ConfigError("FalconH1ForCausalLM: lm_head_multiplier must not be 0")

@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from engram.layers.parallel import Shard, TensorParallel, building
 from engram.models.base import CausalLM
 from engram.models.registry import model_class
 from engram.models.spec import ModelSpec
@@ -26,16 +27,23 @@ def safetensors_files(model_path: Path) -> list[Path]:
     return files
 
 
-def _empty_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> CausalLM:
-    with torch.device("meta"):
+# A checkpoint tensor's getter: the whole tensor, or (tensor parallelism) only a shard of it.
+Getter = Callable[[Shard | None], torch.Tensor]
+
+
+def empty_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device, tp: TensorParallel | None = None) -> CausalLM:
+    """The model's modules with uninitialized parameters (on the meta device: none allocated);
+    with `tp`, rank `tp.rank`'s share only (a split that does not divide raises ConfigError)."""
+    with torch.device("meta"), building(tp):
         model = model_class(spec)(spec)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.tie_weights()
     return model
 
 
-def _fill(model: CausalLM, spec: ModelSpec, tensors: Iterable[tuple[str, str, Callable[[], torch.Tensor]]]) -> CausalLM:
-    """Copy checkpoint tensors (source name, tensor name, getter) into the model's parameters."""
+def _fill(model: CausalLM, spec: ModelSpec, tensors: Iterable[tuple[str, str, Getter]]) -> CausalLM:
+    """Copy checkpoint tensors (source name, tensor name, getter) into the model's parameters;
+    under tensor parallelism, each only in the part this rank holds."""
     params: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
     params.update(model.named_buffers(remove_duplicate=False))
     loaded: set[str] = set()
@@ -49,7 +57,7 @@ def _fill(model: CausalLM, spec: ModelSpec, tensors: Iterable[tuple[str, str, Ca
             raise WeightLoadError(f"{source}: tensor {name!r} has no place in {spec.architecture} (mapped to {target!r})")
         param = params[target]
         dest = param.data if row is None else param.data[row]
-        tensor = get()
+        tensor = get(model.weight_shard(name))
         if tuple(tensor.shape) != tuple(dest.shape):
             raise WeightLoadError(f"{name}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(dest.shape)}")
         dest.copy_(tensor)
@@ -84,8 +92,9 @@ def _spans(rows: list[int]) -> str:
     return ", ".join(spans)
 
 
-def load_model(spec: ModelSpec, model_path: str | Path, dtype: torch.dtype, device: torch.device) -> CausalLM:
-    model = _empty_model(spec, dtype, device)
+def load_model(spec: ModelSpec, model_path: str | Path, dtype: torch.dtype, device: torch.device, tp: TensorParallel | None = None) -> CausalLM:
+    """The checkpoint's model; with `tp`, rank `tp.rank`'s share, each tensor read only in that part."""
+    model = empty_model(spec, dtype, device, tp)
     files = safetensors_files(Path(model_path))
     total = 0
     for file in files:  # headers only: the progress bar's length
@@ -96,19 +105,21 @@ def load_model(spec: ModelSpec, model_path: str | Path, dtype: torch.dtype, devi
         for file in files:
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():
-                    yield file.name, name, lambda f=f, name=name: f.get_tensor(name)
+                    yield file.name, name, functools.partial(_read, f, name)
 
     return _fill(model, spec, tqdm(tensors(), total=total, desc="loading weights", unit="tensor", disable=None))
 
 
-def load_model_from_state_dict(
-    spec: ModelSpec, state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype, device: torch.device
-) -> CausalLM:
+def load_model_from_state_dict(spec: ModelSpec, state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> CausalLM:
     """Build a model from tensors already in memory under checkpoint names (e.g. a `transformers`
     model's `state_dict()`), so that both engines run on the same weights (benchmarks, tests)."""
-    model = _empty_model(spec, dtype, device)
-    return _fill(model, spec, (("state_dict", name, functools.partial(_same, t)) for name, t in state_dict.items()))
+    model = empty_model(spec, dtype, device)
+    return _fill(model, spec, (("state_dict", name, functools.partial(_part, t)) for name, t in state_dict.items()))
 
 
-def _same(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
+def _read(f, name: str, shard: Shard | None) -> torch.Tensor:
+    return f.get_tensor(name) if shard is None else shard.take(f.get_slice(name))
+
+
+def _part(tensor: torch.Tensor, shard: Shard | None) -> torch.Tensor:
+    return tensor if shard is None else shard.take(tensor)
