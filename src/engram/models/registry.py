@@ -7,6 +7,8 @@ from engram.models.base import CausalLM
 from engram.models.granitemoehybrid import GraniteMoeHybridForCausalLM
 from engram.models.mamba2 import Mamba2ForCausalLM
 from engram.models.nemotron_h import NemotronHForCausalLM
+from engram.models.qwen3_5 import Qwen3_5ForCausalLM
+from engram.models.qwen3_next import Qwen3NextForCausalLM
 from engram.models.spec import ModelSpec
 
 MODEL_CLASSES: dict[str, type[CausalLM]] = {
@@ -14,6 +16,11 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "granitemoehybrid": GraniteMoeHybridForCausalLM,
     "nemotron_h": NemotronHForCausalLM,
     "bamba": BambaForCausalLM,
+    "qwen3_next": Qwen3NextForCausalLM,
+    "qwen3_5": Qwen3_5ForCausalLM,
+    "qwen3_5_text": Qwen3_5ForCausalLM,
+    "qwen3_5_moe": Qwen3_5ForCausalLM,
+    "qwen3_5_moe_text": Qwen3_5ForCausalLM,
 }
 
 

@@ -33,6 +33,7 @@ class KernelSet:
     add_rms_norm: Callable = norm.add_rms_norm
     add_rms_norm_linear: Callable = norm.add_rms_norm_linear
     gated_rms_norm: Callable = norm.gated_rms_norm
+    rms_norm_gated: Callable = norm.rms_norm_gated
     silu_and_mul: Callable = activation.silu_and_mul
     store_kv: Callable = attention.store_kv
     paged_attention: Callable = attention.paged_attention

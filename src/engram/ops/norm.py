@@ -52,3 +52,9 @@ def gated_rms_norm(
     g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
     out = weight * g.view_as(h).to(dtype)
     return out if out_dtype is None else out.to(out_dtype)
+
+
+def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gated DeltaNet's output norm: RMS-normalize x over its last dim, then multiply by silu(gate)
+    (the norm before the gate, unlike `gated_rms_norm`). In x's dtype."""
+    return (rms_norm(x, weight, eps).float() * F.silu(gate.float())).to(x.dtype)
