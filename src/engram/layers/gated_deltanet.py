@@ -25,7 +25,7 @@ class GatedDeltaNet(nn.Module):
         self.spec = spec
         self.layer_index = layer_index
         self.sizes = [spec.conv_dim, spec.value_dim, spec.num_v_heads, spec.num_v_heads]  # qkv, z, b, a
-        self.in_proj = Linear(hidden_size, sum(self.sizes), bias=False)
+        self.in_proj = Linear(hidden_size, spec.in_proj_size, bias=False)
         self.conv1d = nn.Conv1d(spec.conv_dim, spec.conv_dim, spec.conv_kernel, groups=spec.conv_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(spec.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(spec.num_v_heads))
@@ -71,6 +71,7 @@ class GatedDeltaNet(nn.Module):
         if batch.is_decode:
             o = k.gated_delta_state_update(state_pool, slots, q, key, v, g, beta, True)
         else:
-            o = k.gated_delta_varlen(q, key, v, g, beta, batch.seq_lens, state_pool, slots, 64, True, None, batch.cu_seqlens)
+            o = k.gated_delta_varlen(q, key, v, g, beta, batch.seq_lens, state_pool, slots, s.chunk_size, True, None,
+                                    batch.cu_seqlens)
         o = k.rms_norm_gated(o.to(hidden.dtype), z.reshape(o.shape), self.norm.weight, s.norm_eps)
         return self.out_proj(o.reshape(-1, s.value_dim))

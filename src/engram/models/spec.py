@@ -109,6 +109,7 @@ class GatedDeltaNetSpec:
     head_v_dim: int
     conv_kernel: int
     norm_eps: float
+    chunk_size: int = 64  # of the chunked prefill (fla-core's; the result does not depend on it)
 
     @property
     def key_dim(self) -> int:
@@ -129,6 +130,11 @@ class GatedDeltaNetSpec:
     @property
     def recurrent_state_shape(self) -> tuple[int, int, int]:
         return (self.num_v_heads, self.head_k_dim, self.head_v_dim)
+
+    @property
+    def in_proj_size(self) -> int:
+        """q, k, v, the output gate z, and the write strength b and decay a of each value head."""
+        return self.conv_dim + self.value_dim + 2 * self.num_v_heads
 
     @property
     def state_tensors(self) -> tuple[StateTensor, ...]:
@@ -203,6 +209,10 @@ class ModelSpec:
     @property
     def mamba_layers(self) -> list[int]:
         return self.layers_of(LayerKind.MAMBA)
+
+    @property
+    def gated_deltanet_layers(self) -> list[int]:
+        return self.layers_of(LayerKind.GATED_DELTANET)
 
     @property
     def attention_layers(self) -> list[int]:
