@@ -242,8 +242,10 @@ def test_overloaded_kv_budget_preempts_and_every_request_stays_exact(checkpoint_
     assert (stats.state_slots_used, stats.kv_blocks_used, stats.num_running, stats.num_waiting) == (0, 0, 0, 0)
 
 
-@pytest.mark.parametrize("kind, suffixes", [("nemotron", (".k", ".v")), *((kind, suffixes) for kind in GDN_KINDS
-                                                                      for suffixes in ((".k", ".v"), (".conv",), (".recurrent",)))])
+@pytest.mark.parametrize(
+    "kind, suffixes",
+    [("nemotron", (".k", ".v")), *((kind, suffixes) for kind in GDN_KINDS for suffixes in ((".k", ".v"), (".conv",), (".recurrent",)))],
+)
 def test_dropping_a_part_of_a_hybrid_state_changes_the_output(kind, suffixes, checkpoint_dir):
     """What a snapshot without one part amounts to (the attention KV, a conv window or the recurrent
     state): the rest restored over zeros there. The continuation differs, so the exactness tests can

@@ -71,7 +71,6 @@ class GatedDeltaNet(nn.Module):
         if batch.is_decode:
             o = k.gated_delta_state_update(state_pool, slots, q, key, v, g, beta, True)
         else:
-            o = k.gated_delta_varlen(q, key, v, g, beta, batch.seq_lens, state_pool, slots, s.chunk_size, True, None,
-                                    batch.cu_seqlens)
+            o = k.gated_delta_varlen(q, key, v, g, beta, batch.seq_lens, state_pool, slots, s.chunk_size, True, None, batch.cu_seqlens)
         o = k.rms_norm_gated(o.to(hidden.dtype), z.reshape(o.shape), self.norm.weight, s.norm_eps)
         return self.out_proj(o.reshape(-1, s.value_dim))

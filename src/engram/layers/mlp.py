@@ -145,11 +145,9 @@ class SharedExpertGateMoE(nn.Module):
     `norm_topk_prob`), gated SiLU experts, plus a gated MLP shared expert scaled by
     sigmoid(shared_expert_gate(x))."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, norm_topk_prob: bool,
-                 shared_intermediate_size: int):
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, norm_topk_prob: bool, shared_intermediate_size: int):
         super().__init__()
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
-        self.intermediate_size = intermediate_size
         self.gate = Linear(hidden_size, num_experts, bias=False)
         self.experts = _Experts(hidden_size, intermediate_size, num_experts)
         self.shared_expert = GatedMLP(hidden_size, shared_intermediate_size)

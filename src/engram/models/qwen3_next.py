@@ -25,8 +25,9 @@ def feed_forward(cfg: dict, hidden_size: int, index: int, norm_topk_prob: bool) 
     """Layer `index`'s MLP: the MoE where the config has experts for it, else a dense gated MLP."""
     experts = int(cfg.get("num_experts") or 0)
     if experts and (index + 1) % int(cfg.get("decoder_sparse_step") or 1) == 0 and index not in (cfg.get("mlp_only_layers") or []):
-        return SharedExpertGateMoE(hidden_size, cfg["moe_intermediate_size"], experts, cfg["num_experts_per_tok"], norm_topk_prob,
-                                   cfg["shared_expert_intermediate_size"])
+        return SharedExpertGateMoE(
+            hidden_size, cfg["moe_intermediate_size"], experts, cfg["num_experts_per_tok"], norm_topk_prob, cfg["shared_expert_intermediate_size"]
+        )
     return GatedMLP(hidden_size, cfg["intermediate_size"])
 
 
@@ -72,5 +73,5 @@ class Qwen3NextForCausalLM(CausalLM):
         if m is None:
             return super().map_weight_name(name)
         layer, expert, half = int(m[1]), int(m[2]), m[3]
-        size = self.layers[layer].mlp.intermediate_size
+        size = int(self.spec.config["moe_intermediate_size"])
         return f"layers.{layer}.mlp.experts.gate_up_proj", (expert, slice(0, size) if half == "gate" else slice(size, 2 * size))

@@ -59,6 +59,14 @@ _LAYER_KIND_ALIASES = {
 }
 
 
+def _conv_and_scan(conv_kernel: int, conv_dim: int, scan: str, scan_shape: tuple[int, ...]) -> tuple[StateTensor, ...]:
+    """What Mamba2 and gated DeltaNet keep: a causal conv's last `conv_kernel - 1` inputs and a scan's state."""
+    return (
+        StateTensor("conv", (conv_kernel - 1, conv_dim), StateRole.CONV),
+        StateTensor(scan, scan_shape, StateRole.RECURRENT),
+    )
+
+
 @dataclass(frozen=True)
 class MambaSpec:
     """Shapes of one Mamba2 mixer (all Mamba2 layers of a model share them)."""
@@ -92,10 +100,7 @@ class MambaSpec:
 
     @property
     def state_tensors(self) -> tuple[StateTensor, ...]:
-        return (
-            StateTensor("conv", self.conv_state_shape, StateRole.CONV),
-            StateTensor("ssm", self.ssm_state_shape, StateRole.RECURRENT),
-        )
+        return _conv_and_scan(self.conv_kernel, self.conv_dim, "ssm", self.ssm_state_shape)
 
 
 @dataclass(frozen=True)
@@ -124,10 +129,6 @@ class GatedDeltaNetSpec:
         return 2 * self.key_dim + self.value_dim
 
     @property
-    def conv_state_shape(self) -> tuple[int, int]:
-        return (self.conv_kernel - 1, self.conv_dim)
-
-    @property
     def recurrent_state_shape(self) -> tuple[int, int, int]:
         return (self.num_v_heads, self.head_k_dim, self.head_v_dim)
 
@@ -138,10 +139,7 @@ class GatedDeltaNetSpec:
 
     @property
     def state_tensors(self) -> tuple[StateTensor, ...]:
-        return (
-            StateTensor("conv", self.conv_state_shape, StateRole.CONV),
-            StateTensor("recurrent", self.recurrent_state_shape, StateRole.RECURRENT),
-        )
+        return _conv_and_scan(self.conv_kernel, self.conv_dim, "recurrent", self.recurrent_state_shape)
 
 
 RecurrentSpec = MambaSpec | GatedDeltaNetSpec
