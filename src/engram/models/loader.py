@@ -39,7 +39,8 @@ def _fill(model: CausalLM, spec: ModelSpec, tensors: Iterable[tuple[str, str, Ca
     params: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
     params.update(model.named_buffers(remove_duplicate=False))
     loaded: set[str] = set()
-    # parameters filled by parts (experts, packed projections): which of their rows (all dims but the last) are in
+    # parameters filled by parts (experts, packed projections): which of their rows (all dims but the
+    # last; a bias's elements) are in
     rows_loaded: dict[str, torch.Tensor] = {}
     for source, name, get in tensors:
         mapped = model.map_weight_name(name)
@@ -59,7 +60,7 @@ def _fill(model: CausalLM, spec: ModelSpec, tensors: Iterable[tuple[str, str, Ca
             continue
         param.data[row] = tensor  # a view's copy, or the scattered rows of an index tensor
         if target not in rows_loaded:
-            rows_loaded[target] = torch.zeros(param.shape[:-1], dtype=torch.bool)
+            rows_loaded[target] = torch.zeros(param.shape[: max(param.ndim - 1, 1)], dtype=torch.bool)
         rows_loaded[target][row] = True
     partly = {}  # parameters filled by rows, some of them missing: which
     for target, filled in rows_loaded.items():
