@@ -106,6 +106,38 @@ _CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "falcon_h1_tied": ("FalconH1Config", dict(_FALCON_H1, tie_word_embeddings=True, num_key_value_heads=1, mamba_rms_norm=False)),
 }
 
+# Gated DeltaNet hybrids: value heads grouped over q/k heads (and not), GQA, MQA and MHA attention,
+# MoE with top-k > 1 (renormalized or not) beside dense MLP layers, tied and untied embeddings.
+_L, _F = "linear_attention", "full_attention"
+_CONFIGS.update({
+    "qwen3_next": (
+        "Qwen3NextConfig",
+        dict(vocab_size=276, hidden_size=48, num_hidden_layers=4, layer_types=[_L, _F, _L, _F], num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=12,
+             linear_value_head_dim=8, linear_conv_kernel_dim=4, intermediate_size=40, num_experts=4, num_experts_per_tok=2,
+             moe_intermediate_size=24, shared_expert_intermediate_size=32, mlp_only_layers=[2], norm_topk_prob=False,
+             tie_word_embeddings=False),
+    ),
+    "qwen3_5": (
+        "Qwen3_5TextConfig",
+        dict(vocab_size=268, hidden_size=48, num_hidden_layers=4, full_attention_interval=2, num_attention_heads=6,
+             num_key_value_heads=1, head_dim=8, linear_num_key_heads=3, linear_num_value_heads=3, linear_key_head_dim=8,
+             linear_value_head_dim=12, linear_conv_kernel_dim=3, intermediate_size=64, tie_word_embeddings=True),
+    ),
+    # the multimodal checkpoint (Qwen3_5MoeForConditionalGeneration: text_config, a vision tower)
+    "qwen3_5_moe": (
+        "Qwen3_5MoeConfig",
+        dict(text_config=dict(vocab_size=272, hidden_size=64, num_hidden_layers=4, layer_types=[_L, _L, _F, _L],
+                              num_attention_heads=4, num_key_value_heads=4, head_dim=16, linear_num_key_heads=2,
+                              linear_num_value_heads=6, linear_key_head_dim=8, linear_value_head_dim=8, num_experts=6,
+                              num_experts_per_tok=3, moe_intermediate_size=16, shared_expert_intermediate_size=24),
+             vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=64),
+             tie_word_embeddings=False),
+    ),
+})
+_MODEL_CLASSES = {"qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}  # else AutoModelForCausalLM's
+GDN_KINDS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+
 KINDS: tuple[str, ...] = tuple(_CONFIGS)
 
 
@@ -117,15 +149,29 @@ def write_checkpoint(kind: str, path: str | Path, seed: int = 0, **config_overri
         for name, token in (("pad", PAD), ("bos", BOS), ("eos", EOS))
     }
     config = getattr(transformers, config_class)(**{**base, **special, "dtype": "float32", **config_overrides})
-    assert config.vocab_size >= len(tokenizer)
+    assert config.get_text_config().vocab_size >= len(tokenizer)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = transformers.AutoModelForCausalLM.from_config(config)
+        if kind in _MODEL_CLASSES:
+            model = getattr(transformers, _MODEL_CLASSES[kind])(config)
+        else:
+            model = transformers.AutoModelForCausalLM.from_config(config)
     randomize_decisively(model, seed)
+    if kind in GDN_KINDS:
+        _center_norms(model)
     path = Path(path)
     model.save_pretrained(path)
     tokenizer.save_pretrained(str(path))
     return path
+
+
+def _center_norms(model: torch.nn.Module) -> None:
+    """Zero-centered RMS norms (applied as 1 + weight) around 1, as `randomize_decisively` means them:
+    its weights near 1 would double every normalized row. The gated DeltaNet's output norm is a plain one."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") and "linear_attn" not in name and "visual" not in name:
+                p.sub_(1.0)
 
 
 # The demo model's training script in smoke mode: 10 files, a 512-token vocabulary, 5 steps of 2 x 64 tokens.

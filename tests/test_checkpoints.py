@@ -8,7 +8,7 @@ from checkpoints import KINDS, write_checkpoint
 
 from engram.models.spec import LayerKind, load_model_spec
 
-M, A, P, E = LayerKind.MAMBA, LayerKind.ATTENTION, LayerKind.MLP, LayerKind.MOE
+M, A, P, E, G = LayerKind.MAMBA, LayerKind.ATTENTION, LayerKind.MLP, LayerKind.MOE, LayerKind.GATED_DELTANET
 LAYOUTS = {  # each layer's mixers
     "mamba2": ((M,), (M,), (M,)),
     "mamba2_tied": ((M,), (M,), (M,)),
@@ -18,8 +18,11 @@ LAYOUTS = {  # each layer's mixers
     "bamba": ((M,), (A,), (M,), (A,)),
     "falcon_h1": ((M, A),) * 3,
     "falcon_h1_tied": ((M, A),) * 3,
+    "qwen3_next": ((G,), (A,), (G,), (A,)),
+    "qwen3_5": ((G,), (A,), (G,), (A,)),
+    "qwen3_5_moe": ((G,), (G,), (A,), (G,)),
 }
-TIED = {"mamba2_tied", "granite", "granite_rope", "falcon_h1_tied"}
+TIED = {"mamba2_tied", "granite", "granite_rope", "falcon_h1_tied", "qwen3_5"}
 
 
 @pytest.fixture(scope="module", params=KINDS)
@@ -38,12 +41,15 @@ def test_checkpoint_loads_and_is_decisive(checkpoint):
     spec = load_model_spec(path)
     assert spec.layer_mixers == LAYOUTS[kind]
     assert spec.tie_word_embeddings == (kind in TIED)
-    assert spec.mamba.n_groups == 2 and spec.mamba.chunk_size == 8
+    if spec.mamba is not None:
+        assert spec.mamba.n_groups == 2 and spec.mamba.chunk_size == 8
+    else:  # gated DeltaNet: value heads grouped over q/k heads in all but one
+        assert spec.gated_deltanet is not None and (spec.gated_deltanet.num_v_heads > spec.gated_deltanet.num_k_heads) == (kind != "qwen3_5")
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     assert spec.vocab_size >= len(tokenizer)
     assert spec.eos_token_ids == (tokenizer.eos_token_id,)
     if spec.attention is not None:
-        assert spec.attention.num_kv_heads < spec.attention.num_heads
+        assert spec.attention.num_kv_heads < spec.attention.num_heads or kind == "qwen3_5_moe"
 
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True).eval()
     model.generation_config.eos_token_id = None  # always decode all the steps

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from checkpoints import GDN_KINDS
 from engine_utils import greedy, make_engine, random_prompt, record_logits, run_to_end
 
 from engram.engine.request import FinishReason, SamplingParams
 from engram.state.sequence_state import SequenceState
 
-HYBRID_KINDS = ["nemotron", "bamba", "granite_rope", "demo", "falcon_h1"]
+HYBRID_KINDS = ["nemotron", "bamba", "granite_rope", "demo", "falcon_h1", *GDN_KINDS]
 
 
 def _prefill_logits(path: str, prompt: list[int], chunk: int) -> torch.Tensor:
@@ -22,7 +23,7 @@ def _prefill_logits(path: str, prompt: list[int], chunk: int) -> torch.Tensor:
     return rows[0][0]
 
 
-@pytest.mark.parametrize("kind", ["mamba2", "nemotron", "bamba", "falcon_h1"])
+@pytest.mark.parametrize("kind", ["mamba2", "nemotron", "bamba", "falcon_h1", "qwen3_next"])
 def test_chunked_prefill_equals_one_shot(kind, checkpoint_dir):
     path = checkpoint_dir(kind)
     prompt = random_prompt(45, seed=3)
@@ -97,19 +98,20 @@ def _split_logits_tolerance(engine) -> dict:
     return dict(atol=1e-4, rtol=1e-4) if engine.dtype == torch.float32 else dict(atol=0.125, rtol=0.0)
 
 
-@pytest.mark.parametrize("kind", ["nemotron", "falcon_h1"])
-def test_resume_without_attention_kv_is_refused(kind, checkpoint_dir):
+@pytest.mark.parametrize(
+    "kind, suffix",
+    [("nemotron", ".k"), *(("falcon_h1", suffix) for suffix in (".k", ".ssm", ".conv")),
+     *((kind, suffix) for kind in GDN_KINDS for suffix in (".conv", ".recurrent", ".v"))],
+)
+def test_resume_without_one_state_tensor_is_refused(kind, suffix, checkpoint_dir):
     engine = make_engine(checkpoint_dir(kind))
     prompt = random_prompt(20, seed=6)
     engine.add_request("head", prompt[:10], greedy(1), capture_state=True)
     state = run_to_end(engine)["head"].state
-    with pytest.raises(ValueError, match="lacks tensors"):
-        engine.add_request("r", prompt, greedy(4), initial_state=state.without_attention_kv())
-    # a layer of Mamba2 beside attention: its KV and its recurrent state are both needed
-    for dropped in ("layers.1.ssm", "layers.0.conv") if kind == "falcon_h1" else ():
-        kept = {name: t for name, t in state.tensors.items() if name != dropped}
-        with pytest.raises(ValueError, match=f"lacks tensors: {dropped}"):
-            engine.add_request("r", prompt, greedy(4), initial_state=SequenceState(state.tokens, state.state_len, kept))
+    dropped = next(name for name in state.tensors if name.endswith(suffix))
+    kept = {name: t for name, t in state.tensors.items() if name != dropped}
+    with pytest.raises(ValueError, match=f"lacks tensors: {dropped}"):
+        engine.add_request("r", prompt, greedy(4), initial_state=SequenceState(state.tokens, state.state_len, kept))
 
 
 def test_cancel_mid_generation_frees_slot_and_pages(checkpoint_dir):
@@ -244,11 +246,15 @@ def test_overloaded_kv_budget_preempts_and_every_request_stays_exact(checkpoint_
     assert (stats.state_slots_used, stats.kv_blocks_used, stats.num_running, stats.num_waiting) == (0, 0, 0, 0)
 
 
-@pytest.mark.parametrize("kind, zeroed", [("nemotron", (".k", ".v")), ("falcon_h1", (".k", ".v")), ("falcon_h1", (".ssm", ".conv"))])
-def test_dropping_half_of_a_hybrid_state_changes_the_output(kind, zeroed, checkpoint_dir):
-    """What a snapshot without the attention half amounts to: the recurrent state restored over an
-    empty (zero) KV cache (or, for Falcon-H1's two-mixer layers, the KV over a zero recurrent state).
-    The continuation differs, so the exactness tests can catch it."""
+@pytest.mark.parametrize(
+    "kind, suffixes",
+    [("nemotron", (".k", ".v")), ("falcon_h1", (".k", ".v")), ("falcon_h1", (".ssm", ".conv")),
+     *((kind, suffixes) for kind in GDN_KINDS for suffixes in ((".k", ".v"), (".conv",), (".recurrent",)))],
+)
+def test_dropping_a_part_of_a_hybrid_state_changes_the_output(kind, suffixes, checkpoint_dir):
+    """What a snapshot without one part amounts to (the attention KV, a conv window or the recurrent
+    state): the rest restored over zeros there. The continuation differs, so the exactness tests can
+    catch it."""
     engine = make_engine(checkpoint_dir(kind))
     prompt = random_prompt(40, seed=11)
     engine.add_request("head", prompt[:30], greedy(1), capture_state=True)
@@ -258,8 +264,8 @@ def test_dropping_half_of_a_hybrid_state_changes_the_output(kind, zeroed, checkp
     engine.add_request("full", prompt, greedy(10))
     assert run_to_end(engine)["full"].token_ids == exact
 
-    zero_kv = {name: torch.zeros_like(t) if name.endswith(zeroed) else t for name, t in state.tensors.items()}
-    engine.add_request("lossy", prompt, greedy(10), initial_state=SequenceState(state.tokens, state.state_len, zero_kv))
+    zeroed = {name: torch.zeros_like(t) if name.endswith(suffixes) else t for name, t in state.tensors.items()}
+    engine.add_request("lossy", prompt, greedy(10), initial_state=SequenceState(state.tokens, state.state_len, zeroed))
     assert run_to_end(engine)["lossy"].token_ids != exact
 
 

@@ -254,23 +254,52 @@ def test_ssd_varlen_fla_matches_reference(dtype, shape):
 @needs_cuda
 @pytest.mark.skipif(cuda_kernels is None or cuda_kernels._chunk_gdr is None, reason="fla-core is not installed (the `cuda` extra)")
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("lens", [[1, 37, 5], [1, 37, 300, 64, 5]])  # the recurrent kernel, the chunked one
+@pytest.mark.parametrize("lens", [[1, 37, 5], [1, 37, 300, 64, 5]])  # the token-by-token kernel, fla's chunked one
 @pytest.mark.parametrize("shape", [(2, 4, 32, 48), (16, 32, 128, 128)])  # Hk, Hv, K, V (Qwen3-Next: the second)
 def test_gated_delta_varlen_fla_matches_reference(dtype, lens, shape):
-    Hk, Hv, K, V = shape
-    g = _gen(7)
-    T = sum(lens)
-    q, k, v = _randn(T, Hk, K, g=g, dtype=dtype), _randn(T, Hk, K, g=g, dtype=dtype), _randn(T, Hv, V, g=g, dtype=dtype)
-    decay = -torch.rand(T, Hv, generator=g, device=DEV)
-    beta = torch.rand(T, Hv, generator=g, device=DEV).to(dtype)
+    q, k, v, decay, beta, pool = _gdn_inputs(lens, shape, dtype, 7)
     slots = torch.tensor([2, 5, 0, 3, 1][: len(lens)], device=DEV)
-    pool = _randn(6, Hv, K, V, g=g) * 0.1
     pool_ref = pool.clone()
     o = cuda_kernels.gated_delta_varlen(q, k, v, decay, beta, lens, pool, slots, 64, True)
     o_ref = gated_delta.gated_delta_varlen(q, k, v, decay, beta, lens, pool_ref, slots, 64, True)
     limit = 5e-3 if dtype == torch.float32 else 3e-2
     assert _rel(o, o_ref) < limit, _rel(o, o_ref)
     assert _rel(pool, pool_ref) < limit, _rel(pool, pool_ref)
+
+
+def _gdn_inputs(lens: list[int], shape: tuple[int, int, int, int], dtype: torch.dtype, seed: int):
+    Hk, Hv, K, V = shape
+    g = _gen(seed)
+    T = sum(lens)
+    q, k, v = _randn(T, Hk, K, g=g, dtype=dtype), _randn(T, Hk, K, g=g, dtype=dtype), _randn(T, Hv, V, g=g, dtype=dtype)
+    decay = -torch.rand(T, Hv, generator=g, device=DEV)
+    beta = torch.rand(T, Hv, generator=g, device=DEV).to(dtype)
+    return q, k, v, decay, beta, _randn(6, Hv, K, V, g=g) * 0.1
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(2, 4, 12, 40), (3, 3, 8, 12), (16, 32, 128, 128)])  # Hk, Hv, K, V (Qwen3-Next: the last)
+def test_gated_delta_scan_matches_reference(dtype, shape):
+    """The token-by-token kernel: a varlen prefill from the pool's states, then a decode step whose
+    padding row (slot -1) leaves the pool alone."""
+    from engram.ops.triton_ops import gated_delta as gdn_scan
+
+    lens = [1, 37, 5, 128]
+    q, k, v, decay, beta, pool = _gdn_inputs(lens, shape, dtype, 9)
+    slots = torch.tensor([2, 5, 0, 3], device=DEV)
+    pool_ref = pool.clone()
+    o = gdn_scan.gated_delta_varlen_scan(q, k, v, decay, beta, lens, pool, slots, 64, True)
+    o_ref = gated_delta.gated_delta_varlen(q, k, v, decay, beta, lens, pool_ref, slots, 64, True)
+    limit = 1e-4 if dtype == torch.float32 else 3e-2
+    assert _rel(o, o_ref) < limit and _rel(pool, pool_ref) < limit, (_rel(o, o_ref), _rel(pool, pool_ref))
+
+    rows = [0, 9, 40, 70]  # one token for each of slots 2, 4 (unused so far), padding, 3
+    step_slots = torch.tensor([2, 4, -1, 3], device=DEV)
+    pool_ref = pool.clone()
+    o = gdn_scan.gated_delta_state_update(pool, step_slots, q[rows], k[rows], v[rows], decay[rows], beta[rows], True)
+    live = [0, 1, 3]
+    o_ref = gated_delta.gated_delta_state_update(pool_ref, step_slots[live], *(t[rows][live] for t in (q, k, v, decay, beta)), True)
+    assert _rel(o[live], o_ref) < limit and _rel(pool, pool_ref) < limit, (_rel(o[live], o_ref), _rel(pool, pool_ref))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -597,7 +626,8 @@ def _greedy_run(path: str, fast: bool, graphs: bool, dtype: str, prompts: list[l
 
 
 @needs_cuda
-@pytest.mark.parametrize("kind", ["granite", "mamba2", "nemotron", "bamba", "granite_rope", "falcon_h1", "falcon_h1_tied"])
+@pytest.mark.parametrize("kind", ["granite", "mamba2", "nemotron", "bamba", "granite_rope", "falcon_h1", "falcon_h1_tied", "qwen3_next", "qwen3_5",
+                                  "qwen3_5_moe"])
 def test_greedy_tokens_fast_path_equal_reference(kind, checkpoint_dir):
     from engine_utils import random_prompt
 
@@ -621,7 +651,7 @@ def test_greedy_tokens_fast_path_equal_reference(kind, checkpoint_dir):
 
 
 @needs_cuda
-@pytest.mark.parametrize("kind", ["granite", "nemotron"])
+@pytest.mark.parametrize("kind", ["granite", "nemotron", "qwen3_next"])
 def test_resumed_turn_through_prefill_graphs_equals_reference(kind, checkpoint_dir):
     """A short turn on top of a captured state runs as one single-sequence prefill (a prefill CUDA
     graph on the fast path): same tokens as the reference path, which recomputes nothing either."""

@@ -3,6 +3,8 @@ error for a tensor with no place or a parameter the checkpoint lacks."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from checkpoints import write_checkpoint
@@ -65,3 +67,19 @@ def test_falcon_h1_multiplier_lists_of_the_wrong_length_are_refused(tmp_path):
     bad = parse_model_spec(dict(spec.config, ssm_multipliers=[1.0, 2.0]))
     with torch.device("meta"), pytest.raises(ConfigError, match=r"ssm_multipliers must be a list of 5 numbers, got \[1.0, 2.0\]"):
         FalconH1ForCausalLM(bad)
+@pytest.mark.parametrize(
+    "dropped, missing",
+    [
+        ("model.layers.0.linear_attn.in_proj_ba.weight", r"layers\.0\.mixer\.in_proj\.weight \(rows 112:120\)"),  # b and a, past q, k, v (80 rows) and z (32)
+        ("model.layers.1.mlp.experts.2.up_proj.weight", r"layers\.1\.mlp\.experts\.gate_up_proj \(rows 2:3\)"),  # expert 2's up half
+    ],
+)
+def test_a_missing_part_of_an_interleaved_or_expert_projection_is_named(dropped, missing, checkpoint_dir):
+    """Qwen3-Next's in_proj_ba lands on scattered rows of the GDN's packed projection, an expert's up
+    projection on half of its stacked rows: a checkpoint without one is refused naming the rows."""
+    path = checkpoint_dir("qwen3_next")
+    tensors = load_file(safetensors_files(Path(path))[0])
+    assert dropped in tensors
+    lacking = {k: v for k, v in tensors.items() if k != dropped}
+    with pytest.raises(WeightLoadError, match=rf"lacks weights: .*{missing}"):
+        load_model_from_state_dict(load_model_spec(path), lacking, torch.float32, torch.device("cpu"))

@@ -34,6 +34,8 @@ NEMOTRON = CONFIGS / "nemotron-3-nano-30b-a3b.json"
 GRANITE = CONFIGS / "granite-4.0-h-tiny.json"
 CODESTRAL = CONFIGS / "mamba-codestral-7b.json"
 FALCON_H1 = CONFIGS / "falcon-h1-7b-instruct.json"
+QWEN3_NEXT = CONFIGS / "qwen3-next-80b-a3b.json"
+QWEN3_5 = CONFIGS / "qwen3.5-35b-a3b.json"  # the multimodal checkpoint's config: its text model is planned
 
 F32, BF16 = 4, 2
 # float32 SSM state, bfloat16 conv state and KV (the defaults for these bfloat16 checkpoints)
@@ -76,6 +78,22 @@ def _falcon_h1_params() -> int:
     return 2 * v * h + h + 44 * layer
 
 
+def _gdn_state(layers: int, k_heads: int, v_heads: int, head_dim: int, kernel: int) -> int:
+    """Hand computation: recurrent v_heads x head_dim x head_dim (f32) + conv (kernel - 1) x (2 k + v) (bf16)."""
+    conv_dim = (2 * k_heads + v_heads) * head_dim
+    return layers * (v_heads * head_dim * head_dim * F32 + (kernel - 1) * conv_dim * BF16)
+
+
+def _qwen_gdn_params(vocab: int, layers: int, attention_layers: int, experts: int) -> int:
+    """Qwen3-Next-80B-A3B and Qwen3.5-35B-A3B: hidden 2048; GDN 16 q/k heads, 32 value heads of 128; gated attention
+    16 heads, 2 KV heads of 256; MoE experts of 512 with a shared expert of 512 and its gate; untied."""
+    h = 2048
+    gdn = h * (2 * 2048 + 2 * 4096 + 2 * 32) + 8192 * 4 + 2 * 32 + 128 + 4096 * h  # q k v z b a; conv; dt_bias, A_log; norm; out
+    attention = h * 2 * 4096 + 2 * h * 512 + 4096 * h + 2 * 256  # q with its gate, k, v, o; q and k norms
+    every_layer = 2 * h + experts * h + experts * 3 * 512 * h + 3 * 512 * h + h  # norms, router, experts, shared and its gate
+    return 2 * vocab * h + h + layers * every_layer + (layers - attention_layers) * gdn + attention_layers * attention
+
+
 FIGURES = {
     # config: (state bytes per sequence, KV bytes per token, parameters)
     NEMOTRON: (_state(23, 64, 64, 128, 8), 2 * 6 * 2 * 128 * BF16, _nemotron_params()),
@@ -83,6 +101,8 @@ FIGURES = {
     CODESTRAL: (_state(64, 128, 64, 128, 8), 0, _codestral_params()),
     # every layer keeps a Mamba2 state and KV
     FALCON_H1: (_state(44, 24, 128, 256, 1), 2 * 44 * 2 * 128 * BF16, _falcon_h1_params()),
+    QWEN3_NEXT: (_gdn_state(36, 16, 32, 128, 4), 12 * 2 * 2 * 256 * BF16, _qwen_gdn_params(151936, 48, 12, 512)),
+    QWEN3_5: (_gdn_state(30, 16, 32, 128, 4), 10 * 2 * 2 * 256 * BF16, _qwen_gdn_params(248320, 40, 10, 256)),
 }
 
 
@@ -221,6 +241,20 @@ def test_device_memory_on_cpu_is_the_configured_budget() -> None:
     assert device_memory_bytes("cpu", 2.5) == int(2.5 * (1 << 30))
     with pytest.raises(ValueError, match="--device"):
         device_memory_bytes("meta", 1.0)
+
+
+def test_weights_of_a_multimodal_checkpoint_are_its_language_model(checkpoint_dir, hf_model) -> None:
+    """A Qwen3.5 checkpoint's vision tower is not loaded, so not counted: the text model's parameters are."""
+    path = checkpoint_dir("qwen3_5_moe")
+    assert any("visual" in name for name in safe_open_names(path))
+    assert weights_bytes(path, torch.float32) == sum(p.numel() for p in hf_model(path).parameters()) * F32
+
+
+def safe_open_names(path: str) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(Path(path) / "model.safetensors"), framework="pt") as f:
+        return list(f.keys())
 
 
 def test_weights_from_safetensors_headers(tmp_path: Path) -> None:

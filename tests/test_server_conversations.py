@@ -11,6 +11,7 @@ import time
 
 import httpx
 import pytest
+from checkpoints import GDN_KINDS
 from engine_utils import store_file
 from server_utils import metric_value, running_server
 
@@ -45,7 +46,7 @@ def snapshot_info(http, conversation_id, turn):
     return r.json()
 
 
-@pytest.mark.parametrize("kind", ["mamba2", "nemotron", "falcon_h1", "demo"])
+@pytest.mark.parametrize("kind", ["mamba2", "nemotron", "falcon_h1", "demo", *GDN_KINDS])
 def test_three_turns_across_a_restart_equal_one_request_over_the_history(kind, checkpoint_dir, tmp_path):
     path = str(DEMO_MODEL_DIR) if kind == "demo" else checkpoint_dir(kind)  # demo: the shipped, trained weights
     with serving(path, tmp_path) as (srv, http):

@@ -74,6 +74,36 @@ def test_a_layer_of_two_mixers_keeps_the_state_of_both():
     assert state_pool.of(1, "ssm").shape == (2, *both.mamba.ssm_state_shape) and sorted(kv_pool.k) == [0, 1]
     with pytest.raises(ConfigError, match=r"layer 0's mixers mamba\+mamba declare the same state twice"):
         dataclasses.replace(one_each, layer_mixers=((LayerKind.MAMBA, LayerKind.MAMBA),) * n)
+def test_gated_deltanet_hybrids_parse_to_the_published_shapes():
+    """Qwen3-Next's hub config (layers by full_attention_interval) and Qwen3.5's multimodal one (the
+    text model under text_config, layers listed): every 4th layer attention, the GDN state and the
+    gated attention with a quarter of each head rotated."""
+    for name, layers, experts in (("qwen3-next-80b-a3b", 48, 512), ("qwen3.5-35b-a3b", 40, 256)):
+        spec = load_model_spec(CONFIGS / f"{name}.json")
+        assert spec.layer_mixers == tuple((LayerKind.ATTENTION if (i + 1) % 4 == 0 else LayerKind.GATED_DELTANET,) for i in range(layers))
+        assert spec.config["num_experts"] == experts and not spec.tie_word_embeddings
+        g, a = spec.gated_deltanet, spec.attention
+        assert [(t.suffix, t.shape, t.role) for t in spec.state_tensors(0)] == [
+            ("conv", (3, 2 * 16 * 128 + 32 * 128), StateRole.CONV),
+            ("recurrent", (32, 128, 128), StateRole.RECURRENT),
+        ]
+        assert g.in_proj_size == 2 * 2048 + 2 * 4096 + 2 * 32
+        assert (a.num_heads, a.num_kv_heads, a.head_dim, a.rotary_dim, a.rope_theta) == (16, 2, 256, 64, 1e7)
+        assert a.output_gate and a.qk_norm and spec.mamba is None
+    nested = config("qwen3.5-35b-a3b")
+    assert load_model_spec(CONFIGS / "qwen3.5-35b-a3b.json").config["model_type"] == "qwen3_5_moe_text"
+    flat = dict(nested["text_config"], model_type="qwen3_5_moe_text", tie_word_embeddings=False)
+    assert parse_model_spec(flat).layer_mixers == parse_model_spec(nested).layer_mixers
+
+
+@pytest.mark.parametrize("field", ["linear_num_value_heads", "linear_key_head_dim", "linear_conv_kernel_dim", "head_dim"])
+def test_a_gated_deltanet_config_missing_a_dimension_is_refused_naming_the_field(field):
+    nested = config("qwen3.5-35b-a3b")
+    del nested["text_config"][field]
+    with pytest.raises(ConfigError, match=field):
+        parse_model_spec(nested)
+    with pytest.raises(ConfigError, match="not divisible by linear_num_key_heads"):
+        parse_model_spec(dict(config("qwen3-next-80b-a3b"), linear_num_key_heads=12))
 
 
 def test_old_and_new_layer_type_spellings_are_the_same_model():

@@ -242,6 +242,12 @@ def test_a_bad_speculative_config_names_the_field(raw, says):
         SpeculativeConfig.parse(raw)
 
 
+def test_a_gated_deltanet_model_refuses_speculation_by_name(checkpoint_dir):
+    """Its verify step would write every drafted token into the recurrent state: refused at start-up."""
+    with pytest.raises(ValueError, match="--speculative-config: .*gated DeltaNet"):
+        make_engine(checkpoint_dir("qwen3_next"), speculative_config=NGRAM)
+
+
 def test_speculative_config_defaults_follow_vllm():
     c = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3})
     assert (c.prompt_lookup_min, c.prompt_lookup_max) == (3, 3)

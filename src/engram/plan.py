@@ -79,6 +79,7 @@ def _report(spec: ModelSpec, plan: MemoryPlan, info: dict) -> str:
         ("max total tokens", f"{plan.max_total_tokens:,}", ""),
         ("context length", f"{plan.context_length:,}", ""),
     ]
+    width = max(18, *(len(name) + 2 for name, _, _ in rows))
     lines = [
         f"{spec.architecture} ({spec.model_type}) from {info['model_path']}",
         f"layers: {kinds}",
@@ -89,7 +90,7 @@ def _report(spec: ModelSpec, plan: MemoryPlan, info: dict) -> str:
         ),
         f"dtypes: weights {info['dtype']}, conv state {plan.conv_state_dtype}, ssm state {plan.ssm_state_dtype}, kv cache {plan.kv_cache_dtype}",
         "",
-        *(f"  {name:<18}{value:>14}   {note}".rstrip() for name, value, note in rows),
+        *(f"  {name:<{width}}{value:>14}   {note}".rstrip() for name, value, note in rows),
         "",
     ]
     if plan.fits:

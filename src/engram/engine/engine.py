@@ -31,7 +31,7 @@ from engram.engine.sampler import (
 )
 from engram.engine.scheduler import ScheduledChunk, Scheduler
 from engram.engine.sequence import Sequence, SequenceStatus
-from engram.engine.spec_config import SpeculativeConfig
+from engram.engine.spec_config import SpeculativeConfig, SpeculativeConfigError
 from engram.engine.speculative import Speculator
 from engram.engine.tensor_parallel import Leader, LeaderKVPool, LeaderStatePool, rank_state
 from engram.engine.token_masks import bad_words_token_ids, mask_logits
@@ -142,6 +142,10 @@ class LLMEngine:
             enable_cuda_graph=args.enable_cuda_graph and self.tp_leader is None, max_context_length=self.max_context_length,
             batch_sink=self.tp_leader.forward if self.tp_leader is not None else None,
         )
+        if args.speculative_config is not None and self.spec.gated_deltanet_layers:
+            # a verify step keeps every position's state by mixer kind (ops/verify.py): Mamba2's only so far
+            raise SpeculativeConfigError(f"--speculative-config: speculative decoding does not support the gated DeltaNet "
+                                         f"layers of {self.spec.architecture} yet; leave the flag out")
         self.speculator = (
             Speculator(SpeculativeConfig.parse(args.speculative_config), self.state_pool, self.kv_pool, self.max_context_length)
             if args.speculative_config is not None else None

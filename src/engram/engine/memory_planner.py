@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from engram.args import EngineArgs
 from engram.engine.spec_config import speculative_tokens
 from engram.layers.parallel import TensorParallel
 from engram.models.loader import empty_model
+from engram.models.registry import model_class
 from engram.models.spec import ModelSpec, load_model_spec
 from engram.state.identity import safetensors_header
 from engram.state.sequence_state import StateDtypes, expected_tensors
@@ -110,13 +112,15 @@ def weight_files(model_path: str | Path) -> list[Path]:
     return sorted(folder.glob("*.safetensors"))
 
 
-def _safetensors_numel(files: list[Path], skip: set[str]) -> int:
-    """Element count from the files' headers (8-byte little-endian length, then JSON); no data is read."""
+def _safetensors_numel(files: list[Path], skip: set[str], ignored: tuple[str, ...] = ()) -> int:
+    """Element count from the files' headers (8-byte little-endian length, then JSON); no data is read.
+    Tensors named in `skip` or matching a regex of `ignored` (not loaded: a vision tower, MTP layers) are left out."""
     total = 0
     for file in files:
         with file.open("rb") as f:
             header = json.loads(safetensors_header(f))
-        total += sum(math.prod(t["shape"]) for name, t in header.items() if name != "__metadata__" and name not in skip)
+        total += sum(math.prod(t["shape"]) for name, t in header.items()
+                     if name != "__metadata__" and name not in skip and not any(re.search(p, name) for p in ignored))
     return total
 
 
@@ -129,7 +133,7 @@ def _config_numel(spec: ModelSpec) -> int:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     fields = {k: v for k, v in spec.config.items() if k != "model_type"}
-    config = AutoConfig.for_model(spec.model_type, **fields)
+    config = AutoConfig.for_model(spec.config["model_type"], **fields)  # a multimodal checkpoint's text model
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     persistent = set(model.state_dict())
@@ -146,7 +150,7 @@ def weights_bytes(model_path: str | Path, dtype: torch.dtype) -> int:
     files = weight_files(model_path)
     if files:
         skip = {"lm_head.weight"} if spec.tie_word_embeddings else set()
-        return _safetensors_numel(files, skip) * dtype.itemsize
+        return _safetensors_numel(files, skip, model_class(spec).ignored_weights) * dtype.itemsize
     return _config_numel(spec) * dtype.itemsize
 
 
@@ -168,6 +172,8 @@ def _widest_activation(spec: ModelSpec) -> int:
     if spec.mamba is not None:
         m = spec.mamba
         widths.append(2 * m.intermediate_size + 2 * m.n_groups * m.state_size + m.num_heads)  # in_proj
+    if spec.gated_deltanet is not None:
+        widths.append(spec.gated_deltanet.in_proj_size)
     if spec.attention is not None:
         a = spec.attention
         widths.append((a.num_heads + 2 * a.num_kv_heads) * a.head_dim)  # q, k, v
@@ -179,7 +185,7 @@ def scratch_bytes(spec: ModelSpec, max_num_batched_tokens: int, max_running_requ
 
     - `ACTIVATION_COPIES` copies of the widest per-token projection (Mamba in_proj or q/k/v) for
       every batched token, in the model dtype;
-    - the chunked SSM scan's float32 state at each chunk boundary;
+    - the chunked scan's float32 state at each chunk boundary (Mamba2's SSD, the gated delta rule);
     - float32 logits and probabilities over the vocabulary for each running sequence (only the
       last position of a sequence is projected to the vocabulary).
     """
@@ -188,6 +194,9 @@ def scratch_bytes(spec: ModelSpec, max_num_batched_tokens: int, max_running_requ
     if spec.mamba is not None:
         chunks = math.ceil(max_num_batched_tokens / spec.mamba.chunk_size)
         scan = chunks * _nbytes(spec.mamba.ssm_state_shape, torch.float32)
+    if spec.gated_deltanet is not None:
+        g = spec.gated_deltanet
+        scan = max(scan, math.ceil(max_num_batched_tokens / g.chunk_size) * _nbytes(g.recurrent_state_shape, torch.float32))
     logits = LOGIT_COPIES * max_running_requests * spec.vocab_size * torch.float32.itemsize
     return projections + scan + logits
 

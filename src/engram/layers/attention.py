@@ -1,4 +1,5 @@
-"""Multi-head attention with GQA over the paged KV cache."""
+"""Multi-head attention with GQA over the paged KV cache; optionally (Qwen3-Next, Qwen3.5) a sigmoid
+output gate from q_proj's second half of each head and zero-centered RMS norms of q and k per head."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from torch import nn
 from engram.engine.forward_batch import ForwardBatch
 from engram.layers import parallel
 from engram.layers.linear import Linear
+from engram.layers.norm import ZeroCenteredRMSNorm
 from engram.layers.parallel import Shard, even
 from engram.models.spec import AttentionSpec
 from engram.ops.dispatch import kernels
@@ -23,11 +25,14 @@ class Attention(nn.Module):
         self.spec = spec
         self.layer_index = layer_index
         q_dim, kv_dim = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        self.qkv_sizes = [q_dim, kv_dim, kv_dim]
+        self.qkv_sizes = [q_dim * (2 if spec.output_gate else 1), kv_dim, kv_dim]
         # q, k and v in one projection (one launch at decode); the checkpoint's q_proj, k_proj and
         # v_proj are loaded into its rows (`packed_parts`).
-        self.qkv_proj = Linear(hidden_size, q_dim + 2 * kv_dim, bias=spec.bias)
+        self.qkv_proj = Linear(hidden_size, sum(self.qkv_sizes), bias=spec.bias)
         self.o_proj = Linear(q_dim, hidden_size, bias=spec.bias)
+        if spec.qk_norm:
+            self.q_norm = ZeroCenteredRMSNorm(spec.head_dim, spec.norm_eps)
+            self.k_norm = ZeroCenteredRMSNorm(spec.head_dim, spec.norm_eps)
 
     def packed_parts(self) -> dict[str, tuple[str, slice]]:
         """Checkpoint parameter (relative name) -> (this module's parameter, its rows)."""
@@ -61,9 +66,14 @@ class Attention(nn.Module):
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         s, k = self.spec, kernels()
         q, key, value = self.qkv_proj(hidden).split(self.qkv_sizes, dim=-1)
-        q = q.view(-1, s.num_heads, s.head_dim)
+        gate = None
+        if s.output_gate:  # each head's q, then its gate
+            q, gate = q.reshape(-1, s.num_heads, 2 * s.head_dim).chunk(2, dim=-1)
+        q = q.reshape(-1, s.num_heads, s.head_dim)
         key = key.view(-1, s.num_kv_heads, s.head_dim)
         value = value.view(-1, s.num_kv_heads, s.head_dim)
+        if s.qk_norm:
+            q, key = self.q_norm(q), self.k_norm(key)
         if s.rotary_dim:
             cos, sin = rotary_cos_sin(batch.positions, s.rotary_dim, s.rope_theta, q.dtype)
             q, key = apply_rotary(q, cos, sin), apply_rotary(key, cos, sin)
@@ -81,5 +91,8 @@ class Attention(nn.Module):
             batch.cu_seqlens,
             batch.context_lens_t,
         )
-        out = self.o_proj(out.reshape(-1, s.num_heads * s.head_dim))
+        out = out.reshape(-1, s.num_heads * s.head_dim)
+        if gate is not None:
+            out = out * torch.sigmoid(gate.reshape(out.shape))
+        out = self.o_proj(out)
         return out if self.tp is None else self.tp.all_reduce(out)

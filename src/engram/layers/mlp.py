@@ -13,7 +13,7 @@ from engram.layers.linear import Linear
 from engram.layers.norm import RMSNorm
 from engram.layers.parallel import Range, Shard, TensorParallel, even
 from engram.ops.dispatch import kernels
-from engram.ops.moe import route_sigmoid_grouped
+from engram.ops.moe import route_sigmoid_grouped, route_softmax_all_topk
 
 
 class _Sharded(nn.Module):
@@ -177,3 +177,31 @@ class SigmoidGroupedMoE(_Sharded):
     def tp_shards(self) -> dict[str, Shard]:
         """Tensor-parallel inside each expert (the router and its bias are whole)."""
         return {"up_proj": Shard(-2, self._inner()), "down_proj": Shard(-1, self._inner())}
+
+
+class _Experts(nn.Module):
+    """Stacked expert weights under the checkpoint's names (`experts.gate_up_proj`, `experts.down_proj`)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+
+class SharedExpertGateMoE(nn.Module):
+    """Qwen3-Next / Qwen3.5 MoE: softmax over every expert's logit, the top k (renormalized when
+    `norm_topk_prob`), gated SiLU experts, plus a gated MLP shared expert scaled by
+    sigmoid(shared_expert_gate(x))."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, norm_topk_prob: bool, shared_intermediate_size: int):
+        super().__init__()
+        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        self.gate = Linear(hidden_size, num_experts, bias=False)
+        self.experts = _Experts(hidden_size, intermediate_size, num_experts)
+        self.shared_expert = GatedMLP(hidden_size, shared_intermediate_size)
+        self.shared_expert_gate = Linear(hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route_softmax_all_topk(self.gate(x), self.top_k, self.norm_topk_prob)
+        routed = kernels().moe_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, F.silu, True)
+        return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

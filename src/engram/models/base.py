@@ -14,6 +14,7 @@ from torch import nn
 from engram.engine.forward_batch import ForwardBatch
 from engram.layers import parallel
 from engram.layers.attention import Attention
+from engram.layers.gated_deltanet import GatedDeltaNet
 from engram.layers.mamba2 import Mamba2Mixer
 from engram.layers.norm import RMSNorm
 from engram.layers.parallel import Shard
@@ -22,17 +23,22 @@ from engram.models.spec import LayerKind, ModelSpec
 # (checkpoint-name pattern, internal name template). A template ending in "[i]" names a stacked
 # [experts, ...] parameter; the tensor is its row given by the pattern's group `expert`.
 RenameRules = list[tuple[str, str]]
-# Where a checkpoint tensor lands: an internal parameter, and its row (an expert) or rows (a part
-# of a packed projection), or None for the whole parameter.
-WeightPlace = tuple[str, int | slice | None]
+# Where a checkpoint tensor lands: an internal parameter, and its row (an expert), rows (a part of
+# a packed projection: a slice, or an index tensor for interleaved parts), an expert's rows
+# (expert, slice), or None for the whole parameter.
+WeightRows = int | slice | tuple[int, slice] | torch.Tensor
+WeightPlace = tuple[str, WeightRows | None]
 
 
 def sequence_mixer(spec: ModelSpec, index: int) -> nn.Module:
-    """The token mixer of a layer that has one: Mamba2 or attention."""
+    """The token mixer of a layer that has one: Mamba2, gated DeltaNet or attention."""
     (kind,) = spec.mixers(index)
     if kind == LayerKind.MAMBA:
         assert spec.mamba is not None, "a Mamba layer's spec has its dimensions"
         return Mamba2Mixer(spec.mamba, spec.hidden_size, index)
+    if kind == LayerKind.GATED_DELTANET:
+        assert spec.gated_deltanet is not None, "a gated DeltaNet layer's spec has its dimensions"
+        return GatedDeltaNet(spec.gated_deltanet, spec.hidden_size, index)
     assert kind == LayerKind.ATTENTION and spec.attention is not None, f"{kind.value} is no sequence mixer with dimensions"
     return Attention(spec.attention, spec.hidden_size, index)
 

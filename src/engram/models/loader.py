@@ -47,7 +47,9 @@ def _fill(model: CausalLM, spec: ModelSpec, tensors: Iterable[tuple[str, str, Ge
     params: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
     params.update(model.named_buffers(remove_duplicate=False))
     loaded: set[str] = set()
-    rows_loaded: dict[str, set[int]] = {}  # parameters filled by rows (experts, packed parts)
+    # parameters filled by parts (experts, packed projections): which of their rows (all dims but the
+    # last; a bias's elements) are in
+    rows_loaded: dict[str, torch.Tensor] = {}
     for source, name, get in tensors:
         mapped = model.map_weight_name(name)
         if mapped is None:
@@ -60,15 +62,17 @@ def _fill(model: CausalLM, spec: ModelSpec, tensors: Iterable[tuple[str, str, Ge
         tensor = get(model.weight_shard(name))
         if tuple(tensor.shape) != tuple(dest.shape):
             raise WeightLoadError(f"{name}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(dest.shape)}")
-        dest.copy_(tensor)
         if row is None:
+            dest.copy_(tensor)
             loaded.add(target)
-        else:
-            rows = range(*row.indices(param.shape[0])) if isinstance(row, slice) else (row,)
-            rows_loaded.setdefault(target, set()).update(rows)
+            continue
+        param.data[row] = tensor  # a view's copy, or the scattered rows of an index tensor
+        if target not in rows_loaded:
+            rows_loaded[target] = torch.zeros(param.shape[: max(param.ndim - 1, 1)], dtype=torch.bool)
+        rows_loaded[target][row] = True
     partly = {}  # parameters filled by rows, some of them missing: which
     for target, filled in rows_loaded.items():
-        absent = sorted(set(range(params[target].shape[0])) - filled)
+        absent = (~filled.reshape(filled.shape[0], -1).all(dim=1)).nonzero().flatten().tolist()
         if absent:
             partly[target] = f"{target} (rows {_spans(absent)})"
         else:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -65,6 +65,12 @@ class GateNorm(str, Enum):
     AFTER_GATE = "after_gate"  # rms_norm(y * silu(z)): Mamba2, Granite, Bamba, Nemotron-H
     BEFORE_GATE = "before_gate"  # rms_norm(y) * silu(z): Falcon-H1 with mamba_norm_before_gate
     NONE = "none"  # y * silu(z), no norm: Falcon-H1 without mamba_rms_norm
+def _conv_and_scan(conv_kernel: int, conv_dim: int, scan: str, scan_shape: tuple[int, ...]) -> tuple[StateTensor, ...]:
+    """What Mamba2 and gated DeltaNet keep: a causal conv's last `conv_kernel - 1` inputs and a scan's state."""
+    return (
+        StateTensor("conv", (conv_kernel - 1, conv_dim), StateRole.CONV),
+        StateTensor(scan, scan_shape, StateRole.RECURRENT),
+    )
 
 
 @dataclass(frozen=True)
@@ -106,10 +112,49 @@ class MambaSpec:
 
     @property
     def state_tensors(self) -> tuple[StateTensor, ...]:
-        return (
-            StateTensor("conv", self.conv_state_shape, StateRole.CONV),
-            StateTensor("ssm", self.ssm_state_shape, StateRole.RECURRENT),
-        )
+        return _conv_and_scan(self.conv_kernel, self.conv_dim, "ssm", self.ssm_state_shape)
+
+
+@dataclass(frozen=True)
+class GatedDeltaNetSpec:
+    """Shapes of one gated DeltaNet mixer (Qwen3-Next, Qwen3.5): a causal conv over q, k and v,
+    then the gated delta rule with `num_v_heads` value heads grouped over `num_k_heads` q/k heads."""
+
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int
+    norm_eps: float
+    chunk_size: int = 64  # of the chunked prefill (fla-core's; the result does not depend on it)
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.head_v_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+    @property
+    def recurrent_state_shape(self) -> tuple[int, int, int]:
+        return (self.num_v_heads, self.head_k_dim, self.head_v_dim)
+
+    @property
+    def in_proj_size(self) -> int:
+        """q, k, v, the output gate z, and the write strength b and decay a of each value head."""
+        return self.conv_dim + self.value_dim + 2 * self.num_v_heads
+
+    @property
+    def state_tensors(self) -> tuple[StateTensor, ...]:
+        return _conv_and_scan(self.conv_kernel, self.conv_dim, "recurrent", self.recurrent_state_shape)
+
+
+RecurrentSpec = MambaSpec | GatedDeltaNetSpec
 
 
 @dataclass(frozen=True)
@@ -121,6 +166,10 @@ class AttentionSpec:
     rotary_dim: int = 0  # 0: no positional rotation (NoPE)
     rope_theta: float = 10000.0
     bias: bool = False
+    # Qwen3-Next / Qwen3.5: q_proj also yields a sigmoid gate on the output, q and k are RMS-normed per head
+    output_gate: bool = False
+    qk_norm: bool = False  # zero-centered (1 + w), as those models have it
+    norm_eps: float = 1e-6
 
 
 @dataclass(frozen=True)
@@ -140,6 +189,7 @@ class ModelSpec:
     torch_dtype: str | None
     config: dict[str, Any] = field(repr=False, compare=False)
     config_sha256: str = ""
+    gated_deltanet: GatedDeltaNetSpec | None = None
 
     def __post_init__(self) -> None:
         for i in range(self.num_layers):  # the mixers of a layer share its snapshot names `layers.<i>.*`
@@ -147,9 +197,14 @@ class ModelSpec:
             if len(set(names)) < len(names):
                 raise ConfigError(f"{self.architecture}: layer {i}'s mixers {self.layout()[i]} declare the same state twice: {names}")
 
-    def _recurrent_mixers(self) -> dict[LayerKind, MambaSpec]:
+    def _recurrent_mixers(self) -> dict[LayerKind, RecurrentSpec]:
         """The spec of each recurrent mixer kind this model has (one entry per kind)."""
-        return {LayerKind.MAMBA: self.mamba} if self.mamba is not None else {}
+        mixers: dict[LayerKind, RecurrentSpec] = {}
+        if self.mamba is not None:
+            mixers[LayerKind.MAMBA] = self.mamba
+        if self.gated_deltanet is not None:
+            mixers[LayerKind.GATED_DELTANET] = self.gated_deltanet
+        return mixers
 
     def mixers(self, layer: int) -> tuple[LayerKind, ...]:
         return self.layer_mixers[layer]
@@ -180,6 +235,10 @@ class ModelSpec:
     @property
     def mamba_layers(self) -> list[int]:
         return self.layers_of(LayerKind.MAMBA)
+
+    @property
+    def gated_deltanet_layers(self) -> list[int]:
+        return self.layers_of(LayerKind.GATED_DELTANET)
 
     @property
     def attention_layers(self) -> list[int]:
@@ -407,21 +466,60 @@ def _parse_falcon_h1(cfg: dict, arch: str) -> tuple[Layers, MambaSpec, Attention
     return ((LayerKind.MAMBA, LayerKind.ATTENTION),) * n, mamba, attention
 
 
+def _parse_qwen_gdn(cfg: dict, arch: str) -> tuple[Layers, GatedDeltaNetSpec | None, AttentionSpec | None]:
+    """Qwen3-Next and Qwen3.5 (dense and MoE): gated DeltaNet layers and gated attention layers."""
+    raw = cfg.get("layer_types")
+    if raw is None:  # as transformers: every `full_attention_interval`-th layer is attention
+        interval = int(cfg.get("full_attention_interval", 4))
+        raw = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(_positive_int(cfg, "num_hidden_layers", arch))]
+    kinds = _layer_kinds(raw, arch, linear=LayerKind.GATED_DELTANET)
+    eps = float(cfg.get("rms_norm_eps", 1e-6))
+    gdn = None
+    if LayerKind.GATED_DELTANET in kinds:
+        gdn = GatedDeltaNetSpec(
+            num_k_heads=_positive_int(cfg, "linear_num_key_heads", arch),
+            num_v_heads=_positive_int(cfg, "linear_num_value_heads", arch),
+            head_k_dim=_positive_int(cfg, "linear_key_head_dim", arch),
+            head_v_dim=_positive_int(cfg, "linear_value_head_dim", arch),
+            conv_kernel=_positive_int(cfg, "linear_conv_kernel_dim", arch),
+            norm_eps=eps,
+        )
+        if gdn.num_v_heads % gdn.num_k_heads:
+            raise ConfigError(f"{arch}: linear_num_value_heads ({gdn.num_v_heads}) not divisible by linear_num_key_heads ({gdn.num_k_heads})")
+    attention = None
+    if LayerKind.ATTENTION in kinds:
+        head_dim = _positive_int(cfg, "head_dim", arch)
+        rotary_dim, theta = _rope(cfg, head_dim, float(cfg.get("partial_rotary_factor", 0.25)))
+        attention = replace(
+            _attention(cfg, arch, None, rotary_dim, theta, head_dim, bool(cfg.get("attention_bias", False))), output_gate=True, qk_norm=True,
+            norm_eps=eps,
+        )
+    return _one_mixer_each(kinds), gdn, attention
+
+
 _PARSERS = {
     "mamba2": _parse_mamba2,
     "granitemoehybrid": _parse_granite_or_bamba,
     "bamba": _parse_granite_or_bamba,
     "nemotron_h": _parse_nemotron_h,
     "falcon_h1": _parse_falcon_h1,
+    "qwen3_next": _parse_qwen_gdn,
+    "qwen3_5": _parse_qwen_gdn,
+    "qwen3_5_text": _parse_qwen_gdn,
+    "qwen3_5_moe": _parse_qwen_gdn,
+    "qwen3_5_moe_text": _parse_qwen_gdn,
 }
+
+# Multimodal checkpoints whose language model's config is nested under `text_config`.
+_TEXT_CONFIG_TYPES = {"qwen3_5", "qwen3_5_moe"}
 
 SUPPORTED_MODEL_TYPES = tuple(_PARSERS)
 
 
-def _eos_ids(cfg: dict, generation_config: dict | None) -> tuple[int, ...]:
+def _eos_ids(*sources: dict | None) -> tuple[int, ...]:
     ids: list[int] = []
-    for source in (cfg, generation_config or {}):
-        value = source.get("eos_token_id")
+    for source in sources:
+        value = (source or {}).get("eos_token_id")
         for v in value if isinstance(value, list) else [value]:
             if isinstance(v, int) and v not in ids:
                 ids.append(v)
@@ -433,24 +531,41 @@ def parse_model_spec(cfg: dict, generation_config: dict | None = None, config_sh
     arch = (cfg.get("architectures") or [model_type])[0]
     if model_type not in _PARSERS:
         raise ConfigError(f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-    layers, mamba, attention = _PARSERS[model_type](cfg, arch)
+    text = _text_config(cfg, arch)
+    layers, recurrent, attention = _PARSERS[model_type](text, arch)
     if not layers:
         raise ConfigError(f"{arch}: the model has no layers")
     return ModelSpec(
         architecture=arch,
         model_type=model_type,
-        hidden_size=_positive_int(cfg, "hidden_size", arch),
-        vocab_size=_positive_int(cfg, "vocab_size", arch),
+        hidden_size=_positive_int(text, "hidden_size", arch),
+        vocab_size=_positive_int(text, "vocab_size", arch),
         layer_mixers=layers,
-        mamba=mamba,
+        mamba=recurrent if isinstance(recurrent, MambaSpec) else None,
         attention=attention,
+        # the outer config's: transformers ties by the config of the class it builds
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type == "mamba2")),
-        max_position_embeddings=int(cfg.get("max_position_embeddings") or 1 << 20),
-        eos_token_ids=_eos_ids(cfg, generation_config),
-        torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
-        config=cfg,
+        max_position_embeddings=int(text.get("max_position_embeddings") or 1 << 20),
+        eos_token_ids=_eos_ids(cfg, text, generation_config),
+        torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype") or text.get("torch_dtype") or text.get("dtype"),
+        config=text,
         config_sha256=config_sha256,
+        gated_deltanet=recurrent if isinstance(recurrent, GatedDeltaNetSpec) else None,
     )
+
+
+def _text_config(cfg: dict, arch: str) -> dict:
+    """The language model's config: `text_config` for a multimodal checkpoint (its model_type
+    the text model's, e.g. qwen3_5_text), else the config itself."""
+    model_type = cfg["model_type"]
+    if model_type not in _TEXT_CONFIG_TYPES:
+        return cfg
+    text = cfg.get("text_config")
+    if text is None:  # a text-only config under the multimodal model_type
+        return cfg
+    if not isinstance(text, dict):
+        raise ConfigError(f"{arch}: text_config must be an object")
+    return {**text, "model_type": text.get("model_type") or f"{model_type}_text"}
 
 
 def load_model_spec(model_path: str | Path) -> ModelSpec:

@@ -17,10 +17,11 @@
   take a token-by-token Triton scan instead: one launch and no host work, where fla-core waits for
   the device in every layer (a split count read with `.item()`), ~80 ms per forward on the H200;
   without fla-core every prefill takes that scan.
-- fla-core: gated delta rule prefill (Qwen3-Next / Qwen3.5) through `chunk_gated_delta_rule`,
-  and for short sequences (up to GDN_RECURRENT_MAX_LEN tokens) `fused_recurrent_gated_delta_rule`,
-  both over `cu_seqlens` with the states gathered from the pool by slot and written back. Decode
-  keeps the reference until a slot-indexed kernel exists (fla reads states by sequence, not slot).
+- gated delta rule (Qwen3-Next / Qwen3.5): decode and sequences up to GDN_RECURRENT_MAX_LEN tokens
+  by this package's token-by-token kernel (triton_ops/gated_delta.py: states read and written in
+  the pool by slot, no host work, so decode and prefill graphs can hold it); longer prefills through
+  fla-core's `chunk_gated_delta_rule` over `cu_seqlens`, with the states gathered from the pool by
+  slot and written back (the token-by-token kernel without fla-core).
 
 Importing this module raises ImportError when Triton is missing; `dispatch.select_kernels`
 then keeps the references.
@@ -32,9 +33,8 @@ import warnings
 
 import torch
 
-from engram.ops import gated_delta as gated_delta_ref
 from engram.ops import ssd as ssd_ref
-from engram.ops.triton_ops import attention, common, conv, linear, moe, norm, sample, ssd, staging
+from engram.ops.triton_ops import attention, common, conv, gated_delta, linear, moe, norm, sample, ssd, staging
 
 try:  # optional dependency
     from fla.ops.simple_gla import chunk_simple_gla as _chunk_simple_gla
@@ -42,12 +42,12 @@ except Exception:  # noqa: BLE001 - any failure to import means "not available"
     _chunk_simple_gla = None
 try:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as _chunk_gdr
-    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as _recurrent_gdr
 except Exception:  # noqa: BLE001
-    _chunk_gdr = _recurrent_gdr = None
+    _chunk_gdr = None
 
-# Up to this many tokens per sequence the token-by-token kernel beats the chunked one's launches.
-GDN_RECURRENT_MAX_LEN = 64
+# Up to this many tokens per sequence the token-by-token kernel serves prefill: at least the longest
+# prefill graph (engine/runner.py, 128 tokens), which fla-core's host work could not be captured in.
+GDN_RECURRENT_MAX_LEN = 128
 
 # fla warns when a short prefill has fewer tokens than heads (it suspects head-first inputs).
 warnings.filterwarnings("ignore", message="Input tensor shape suggests potential format mismatch")
@@ -104,22 +104,18 @@ def ssd_varlen(x, dt, dt_bias, dt_limit, A_log, B, C, D, chunk_size, seq_lens, s
 
 
 def gated_delta_varlen(q, k, v, g, beta, seq_lens, state_pool, slots, chunk_size=64, l2_norm_qk=False, scale=None, cu_seqlens=None):
-    """The reference's contract through fla-core (the reference itself without it). fla's chunk
-    size is its own; the chunking does not change the result."""
-    if _chunk_gdr is None or _recurrent_gdr is None:
-        return gated_delta_ref.gated_delta_varlen(q, k, v, g, beta, seq_lens, state_pool, slots, chunk_size, l2_norm_qk, scale)
+    """Short sequences: the token-by-token kernel. Long ones: fla-core's chunked kernels (fla's
+    chunk size is its own; the chunking does not change the result)."""
+    if _chunk_gdr is None or max(seq_lens, default=0) <= GDN_RECURRENT_MAX_LEN:
+        return gated_delta.gated_delta_varlen_scan(q, k, v, g, beta, seq_lens, state_pool, slots, chunk_size, l2_norm_qk, scale, cu_seqlens)
     if cu_seqlens is None:
         cu_seqlens = common.cu_seqlens_of(seq_lens, q.device)
-    args = dict(
-        g=g[None].float(), beta=beta[None].to(q.dtype), scale=scale, initial_state=state_pool[slots].float(),
-        output_final_state=True, use_qk_l2norm_in_kernel=l2_norm_qk, cu_seqlens=cu_seqlens.to(torch.int64),
+    cu_cpu = torch.tensor([0, *torch.tensor(seq_lens).cumsum(0).tolist()], dtype=torch.int64)
+    o, final = _chunk_gdr(
+        q[None], k[None], v[None].to(q.dtype), g=g[None].float(), beta=beta[None].to(q.dtype), scale=scale,
+        initial_state=state_pool[slots].float(), output_final_state=True, use_qk_l2norm_in_kernel=l2_norm_qk,
+        cu_seqlens=cu_seqlens.to(torch.int64), cu_seqlens_cpu=cu_cpu,
     )
-    v = v.to(q.dtype)
-    if max(seq_lens, default=0) <= GDN_RECURRENT_MAX_LEN:
-        o, final = _recurrent_gdr(q[None], k[None], v[None], **args)
-    else:
-        cu_cpu = torch.tensor([0, *torch.tensor(seq_lens).cumsum(0).tolist()], dtype=torch.int64)
-        o, final = _chunk_gdr(q[None], k[None], v[None], cu_seqlens_cpu=cu_cpu, **args)
     state_pool[slots] = final.to(state_pool.dtype)
     return o[0].float()
 
@@ -130,6 +126,7 @@ def available() -> dict:
         name="cuda-triton" + ("+fla" if has_fla() else ""),
         ssd_varlen=ssd_varlen,
         gated_delta_varlen=gated_delta_varlen,
+        gated_delta_state_update=gated_delta.gated_delta_state_update,
         causal_conv1d_varlen=conv.causal_conv1d_varlen,
         linear_conv_update=linear.linear_conv_update,
         ssd_state_update=ssd.ssd_state_update,

@@ -14,6 +14,13 @@ def route_softmax_topk(router_logits: torch.Tensor, top_k: int) -> tuple[torch.T
     return torch.softmax(top_logits, dim=-1), ids
 
 
+def route_softmax_all_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen MoE: softmax over every expert, the top k of it, optionally renormalized to sum 1.
+    Returns (weights float32, ids) [T, k]."""
+    weights, ids = torch.softmax(router_logits, dim=-1, dtype=torch.float32).topk(top_k, dim=-1)
+    return (weights / weights.sum(dim=-1, keepdim=True) if renormalize else weights), ids
+
+
 def softmax_topk_experts(
     x: torch.Tensor, router_logits: torch.Tensor, top_k: int, w_in: torch.Tensor, w_out: torch.Tensor,
     act: Callable[[torch.Tensor], torch.Tensor], gated: bool, shared: tuple[torch.Tensor, torch.Tensor] | None = None,

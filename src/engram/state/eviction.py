@@ -21,8 +21,8 @@ from engram.models.spec import ModelSpec
 @dataclass(frozen=True)
 class PrefillCost:
     """FLOPs of a prefill of n tokens: `per_token * n + per_pair * n * (n + 1) / 2` (causal pairs).
-    `of` counts the sequence mixers (Mamba2 projections and scan, attention projections, scores
-    and values); the feed-forward layers are left out (the spec does not size them), which
+    `of` counts the sequence mixers (Mamba2 and gated DeltaNet projections and scans, attention
+    projections, scores and values); the feed-forward layers are left out (the spec does not size them), which
     understates the linear term alike for every entry of a model."""
 
     per_token: float
@@ -36,6 +36,11 @@ class PrefillCost:
             projections = h * (m.intermediate_size + m.conv_dim + m.num_heads) + m.intermediate_size * h
             scan = 4 * m.num_heads * m.head_dim * m.state_size
             per_token += len(spec.mamba_layers) * (2 * projections + scan)
+        if spec.gated_deltanet is not None:
+            g = spec.gated_deltanet
+            projections = h * g.in_proj_size + g.value_dim * h
+            scan = 6 * g.num_v_heads * g.head_k_dim * g.head_v_dim  # decay, read, write and output of the state
+            per_token += len(spec.gated_deltanet_layers) * (2 * projections + scan)
         if spec.attention is not None:
             a = spec.attention
             projections = h * (a.num_heads + 2 * a.num_kv_heads) * a.head_dim + a.num_heads * a.head_dim * h

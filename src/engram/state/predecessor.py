@@ -180,7 +180,7 @@ def _fits(turn: PredecessorTurn, spec: ModelSpec, refused: dict[str, str]) -> bo
 def _check_shapes(shapes: dict[str, tuple[int, ...]], spec: ModelSpec) -> None:
     """Refuse unless the file holds `temporal` and `conv_layer_0` of this model's shapes."""
     if spec.mamba is None:
-        raise RefusedFile("wrong model: this model has no recurrent layers, the file holds recurrent state")
+        raise RefusedFile("wrong model: this model has no Mamba2 layers, the file holds Mamba2 state")
     layers = spec.mamba_layers
     temporal_shape = (len(layers), *spec.mamba.ssm_state_shape)
     kernel_rows, conv_dim = spec.mamba.conv_state_shape

@@ -1,0 +1,78 @@
+"""Gated DeltaNet mixer (Qwen3-Next, Qwen3.5) over a flat batch, its state in the StatePool by slot.
+
+One input projection yields [q | k | v | z | b | a]: q, k and v first, so that at decode the
+causal conv update of those columns rides on the projection (`linear_conv_update`, as Mamba2's).
+Checkpoints hold the projection in parts (`packed_parts`): Qwen3.5's in_proj_qkv, in_proj_z,
+in_proj_b, in_proj_a as row ranges; Qwen3-Next's in_proj_qkvz and in_proj_ba grouped by q/k head,
+scattered to their rows here.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engram.engine.forward_batch import ForwardBatch
+from engram.layers.linear import Linear
+from engram.models.spec import GatedDeltaNetSpec
+from engram.ops.dispatch import kernels
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, spec: GatedDeltaNetSpec, hidden_size: int, layer_index: int):
+        super().__init__()
+        self.spec = spec
+        self.layer_index = layer_index
+        self.sizes = [spec.conv_dim, spec.value_dim, spec.num_v_heads, spec.num_v_heads]  # qkv, z, b, a
+        self.in_proj = Linear(hidden_size, spec.in_proj_size, bias=False)
+        self.conv1d = nn.Conv1d(spec.conv_dim, spec.conv_dim, spec.conv_kernel, groups=spec.conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(spec.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(spec.num_v_heads))
+        self.norm = nn.Module()
+        self.norm.weight = nn.Parameter(torch.ones(spec.head_v_dim))
+        self.out_proj = Linear(spec.value_dim, hidden_size, bias=False)
+
+    def packed_parts(self) -> dict[str, tuple[str, slice | torch.Tensor]]:
+        """Checkpoint parameter (relative name) -> (this module's parameter, its rows)."""
+        s = self.spec
+        starts = torch.tensor([0, *self.sizes]).cumsum(0).tolist()
+        parts: dict[str, tuple[str, slice | torch.Tensor]] = {
+            f"{name}.weight": ("in_proj.weight", slice(starts[i], starts[i + 1]))
+            for i, name in enumerate(("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"))
+        }
+        # Qwen3-Next: per q/k head h, [q_h, k_h, v and z of its value heads], and [b, a of its value heads]
+        group = s.num_v_heads // s.num_k_heads
+        rows = torch.arange(sum(self.sizes))
+        q, k, v, z, b, a = rows.split([s.key_dim, s.key_dim, s.value_dim, s.value_dim, s.num_v_heads, s.num_v_heads])
+        per_head = (q.view(s.num_k_heads, -1), k.view(s.num_k_heads, -1), v.view(s.num_k_heads, -1), z.view(s.num_k_heads, -1))
+        parts["in_proj_qkvz.weight"] = ("in_proj.weight", torch.cat(per_head, dim=1).flatten())
+        parts["in_proj_ba.weight"] = ("in_proj.weight", torch.cat((b.view(-1, group), a.view(-1, group)), dim=1).flatten())
+        return parts
+
+    def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        s, k = self.spec, kernels()
+        assert batch.verify is None, "speculative verify steps are refused for gated DeltaNet models at start-up"
+        conv_pool = batch.state_pool.of(self.layer_index, "conv")
+        state_pool = batch.state_pool.of(self.layer_index, "recurrent")
+        slots = batch.state_slots
+        weight = self.conv1d.weight[:, 0, :]
+        if batch.is_decode:
+            proj = k.linear_conv_update(hidden, self.in_proj.weight, None, weight, None, conv_pool, slots, 0)
+            qkv, z, b, a = proj.split(self.sizes, dim=-1)
+        else:
+            qkv, z, b, a = self.in_proj(hidden).split(self.sizes, dim=-1)
+            qkv = k.causal_conv1d_varlen(qkv, weight, None, conv_pool, slots, batch.seq_lens, batch.cu_seqlens)
+        q, key, v = qkv.split([s.key_dim, s.key_dim, s.value_dim], dim=-1)
+        q, key = q.reshape(-1, s.num_k_heads, s.head_k_dim), key.reshape(-1, s.num_k_heads, s.head_k_dim)
+        v = v.reshape(-1, s.num_v_heads, s.head_v_dim)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        if batch.is_decode:
+            o = k.gated_delta_state_update(state_pool, slots, q, key, v, g, beta, True)
+        else:
+            o = k.gated_delta_varlen(q, key, v, g, beta, batch.seq_lens, state_pool, slots, s.chunk_size, True, None, batch.cu_seqlens)
+        # each head's values normalized, then gated (Falcon-H1's norm-before-gate with one head a group)
+        o = k.norm_then_gate(o.to(hidden.dtype).reshape(-1, s.head_v_dim), z.reshape(-1, s.head_v_dim), self.norm.weight, s.norm_eps,
+                             s.head_v_dim, hidden.dtype)
+        return self.out_proj(o.reshape(-1, s.value_dim))
