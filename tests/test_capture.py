@@ -198,3 +198,18 @@ def test_the_warm_tier_counts_a_shared_block_once_until_no_state_holds_it():
     assert warm.nbytes == 512 + 256 + 64
     warm.drop("c", "2")
     assert warm.nbytes == 0
+
+
+def test_an_adopted_sequence_recomputed_after_a_preemption_does_not_share_its_base(checkpoint_dir):
+    engine = make_engine(checkpoint_dir("nemotron"), max_total_tokens=96, context_length=96, kv_block_size=16, max_running_requests=4)
+    head, _ = run(engine, random_prompt(20, 16), max_tokens=2, retain_key="a")
+    prompt = head.state.tokens + random_prompt(4, 17)
+    engine.add_request("long", random_prompt(30, 18), greedy(40))
+    engine.add_request("b", prompt, greedy(30), capture_state=True, resume_key="a", host_base=head.state)
+    outs = run_to_end(engine)
+    assert engine.stats().num_preemptions > 0 and outs["b"].num_cached_tokens == head.state.state_len
+    state = outs["b"].state
+    assert not state.kv_segments  # its pages were recomputed: nothing of the base's host KV is theirs
+    reference = full(engine, prompt, max_tokens=30)
+    assert outs["b"].token_ids == reference.token_ids
+    assert_same_kv(state, reference.state, state.state_len)
