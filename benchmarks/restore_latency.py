@@ -115,19 +115,24 @@ def measure(engine: LLMEngine, history_len: int, snapshot_root: Path) -> dict:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def model_arguments(doc: str, histories: list[int], max_batched_tokens: int) -> tuple[argparse.Namespace, dict]:
+    """The command line of a benchmark over random weights from a config.json, and that config."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--scale", choices=["full", "cpu"], default="full")
-    parser.add_argument("--histories", type=int, nargs="+", default=[1024, 4096, 16384])
-    parser.add_argument("--max-batched-tokens", type=int, default=2048, help="prefill chunk (the engine's --max-num-batched-tokens)")
+    parser.add_argument("--histories", type=int, nargs="+", default=histories)
+    parser.add_argument("--max-batched-tokens", type=int, default=max_batched_tokens, help="prefill chunk (the engine's --max-num-batched-tokens)")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args()
-
     config = json.loads(Path(args.config).read_text())
     if args.scale == "cpu":
         config.update(CPU_SCALE)
+    return args, config
+
+
+def main() -> None:
+    args, config = model_arguments(__doc__, [1024, 4096, 16384], 2048)
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         (workdir / "model").mkdir()

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from engine_utils import greedy, make_engine, random_prompt, run_to_end, store_file
 
 from engram.state.conversations import (
@@ -22,6 +23,7 @@ from engram.state.conversations import (
 )
 from engram.state.health import Decision, HealthMonitor
 from engram.state.identity import ModelIdentity, tokenizer_fingerprint
+from engram.state.sequence_state import SequenceState
 from engram.state.snapshot import SnapshotCorruptError
 from engram.state.store import WarmCache
 
@@ -48,7 +50,7 @@ def take_turn(engine, manager, conv_id, new_tokens, branch="main", from_turn=Non
     prompt = plan.history_tokens + new_tokens
     before = engine.stats().prefill_tokens_computed_total
     engine.add_request("t", prompt, greedy(max_tokens), initial_state=plan.state, capture_state=True,
-                       retain_key=retain_key(conv_id, plan.ref), resume_key=plan.resume_key)
+                       retain_key=retain_key(conv_id, plan.ref), resume_key=plan.resume_key, host_base=plan.host_base)
     out = run_to_end(engine)["t"]
     computed = engine.stats().prefill_tokens_computed_total - before
     turn = manager.finish(plan, prompt, out.token_ids, [{"role": "user", "content": str(new_tokens)}], out.state)
@@ -190,12 +192,10 @@ def test_the_warm_limit_counts_conversations_not_their_turns(engine, tmp_path):
 
 
 def test_the_warm_limit_evicts_the_least_recently_used_conversation_whole():
-    from types import SimpleNamespace
-
     warm, evicted = WarmCache(2, 1 << 30), []
     warm.on_evict = lambda cid, ref, state: evicted.append((cid, ref))
     for cid, ref in (("a", "1"), ("b", "1"), ("a", "2"), ("b", "2"), ("c", "1")):
-        warm.put(cid, ref, SimpleNamespace(nbytes=1))
+        warm.put(cid, ref, SequenceState([1], 1, {"layers.0.ssm": torch.zeros(1)}))
     assert evicted == [("a", "1"), ("a", "2")]  # a's latest use is older than b's: a goes, b keeps both turns
     assert len(warm) == 3 and warm.peek("b", "1") is not None
 

@@ -43,3 +43,26 @@ def test_resume_from_a_capture_still_in_flight_is_exact(engine):
     active = run_to_end(engine)["active"].token_ids
     engine.add_request("full", history + new, greedy(8))
     assert warm == active == run_to_end(engine)["full"].token_ids
+
+
+def test_an_incremental_capture_in_flight_shares_its_base_and_equals_a_full_prefill(engine):
+    head_prompt = random_prompt(250, seed=5)
+    engine.add_request("head", head_prompt, greedy(4), capture_state=True, retain_key="h")
+    head = run_to_end(engine)["head"].state  # still copying: the next capture's base is in flight too
+    prompt = head.tokens + random_prompt(30, seed=6)
+    before = engine.stats().capture_bytes_total
+    engine.add_request("next", prompt, greedy(4), capture_state=True, resume_key="h", host_base=head)
+    state = run_to_end(engine)["next"].state
+    copied = engine.stats().capture_bytes_total - before
+    engine.add_request("full", prompt, greedy(4), capture_state=True)
+    reference = run_to_end(engine)["full"].state.wait()
+    state.wait()
+    assert (reference.tokens, reference.state_len) == (state.tokens, state.state_len)
+    assert [(s.start, s.end) for s in state.kv_segments] == [(0, head.state_len), (head.state_len, state.state_len)]
+    assert all(t.is_pinned() for segment in state.kv_segments for t in segment.tensors.values())
+    kv_per_token = sum(t[0].numel() * t.element_size() for t in state.kv_segments[1].tensors.values())
+    assert copied == (state.state_len - head.state_len) * kv_per_token + sum(t.numel() * t.element_size() for t in state.tensors.values())
+    for name in reference.kv_names:
+        torch.testing.assert_close(state.kv_rows(name, 0, state.state_len), reference.tensors[name], atol=1e-5, rtol=1e-5)
+    for name, tensor in state.tensors.items():
+        torch.testing.assert_close(tensor, reference.tensors[name], atol=1e-4, rtol=1e-4)

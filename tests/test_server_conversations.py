@@ -713,3 +713,20 @@ def test_a_slot_the_engine_reclaims_leaves_the_active_tier_at_once(checkpoint_di
         assert tiers() == (["warm"], 0.0, 0)
         history = snapshot_info(http, "a", 1)["fill_ids"]
         assert chat(http, "a", "more")["usage"]["prompt_tokens_details"]["cached_tokens"] == len(history) - 1  # from the warm copy
+
+
+def test_each_turn_copies_only_its_new_tokens_state_to_the_host(checkpoint_dir, tmp_path):
+    with serving(checkpoint_dir("nemotron"), tmp_path) as (srv, http):
+        engine = srv.app.state.serving.engine.engine  # the LLMEngine behind the AsyncEngine
+        a = engine.spec.attention
+        per_token = 2 * len(engine.spec.attention_layers) * a.num_kv_heads * a.head_dim * engine.state_dtypes.kv.itemsize
+        recurrent = sum(t.numel() * t.element_size() for t in engine.state_pool.views(0).values())
+        held, copied = 0, []
+        for text in USER_TURNS:
+            before = metric_value(http.get("/metrics").text, "engram:capture_bytes_total", model_name=MODEL)
+            turn = chat(http, "c", text)["turn"]
+            copied.append(metric_value(http.get("/metrics").text, "engram:capture_bytes_total", model_name=MODEL) - before)
+            state_len = len(snapshot_info(http, "c", turn)["fill_ids"]) - 1  # the reply's last token is not yet consumed
+            assert copied[-1] <= (state_len - held) * per_token + recurrent, (turn, copied, state_len, held)
+            held = state_len
+        assert copied[0] > recurrent  # the first turn copies its whole history's KV

@@ -37,7 +37,8 @@ def turn(engine, manager, conv_id, new, max_tokens=6, state_edit=None):
     plan = manager.begin(conv_id)
     prompt = plan.history_tokens + new
     kwargs = {"retain_key": retain_key(conv_id, plan.ref)} if manager.tiers.enabled else {}
-    engine.add_request("t", prompt, greedy(max_tokens), initial_state=plan.state, capture_state=True, resume_key=plan.resume_key, **kwargs)
+    engine.add_request("t", prompt, greedy(max_tokens), initial_state=plan.state, capture_state=True, resume_key=plan.resume_key,
+                       host_base=plan.host_base, **kwargs)
     out = run_to_end(engine)["t"]
     state = state_edit(out.state) if state_edit else out.state
     manager.finish(plan, prompt, out.token_ids, [{"role": "user", "content": "x"}], state)

@@ -139,7 +139,7 @@ def _import_turn(found: PredecessorTurn, engine: LLMEngine, manager: Conversatio
         manager.release(cid)
         raise
     if recorded is not None:
-        gap = difference(recorded, state.tensors)
+        gap = difference(recorded, state.flat_tensors())
         report.max_abs_diff, report.max_rel_diff, report.differs = gap.max_abs, gap.max_rel, not gap.within(tolerance)
     turn = manager.finish(plan, tokens, [], [], state)
     report.turn, report.snapshot = turn.turn, turn.snapshot

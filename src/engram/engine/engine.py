@@ -67,6 +67,8 @@ class EngineStats:
     graph_captures: int
     kernel_compilations: int  # Triton compilations in this process (0 without Triton)
     compilations_after_ready: int  # graph captures and compilations since `mark_ready` (should stay 0)
+    captures_total: int = 0  # states captured at a request's end (final or prompt state)
+    capture_bytes_total: int = 0  # bytes those captures copied device to host (only what the host lacked)
     spec_drafts_total: int = 0  # verify rows with a draft
     spec_draft_tokens_total: int = 0  # speculative tokens proposed and verified
     spec_accepted_tokens_total: int = 0  # of those, kept
@@ -100,6 +102,10 @@ def load_tokenizer(model_path: Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+
+
+def _on_host(state: SequenceState) -> bool:
+    return all(t.device.type == "cpu" for t in state.all_tensors())
 
 
 def _prefix_mismatch(tokens: list[int], state_len: int, prompt: list[int]) -> str | None:
@@ -159,7 +165,7 @@ class LLMEngine:
         self._aborted: list[Sequence] = []
         # Draws of requests without a seed of their own, on the device the logits live on.
         self._default_generator = torch.Generator(self.device).manual_seed(args.seed)
-        self._counters = {"prompt": 0, "generation": 0, "prefill_computed": 0, "cached": 0}
+        self._counters = {"prompt": 0, "generation": 0, "prefill_computed": 0, "cached": 0, "captures": 0, "capture_bytes": 0}
         self._inflight: InFlightTokens | None = None
         self._grammars: Grammars | None = None  # made on the first structured request (xgrammar loads in seconds)
         self._grammars_lock = threading.Lock()
@@ -235,6 +241,7 @@ class LLMEngine:
         retain_key: str | None = None,
         resume_key: str | None = None,
         require_adoption: bool = False,
+        host_base: SequenceState | None = None,
         internal: bool = False,
         grammar: Any = None,
         embed: bool = False,
@@ -242,7 +249,9 @@ class LLMEngine:
         """Queue a request. `initial_state` covers a prefix of the prompt (restored, not computed);
         `resume_key` names a retained slot holding such a state (adopted without a copy when it is
         still there, else `initial_state` is used; with `require_adoption`, SlotNotRetainedError
-        instead, so that the caller fetches the fallback state only then). `capture_state` returns the final state in
+        instead, so that the caller fetches the fallback state only then); `host_base`, the host copy of
+        the retained slot's state (or of a prefix of it), lets the captures copy from the device
+        only the KV past it (a restored `initial_state` serves so itself). `capture_state` returns the final state in
         the output; `capture_prompt_state` returns the state after the prompt (`prompt_state`: a
         prefix-cache entry; its recurrent part is copied when the prefill ends, its KV at finish);
         `retain_key` keeps the final state in its slot under that key. An `internal`
@@ -265,6 +274,8 @@ class LLMEngine:
             raise ValueError(f"{'an embedding' if embed else 'prompt_logprobs'} needs every prompt token computed: "
                              f"{restored} of them come from a stored state")
         bad_words = bad_words_token_ids(self.tokenizer, params.bad_words) if params.bad_words else []
+        if host_base is not None:
+            self._check_host_base(host_base, prompt, retained.state_len if adoptable and retained is not None else None)
         if initial_state is not None:
             self._check_prefix(initial_state.tokens, initial_state.state_len, prompt)
             # Structure only: values were checked where the state came from (a verified snapshot
@@ -277,6 +288,7 @@ class LLMEngine:
         seq.capture_prompt = capture_prompt_state
         seq.embed, seq.bad_words_ids = embed, bad_words
         seq.adopted = self.scheduler.adopt(resume_key) if adoptable else None
+        seq.host_base = host_base if adoptable else None
         seq.matcher = self.grammars.matcher(grammar) if params.structured_outputs is not None else None
         seq.num_cached_tokens = seq.adopted.state_len if seq.adopted else (initial_state.state_len if initial_state else 0)
         self._requests[request_id] = seq
@@ -330,6 +342,17 @@ class LLMEngine:
         if reason is not None:
             raise ValueError(reason)
 
+    def _check_host_base(self, base: SequenceState, prompt: list[int], retained_len: int | None) -> None:
+        """A `host_base` must be a host state of this prompt's prefix, no longer than the adopted slot's."""
+        reason = _prefix_mismatch(base.tokens, base.state_len, prompt)
+        if reason is not None:
+            raise ValueError(f"host_base: {reason}")
+        if retained_len is not None and base.state_len > retained_len:
+            raise ValueError(f"host_base covers {base.state_len} tokens, the retained slot only {retained_len}")
+        if not _on_host(base):
+            raise ValueError("host_base must be in host memory")
+        check_state(self.spec, self.state_dtypes, base, check_finite=False)
+
     def release_retained(self, key: str) -> bool:
         """Free a retained slot (its state moves to the WARM tier through the captured copy)."""
         return self.scheduler.drop_retained(key)
@@ -357,7 +380,8 @@ class LLMEngine:
         outputs = [self._output(seq) for seq in self._aborted]
         self._aborted = []
         chunks, admitted = self.scheduler.schedule()
-        for seq in admitted:
+        for seq in admitted:  # the pages now hold the restored state's KV (none: recomputed, as after a preemption)
+            seq.host_base = seq.initial_state if seq.initial_state is not None and _on_host(seq.initial_state) else None
             if seq.initial_state is not None:
                 started = time.perf_counter()
                 restore_state(self.state_pool, self.kv_pool, seq.slot, seq.blocks, seq.initial_state)
@@ -570,15 +594,19 @@ class LLMEngine:
         if reason != FinishReason.ABORT and seq.slot is not None:
             if self.speculator is not None:  # mid-verify: the state after the tokens kept, before it is captured
                 self.speculator.commit([seq])
+            copied = self.copier.bytes_copied
             if seq.capture_state:
                 seq.captured_state = capture_state(
-                    self.state_pool, self.kv_pool, self.copier, seq.slot, seq.blocks, seq.token_ids, seq.num_computed
+                    self.state_pool, self.kv_pool, self.copier, seq.slot, seq.blocks, seq.token_ids, seq.num_computed, seq.host_base
                 )
             if seq.prompt_recurrent is not None:  # the prompt's KV is still in its pages, unchanged
-                kv, ready = self.copier.copy(self.kv_pool.gather(seq.blocks, seq.num_prompt_tokens))
-                if ready is not None:
-                    self.kv_pool.pending.mark(seq.blocks, ready)
-                seq.prompt_state = SequenceState(list(seq.prompt_token_ids), seq.num_prompt_tokens, {**seq.prompt_recurrent, **kv}, ready)
+                seq.prompt_state = capture_state(
+                    self.state_pool, self.kv_pool, self.copier, seq.slot, seq.blocks, seq.prompt_token_ids, seq.num_prompt_tokens,
+                    seq.host_base, recurrent=seq.prompt_recurrent,
+                )
+            if seq.capture_state or seq.prompt_recurrent is not None:
+                self._counters["captures"] += 1
+                self._counters["capture_bytes"] += self.copier.bytes_copied - copied
             if seq.retain_key is not None:
                 seq.retained = self.scheduler.retain(seq.retain_key, seq)
         seq.status = SequenceStatus.FINISHED
@@ -674,6 +702,8 @@ class LLMEngine:
             cached_tokens_total=c["cached"],
             num_preemptions=self.scheduler.num_preemptions,
             retained_slots=len(self.scheduler.retained),
+            captures_total=c["captures"],
+            capture_bytes_total=c["capture_bytes"],
             graph_captures=self.runner.num_graph_captures,
             kernel_compilations=kernel_compilations(),
             compilations_after_ready=after_ready,

@@ -6,7 +6,7 @@ import torch
 
 from engram.models.spec import ModelSpec
 from engram.ops.attention import token_slots
-from engram.state.sequence_state import SequenceState, StateDtypes, recurrent_tensors
+from engram.state.sequence_state import KVSegment, SequenceState, StateDtypes, is_kv_name, recurrent_tensors
 
 
 class PendingCopies:
@@ -35,8 +35,10 @@ class HostCopier:
 
     def __init__(self, device: torch.device):
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.bytes_copied = 0  # every copy's bytes, device to host (CPU: the clones)
 
     def copy(self, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.cuda.Event | None]:
+        self.bytes_copied += sum(t.numel() * t.element_size() for t in tensors.values())
         if self.stream is None:
             return {name: t.clone() for name, t in tensors.items()}, None
         self.stream.wait_stream(torch.cuda.current_stream())
@@ -140,39 +142,64 @@ class KVPool:
         table = torch.tensor(blocks, dtype=torch.long, device=next(iter(self.k.values())).device)
         return token_slots(table, length, self.block_size)
 
-    def gather(self, blocks: list[int], length: int) -> dict[str, torch.Tensor]:
-        """The KV of positions 0..length-1 (fresh tensors, gathered from the pages)."""
+    def gather(self, blocks: list[int], length: int, start: int = 0) -> dict[str, torch.Tensor]:
+        """The KV of positions start..length-1 (fresh tensors, gathered from the pages)."""
         if not self.k:
             return {}
-        slots = self._slots(blocks, length)
+        slots = self._slots(blocks, length)[start:]
         out = {}
         for i in self.k:
             out[f"layers.{i}.k"] = self.k[i][slots]
             out[f"layers.{i}.v"] = self.v[i][slots]
         return out
 
-    def write(self, blocks: list[int], length: int, tensors: dict[str, torch.Tensor]) -> None:
+    def write(self, blocks: list[int], length: int, segments: list[KVSegment]) -> None:
+        """Put the KV of positions 0..length-1, held as `segments`, into the pages."""
         if not self.k:
             return
         slots = self._slots(blocks, length)
-        for i in self.k:
-            self.k[i][slots] = tensors[f"layers.{i}.k"].to(self.k[i].device)
-            self.v[i][slots] = tensors[f"layers.{i}.v"].to(self.v[i].device)
+        for segment in segments:
+            rows, tensors = slots[segment.start : segment.end], segment.tensors
+            for i in self.k:
+                self.k[i][rows] = tensors[f"layers.{i}.k"].to(self.k[i].device)
+                self.v[i][rows] = tensors[f"layers.{i}.v"].to(self.v[i].device)
 
 
 def capture_state(
-    state_pool: StatePool, kv_pool: KVPool, copier: HostCopier, slot: int, blocks: list[int], tokens: list[int], state_len: int
+    state_pool: StatePool,
+    kv_pool: KVPool,
+    copier: HostCopier,
+    slot: int,
+    blocks: list[int],
+    tokens: list[int],
+    state_len: int,
+    base: SequenceState | None = None,
+    recurrent: dict[str, torch.Tensor] | None = None,
 ) -> SequenceState:
-    """A host copy of a sequence's state; on CUDA still in flight (`SequenceState.ready`)."""
-    tensors, ready = copier.copy({**state_pool.views(slot), **kv_pool.gather(blocks, state_len)})
+    """A host copy of a sequence's state; on CUDA still in flight (`SequenceState.ready`).
+
+    `base`: a host state whose KV the pages hold unchanged for its first `base.state_len`
+    positions (the state the sequence was restored from or adopted with). Only the KV past it is
+    copied from the device; the result shares the base's host segments for the rest.
+    `recurrent`: the recurrent tensors, copied already (a prompt's state, taken when its prefill
+    ended); then only KV is copied now."""
+    shared = base.kv_pieces(0, min(base.state_len, state_len)) if base is not None and kv_pool.needs_pages else []
+    start = shared[-1].end if shared else 0
+    copied, ready = copier.copy({**(state_pool.views(slot) if recurrent is None else {}), **kv_pool.gather(blocks, state_len, start)})
     if ready is not None:
-        state_pool.pending.mark([slot], ready)
+        if recurrent is None:
+            state_pool.pending.mark([slot], ready)
         kv_pool.pending.mark(blocks, ready)
-    return SequenceState(list(tokens), state_len, tensors, ready)
+    copied = {**(recurrent or {}), **copied}
+    if not shared:
+        return SequenceState(list(tokens), state_len, copied, ready)
+    recurrent = {name: t for name, t in copied.items() if not is_kv_name(name)}
+    tail = [KVSegment(start, state_len, {name: t for name, t in copied.items() if is_kv_name(name)})] if start < state_len else []
+    return SequenceState(list(tokens), state_len, recurrent, ready, kv_segments=(*shared, *tail))
 
 
 def restore_state(state_pool: StatePool, kv_pool: KVPool, slot: int, blocks: list[int], state: SequenceState) -> None:
     if state.ready is not None:  # a capture still being copied: order the restore after it, on the GPU
         torch.cuda.current_stream().wait_event(state.ready)
     state_pool.write(slot, state.tensors)
-    kv_pool.write(blocks, state.state_len, state.tensors)
+    kv_pool.write(blocks, state.state_len, state.kv_pieces())

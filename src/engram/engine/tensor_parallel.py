@@ -41,7 +41,7 @@ from engram.layers.parallel import Shard, TensorParallel, local_spec
 from engram.models.base import CausalLM
 from engram.models.loader import empty_model, load_model
 from engram.models.spec import ModelSpec, load_model_spec
-from engram.state.sequence_state import StateDtypes, recurrent_tensors
+from engram.state.sequence_state import KVSegment, StateDtypes, recurrent_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -170,14 +170,15 @@ class RankState:
         shape = (length, self.spec.attention.num_kv_heads, self.spec.attention.head_dim)
         return {f"layers.{i}.{kv}": shape for i in self.spec.attention_layers for kv in ("k", "v")}
 
-    def write_kv(self, blocks: list[int], length: int, tensors: dict[str, torch.Tensor] | None) -> None:
+    def write_kv(self, blocks: list[int], length: int, start: int, end: int, tensors: dict[str, torch.Tensor] | None) -> None:
+        """Positions start..end-1 of a sequence of `length` tokens into its pages."""
         assert self.kv_pool is not None
-        parts = {name: self._part(name, shape, self.dtypes.kv, tensors) for name, shape in sorted(self._kv_shapes(length).items())}
-        KVPool.write(self.kv_pool, blocks, length, parts)
+        parts = {name: self._part(name, shape, self.dtypes.kv, tensors) for name, shape in sorted(self._kv_shapes(end - start).items())}
+        KVPool.write(self.kv_pool, blocks, length, [KVSegment(start, end, parts)])
 
-    def gather_kv(self, blocks: list[int], length: int) -> dict[str, torch.Tensor]:
+    def gather_kv(self, blocks: list[int], length: int, start: int) -> dict[str, torch.Tensor]:
         assert self.kv_pool is not None
-        return self._gather_all(KVPool.gather(self.kv_pool, blocks, length), self._kv_shapes(length))
+        return self._gather_all(KVPool.gather(self.kv_pool, blocks, length, start), self._kv_shapes(length - start))
 
 
 def _run_op(state: RankState, op: Op, host: tuple) -> None:
@@ -191,8 +192,8 @@ def _run_op(state: RankState, op: Op, host: tuple) -> None:
     elif op == Op.GATHER_STATE:
         state.gather_state(*host)
     elif op == Op.WRITE_KV:
-        blocks, length = host
-        state.write_kv(blocks, length, None)
+        blocks, length, start, end = host
+        state.write_kv(blocks, length, start, end, None)
     elif op == Op.GATHER_KV:
         state.gather_kv(*host)
 
@@ -306,11 +307,11 @@ class Leader:
     def gather_state(self, slot: int) -> dict[str, torch.Tensor]:
         return self._send(Op.GATHER_STATE, slot).gather_state(slot)
 
-    def write_kv(self, blocks: list[int], length: int, tensors: dict[str, torch.Tensor]) -> None:
-        self._send(Op.WRITE_KV, blocks, length).write_kv(blocks, length, tensors)
+    def write_kv(self, blocks: list[int], length: int, segment: KVSegment) -> None:
+        self._send(Op.WRITE_KV, blocks, length, segment.start, segment.end).write_kv(blocks, length, segment.start, segment.end, segment.tensors)
 
-    def gather_kv(self, blocks: list[int], length: int) -> dict[str, torch.Tensor]:
-        return self._send(Op.GATHER_KV, blocks, length).gather_kv(blocks, length)
+    def gather_kv(self, blocks: list[int], length: int, start: int) -> dict[str, torch.Tensor]:
+        return self._send(Op.GATHER_KV, blocks, length, start).gather_kv(blocks, length, start)
 
     def close(self) -> None:
         """Stop the followers (idempotent)."""
@@ -354,9 +355,9 @@ class LeaderKVPool(KVPool):
         super().__init__(spec, num_blocks, block_size, dtype, device)
         self.leader = leader
 
-    def gather(self, blocks: list[int], length: int) -> dict[str, torch.Tensor]:
-        return self.leader.gather_kv(blocks, length) if self.k else {}
+    def gather(self, blocks: list[int], length: int, start: int = 0) -> dict[str, torch.Tensor]:
+        return self.leader.gather_kv(blocks, length, start) if self.k else {}
 
-    def write(self, blocks: list[int], length: int, tensors: dict[str, torch.Tensor]) -> None:
-        if self.k:
-            self.leader.write_kv(blocks, length, tensors)
+    def write(self, blocks: list[int], length: int, segments: list[KVSegment]) -> None:
+        for segment in segments if self.k else ():
+            self.leader.write_kv(blocks, length, segment)

@@ -172,7 +172,7 @@ class ConversationTurns:
         engine refuses with SlotNotRetainedError if it is gone, see `start`), and to capture the
         final state (and keep its slot, when the memory tiers are on)."""
         kwargs: dict[str, Any] = {"initial_state": plan.state, "capture_state": True, "resume_key": plan.resume_key,
-                                  "require_adoption": plan.resume_key is not None and plan.state is None}
+                                  "require_adoption": plan.resume_key is not None and plan.state is None, "host_base": plan.host_base}
         if self.manager.tiers.enabled:
             kwargs["retain_key"] = retain_key(plan.conversation_id, plan.ref)
         return kwargs

@@ -57,6 +57,9 @@ class _EngineCollector(Collector):
         by_source.add_metric([self.model_name, "restored"], s.cached_tokens_total)
         by_source.add_metric([self.model_name, "computed"], s.prompt_tokens_total - s.cached_tokens_total)
         yield by_source
+        yield counter("captures", "states captured at a request's end (a turn's final state, a prompt's state)", s.captures_total)
+        yield counter("capture_bytes", "bytes those captures copied device to host: the KV the host lacked and the recurrent state "
+                      "(per turn: the ratio of the two)", s.capture_bytes_total)
         yield counter("num_preemptions", "running requests preempted (their state dropped, recomputed later)", s.num_preemptions)
         yield counter("graph_captures", "CUDA graphs captured", s.graph_captures)
         yield counter("kernel_compilations", "Triton kernels compiled", s.kernel_compilations)

@@ -32,7 +32,7 @@ import torch
 
 from engram.models.spec import ModelSpec
 from engram.state.identity import safetensors_header
-from engram.state.sequence_state import SequenceState, StateDtypes, check_state, has_non_finite
+from engram.state.sequence_state import KVSegment, SequenceState, StateDtypes, check_state, has_non_finite
 from engram.state.snapshot import (
     SnapshotCorruptError,
     SnapshotIncompatibleError,
@@ -204,7 +204,7 @@ class ChunkStore:
         return PieceRef(piece.start, piece.end, piece.key, checksum)
 
     def _save_piece(self, state: SequenceState, start: int, end: int, key: str) -> PieceRef:
-        tensors = {name: state.tensors[name][start:end] for name in self._kv}
+        tensors = {name: state.kv_rows(name, start, end) for name in self._kv}
         tensors["tokens"] = torch.tensor(state.tokens[start:end], dtype=torch.int32)
         checksum = self._save_file(self.piece_path(key), tensors, {"format": PIECE_FORMAT, "start": start, "end": end})
         return PieceRef(start, end, key, checksum)
@@ -264,22 +264,21 @@ class ChunkStore:
     def load(self, stored: StoredState, tail_tokens: Sequence[int] = (), resident: SequenceState | None = None) -> SequenceState:
         """The state `stored` names, every file verified: complete, this store's identity, its
         checksum, tokens whose prefix hashes are the keys, shapes and dtypes. `resident`: a state
-        in memory; the leading pieces whose prefix it holds are copied from it, not read."""
+        in memory; the leading pieces whose prefix it holds are not read: the state shares that
+        state's KV of their positions (host memory, immutable) and holds the rest as one segment."""
         pieces = stored.pieces
         if [p.start for p in pieces] != [0, *(p.end for p in pieces[:-1])] or (pieces[-1].end if pieces else 0) != stored.state_len:
             raise SnapshotCorruptError(f"the pieces {[(p.start, p.end) for p in pieces]} do not cover 0..{stored.state_len} in order")
         # The KV goes straight from each piece's file buffer into one tensor per layer (its rows
         # [start, end)), in the readers' threads: one read, one hash, one copy per byte.
-        kv = {name: self._empty_kv(stored.state_len) for name in self._kv}
         held = self._resident_pieces(pieces, resident)
         rows = pieces[held - 1].end if held else 0
-        if resident is not None and held:
-            for name, t in kv.items():
-                t[:rows].copy_(resident.tensors[name][:rows])
+        shared = resident.kv_pieces(0, rows) if resident is not None and held and self._kv else []
+        kv = {name: self._empty_kv(stored.state_len - rows) for name in self._kv}  # positions rows..state_len-1
         self.stats.pieces_resident += held
         self.stats.pieces_read += len(pieces) - held
         with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-            piece_tokens = list(pool.map(lambda p: self._read_piece(p, kv), pieces[held:]))
+            piece_tokens = list(pool.map(lambda p: self._read_piece(p, kv, rows), pieces[held:]))
             recurrent = {name: t.clone() for name, t in
                          self._read(self.checkpoint_path(stored.checkpoint), stored.checkpoint_checksum, CHECKPOINT_FORMAT).items()}
         tokens = list(resident.tokens[:rows]) if resident is not None else []
@@ -290,7 +289,11 @@ class ChunkStore:
                 raise SnapshotCorruptError(f"store piece {p.key[:12]}: its tokens are not the prefix its key names")
         if self.hasher.at(tokens, stored.state_len, chain).hex() != stored.checkpoint:
             raise SnapshotCorruptError(f"store checkpoint {stored.checkpoint[:12]}: not the checkpoint of these tokens")
-        state = SequenceState(tokens + list(tail_tokens), stored.state_len, {**recurrent, **kv})
+        if shared:
+            tail = [KVSegment(rows, stored.state_len, kv)] if rows < stored.state_len else []
+            state = SequenceState(tokens + list(tail_tokens), stored.state_len, recurrent, kv_segments=(*shared, *tail))
+        else:
+            state = SequenceState(tokens + list(tail_tokens), stored.state_len, {**recurrent, **kv})
         try:  # values were checked finite when saved, and the checksums say they are what was saved
             check_state(self.spec, self.dtypes, state, check_finite=False)
         except ValueError as e:
@@ -303,9 +306,13 @@ class ChunkStore:
         if resident is None or not pieces or pieces[0].end > resident.state_len:
             return 0
         resident.wait()
-        tensors = resident.tensors
-        if any(name not in tensors or tensors[name].dtype != self.dtypes.kv or tensors[name].shape[0] < resident.state_len
-               or tuple(tensors[name].shape[1:]) != tuple(self._empty_kv(0).shape[1:]) for name in self._kv):
+        try:
+            segments = resident.kv_pieces()
+        except (KeyError, ValueError):  # a resident whose KV does not cover its positions
+            return 0
+        row_shape = tuple(self._empty_kv(0).shape[1:]) if self._kv else ()
+        if any(set(s.tensors) != set(self._kv) or any(t.dtype != self.dtypes.kv or tuple(t.shape[1:]) != row_shape
+                                                     for t in s.tensors.values()) for s in segments):
             return 0
         chain = self.hasher.chain(resident.tokens, resident.state_len)
         held = 0
@@ -320,8 +327,8 @@ class ChunkStore:
         assert attention is not None
         return torch.empty(rows, attention.num_kv_heads, attention.head_dim, dtype=self.dtypes.kv)
 
-    def _read_piece(self, piece: PieceRef, kv: dict[str, torch.Tensor]) -> list[int]:
-        """Read and verify one piece, copy its KV into rows [start, end) of `kv`; its tokens."""
+    def _read_piece(self, piece: PieceRef, kv: dict[str, torch.Tensor], offset: int) -> list[int]:
+        """Read and verify one piece, copy its KV into rows [start, end) - offset of `kv`; its tokens."""
         tensors = self._read(self.piece_path(piece.key), piece.checksum, PIECE_FORMAT)
         rows = piece.end - piece.start
         tokens = tensors.pop("tokens", None)
@@ -330,7 +337,7 @@ class ChunkStore:
         if set(tensors) != set(kv):
             raise SnapshotCorruptError(f"store piece {piece.key[:12]}: holds {sorted(tensors)}, expected {sorted(kv)}")
         for name, t in tensors.items():
-            target = kv[name][piece.start : piece.end]
+            target = kv[name][piece.start - offset : piece.end - offset]
             if t.shape != target.shape or t.dtype != target.dtype:
                 raise SnapshotCorruptError(f"store piece {piece.key[:12]}: {name} is {t.dtype} {tuple(t.shape)}, "
                                            f"expected {target.dtype} {tuple(target.shape)}")

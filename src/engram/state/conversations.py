@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import IO
 
 from engram.models.spec import ModelSpec
-from engram.state.chunks import DEFAULT_CHUNK_TOKENS, ORPHAN_GRACE_S, PrefixHasher, StoredState, kv_tensor_names
+from engram.state.chunks import DEFAULT_CHUNK_TOKENS, ORPHAN_GRACE_S, PrefixHasher, StoredState
 from engram.state.cold import ColdStore, FilesystemColdStore
 from engram.state.eviction import ComputeSavedPolicy, PrefillCost
 from engram.state.exchange import export_of, read_import, write_imported
@@ -97,7 +97,7 @@ class ConversationManager:
         # also kept on disk (0 bytes, or no store: memory only); both tiers evict by the compute a byte saves.
         eviction = ComputeSavedPolicy(PrefillCost.of(spec))
         self.prefix_disk = (
-            PrefixDisk(self.store, hasher, prefix_cache_disk_bytes, kv_tensor_names(spec), eviction, clock)
+            PrefixDisk(self.store, hasher, prefix_cache_disk_bytes, eviction, clock)
             if prefix_cache_bytes > 0 and prefix_cache_disk_bytes > 0 and self.store is not None else None
         )
         if self.prefix_disk is not None:
@@ -264,6 +264,7 @@ class ConversationManager:
             now = self.last_used[conversation_id] = self.clock()
             adoptable = base is not None and source is conv and not self.health.refuses(self.quarantine, conversation_id, base.ref)
             claimed = adoptable and base is not None and self.active.claim(conversation_id, base.ref, now)
+            host_base = self.warm.peek(conversation_id, base.ref) if claimed and base is not None else None
         forked = source is not conv
         plan = TurnPlan(
             conversation_id=conversation_id,
@@ -279,7 +280,7 @@ class ConversationManager:
             forked_from=f"{from_conversation}@{base.ref}" if forked and base else None,
         )
         if claimed and base is not None:  # the new request adopts the slot: nothing is fetched (`fall_back` if it cannot)
-            plan.state_tier, plan.resume_key = "active", retain_key(conversation_id, base.ref)
+            plan.state_tier, plan.resume_key, plan.host_base = "active", retain_key(conversation_id, base.ref), host_base
             with self._lock:
                 self._count("hits", "active")
             return plan
@@ -298,7 +299,7 @@ class ConversationManager:
             conv = self._conversations[plan.conversation_id]
             base = conv.turns[plan.parent]
             self.stats.hits["active"] -= 1
-        plan.resume_key = None
+        plan.resume_key = plan.host_base = None
         self._fetch_state(plan, conv, base)
 
     def _fetch_state(self, plan: TurnPlan, conv: Conversation, base: Turn | None) -> None:

@@ -69,7 +69,7 @@ def layer_norms(state: SequenceState, kv_from: int = 0) -> dict[str, float]:
     RMS rather than the plain norm so that attention KV, whose rows per turn vary, stays
     comparable across turns.
     """
-    named = [(name, t[kv_from:] if name.endswith((".k", ".v")) else t) for name, t in state.tensors.items()]
+    named = [*state.recurrent.items(), *((name, state.kv_rows(name, kv_from, state.state_len)) for name in state.kv_names)]
     named = [(name, t) for name, t in named if t.numel()]
     if not named:
         return {}

@@ -18,7 +18,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 from engram.state.chunks import PrefixHasher, StoredState
@@ -74,11 +74,10 @@ class PrefixDiskStats:
 class PrefixDisk:
     """Thread-safe. Entries are read from the store on first use, not at start-up."""
 
-    def __init__(self, store: ColdStore, hasher: PrefixHasher, max_bytes: int, kv_names: Collection[str],
+    def __init__(self, store: ColdStore, hasher: PrefixHasher, max_bytes: int,
                  policy: ComputeSavedPolicy = ComputeSavedPolicy(), clock: Callable[[], float] = time.time):
         self.store, self.hasher, self.max_bytes = store, hasher, max_bytes
         self.policy = policy
-        self.kv_names = set(kv_names)
         self.clock = clock
         self.identity = hasher.seed.hex()
         self.stats = PrefixDiskStats()
@@ -173,7 +172,7 @@ class PrefixDisk:
         """Commit the entry of `state`, whose files `stored` names (all written), then evict."""
         n = state.state_len
         key, boundary = self._index.place(state.tokens, n)
-        kv = sum(t.numel() * t.element_size() for name, t in state.tensors.items() if name in self.kv_names)
+        kv = sum(t.numel() * t.element_size() for piece in state.kv_pieces() for t in piece.tensors.values())
         sizes = {p.key: kv * (p.end - p.start) // n for p in stored.pieces} | {stored.checkpoint: state.nbytes - kv}
         entry = DiskEntry(n, boundary, stored, state.nbytes, sizes, self.clock())
         self.store.put_prefix_entry(key.hex(), json.dumps(entry.to_json(self.identity), sort_keys=True).encode())

@@ -284,7 +284,7 @@ def save_snapshot(
     except (ValueError, RuntimeError) as e:  # RuntimeError: a token id overflows int32
         raise SnapshotError(f"refusing to save an invalid state: {e}") from e
     path = snapshot_path(root, meta.conversation_id, meta.branch, meta.turn)
-    tensors = {name: t.detach().to("cpu").contiguous() for name, t in state.tensors.items()}
+    tensors = {name: t.detach().to("cpu").contiguous() for name, t in state.flat_tensors().items()}
     tensors["tokens"] = tokens
     manifest = manifest_fields(FORMAT, state, meta, spec, dtypes, model, tokenizer_sha256, tensor_checksum(tensors))
     metadata = {"engram": json.dumps(manifest, sort_keys=True, allow_nan=False)}

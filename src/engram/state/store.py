@@ -63,13 +63,16 @@ class WarmCache:
     """Host-memory states of recent turns, least recently used first out.
 
     Bounded by the conversations it holds states of (`--max-warm-conversations`; a conversation may
-    hold several turns' states) and by bytes; `on_evict` gets each state pushed out by pressure."""
+    hold several turns' states) and by bytes; `on_evict` gets each state pushed out by pressure.
+    `nbytes` counts the host memory the states keep alive: a KV segment that several turns' states
+    share (a capture reuses its base's) is counted once, in full, while any of them is here."""
 
     def __init__(self, max_conversations: int, max_bytes: int, clock: Clock = time.time):
         self.max_conversations = max_conversations
         self.max_bytes = max_bytes
         self.clock = clock
         self.nbytes = 0
+        self._blocks: dict[int, list[int]] = {}  # memory block address -> [size, states holding it]
         self._states: OrderedDict[tuple[str, str], tuple[SequenceState, float]] = OrderedDict()
         self.on_evict: Callable[[str, str, SequenceState], None] = lambda conversation_id, ref, state: None
 
@@ -98,7 +101,10 @@ class WarmCache:
             return
         self.drop(conversation_id, ref)
         self._states[(conversation_id, ref)] = (state, self.clock())
-        self.nbytes += state.nbytes
+        for address, size in state.storages().items():
+            held = self._blocks.setdefault(address, [size, 0])
+            self.nbytes += size if held[1] == 0 else 0
+            held[1] += 1
         while self._states:
             latest = self._latest_use()
             if len(latest) > self.max_conversations:  # every state of the least recently used conversation
@@ -120,7 +126,11 @@ class WarmCache:
 
     def drop(self, conversation_id: str, ref: str | None = None) -> None:
         for key in [k for k in self._states if k[0] == conversation_id and (ref is None or k[1] == ref)]:
-            self.nbytes -= self._states.pop(key)[0].nbytes
+            for address in self._states.pop(key)[0].storages():
+                held = self._blocks[address]
+                held[1] -= 1
+                if held[1] == 0:
+                    self.nbytes -= self._blocks.pop(address)[0]
 
     def idle(self, older_than: float) -> list[tuple[str, str]]:
         """Keys not used since `older_than` (a clock reading)."""

@@ -149,6 +149,7 @@ class TurnPlan:
     state: SequenceState | None
     state_tier: str | None  # "active", "warm" or "cold"; None: the whole history is prefilled
     resume_key: str | None = None  # the engine slot still holding the base turn's state, if any
+    host_base: SequenceState | None = None  # that state's warm copy: the turn's capture copies only the KV past it
     load_seconds: float = 0.0  # time spent reading and verifying a snapshot file
     idempotency_key: str | None = None  # the request's, recorded with the turn
     history_ends_with_reply: bool = False  # the base turn's messages end with the model's reply
