@@ -20,14 +20,17 @@ from engram.state.identity import ModelIdentity
 from engram.state.manifest import load_turn, save_turn, stored_state, turn_file, turn_tokens
 from engram.state.sequence_state import SequenceState, StateDtypes
 from engram.state.snapshot import (
+    RECORD_NAME,
     SnapshotMeta,
     atomic_write,
     check_no_links,
+    check_no_links_under,
     delete_snapshot,
     is_stale_temp_file,
     list_snapshots,
     read_manifest,
     read_no_follow,
+    record_path,
     snapshot_label,
 )
 
@@ -110,6 +113,29 @@ class ColdStore(Protocol):
 
     def drop_prefix_entry(self, name: str) -> None:
         """Delete the entry (none: nothing to do); the store files it names stay until a sweep."""
+        ...
+
+    # Conversation records (state/turns.py), one per conversation. A store that other processes
+    # write too (object_store.py) writes one only over the version this process last read or
+    # wrote, and raises StaleViewError otherwise.
+
+    def read_record(self, conversation_id: str) -> bytes | None:
+        """The conversation's record (None: it has none)."""
+        ...
+
+    def write_record(self, conversation_id: str, data: bytes) -> None: ...
+
+    def delete_record(self, conversation_id: str) -> None:
+        """Delete the record (none: nothing to do)."""
+        ...
+
+    def record_ids(self) -> list[str]:
+        """The conversations that may have a record (a listing: `read_record` says for sure)."""
+        ...
+
+    def record_current(self, conversation_id: str) -> bool:
+        """Whether the record is still the version this process last read or wrote (always, for a
+        store no other process writes)."""
         ...
 
 
@@ -196,3 +222,24 @@ class FilesystemColdStore:
     def drop_prefix_entry(self, name: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             self._prefix_entry(name).unlink()
+
+    def read_record(self, conversation_id: str) -> bytes | None:
+        path = record_path(self.root, conversation_id)
+        if not path.is_file():
+            return None
+        check_no_links_under(self.root, path.parent)  # before a file of it is read or removed
+        return bytes(read_no_follow(path))
+
+    def write_record(self, conversation_id: str, data: bytes) -> None:
+        atomic_write(record_path(self.root, conversation_id), data)
+
+    def delete_record(self, conversation_id: str) -> None:
+        record_path(self.root, conversation_id).unlink(missing_ok=True)
+
+    def record_ids(self) -> list[str]:
+        if not self.root.is_dir():
+            return []
+        return sorted(p.parent.name for p in self.root.glob(f"*/{RECORD_NAME}") if not (p.is_symlink() or p.parent.is_symlink()))
+
+    def record_current(self, conversation_id: str) -> bool:
+        return True

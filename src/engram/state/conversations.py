@@ -19,11 +19,12 @@ from typing import IO
 
 from engram.models.spec import ModelSpec
 from engram.state.chunks import DEFAULT_CHUNK_TOKENS, ORPHAN_GRACE_S, PrefixHasher, StoredState, kv_tensor_names
-from engram.state.cold import ColdStore, FilesystemColdStore
+from engram.state.cold import ColdStore
 from engram.state.eviction import ComputeSavedPolicy, PrefillCost
 from engram.state.health import HealthMonitor, Quarantine
 from engram.state.identity import ModelIdentity
 from engram.state.manifest import stored_state
+from engram.state.object_store import open_cold_store
 from engram.state.prefix_cache import PrefixCache
 from engram.state.prefix_disk import PrefixDisk
 from engram.state.sequence_state import SequenceState, StateDtypes
@@ -34,13 +35,11 @@ from engram.state.snapshot import (
     SnapshotError,
     SnapshotMeta,
     SnapshotNotFoundError,
-    atomic_write,
-    check_no_links,
     check_no_links_under,
     dtype_names,
     is_stale_temp_file,
-    read_no_follow,
     reason_without_paths,
+    record_path,
     snapshot_label,
     validate_id,
 )
@@ -54,6 +53,7 @@ from engram.state.turns import (
     ConversationConflictError,
     ConversationNotFoundError,
     ConversationRecordError,
+    StaleViewError,
     Turn,
     TurnAnswer,
     TurnMismatchError,
@@ -84,6 +84,7 @@ class ConversationManager:
         prefix_cache_bytes: int = 0,
         prefix_cache_min_tokens: int = 1,
         prefix_cache_disk_bytes: int = 0,
+        store_url: str | None = None,
     ):
         self.spec, self.dtypes, self.model, self.tokenizer_sha256 = spec, dtypes, model, tokenizer_sha256
         self.policy = policy
@@ -91,8 +92,9 @@ class ConversationManager:
         identity = json.dumps({"model": asdict(model), "tokenizer": tokenizer_sha256, "layout": spec.layout(), "dtypes": dtype_names(dtypes)},
                               sort_keys=True).encode()
         hasher = PrefixHasher(identity, chunk_tokens)
+        # `store_url`: an object store shared with other replicas (state/object_store.py), `snapshot_dir` its cache.
         self.store: ColdStore | None = (
-            FilesystemColdStore(self.root, spec, dtypes, hasher, model, tokenizer_sha256) if self.root is not None else None
+            open_cold_store(store_url, self.root, spec, dtypes, hasher, model, tokenizer_sha256) if self.root is not None else None
         )
         # States after whole prompts, for requests of no conversation (0 bytes: prefix caching off),
         # also kept on disk (0 bytes, or no store: memory only); both tiers evict by the compute a byte saves.
@@ -142,24 +144,37 @@ class ConversationManager:
     # ---- records -----------------------------------------------------------------------------
 
     def _record_path(self, conversation_id: str) -> Path:
-        return check_no_links(self.root, self.root / validate_id(conversation_id, "conversation_id") / RECORD_NAME)
+        return record_path(self.root, conversation_id)
 
     def get(self, conversation_id: str) -> Conversation | None:
-        """The conversation, loaded from disk on first access (startup indexes nothing)."""
+        """The conversation, loaded from the store on first access (startup indexes nothing), and
+        again when another replica sharing the store has changed it since."""
         validate_id(conversation_id, "conversation_id")
         with self._lock:
             conv = self._conversations.get(conversation_id)
-            if conv is None and self.persistent and self._record_path(conversation_id).is_file():
-                check_no_links_under(self.root, self.root / conversation_id)  # before a file of it is read or removed
-                conv = self._read_record(conversation_id)
-                self._conversations[conversation_id] = conv
-                self._remove_orphans(conv)
+            if conv is not None and self.persistent and conversation_id not in self._busy and not self.store.record_current(conversation_id):
+                self._drop_stale(conversation_id)
+                conv = None
+            if conv is None and self.persistent:
+                data = self.store.read_record(conversation_id)
+                if data is not None:
+                    conv = self._read_record(conversation_id, data)
+                    self._conversations[conversation_id] = conv
+                    self._remove_orphans(conv)
             return conv
 
-    def _read_record(self, conversation_id: str) -> Conversation:
-        path = self._record_path(conversation_id)
+    def _drop_stale(self, conversation_id: str) -> None:
+        """Forget what memory holds of a conversation another replica changed (its files are the
+        store's): its states, which may be of turns the store now records differently."""
+        conv = self._conversations.pop(conversation_id, None)
+        for ref in conv.turns if conv is not None else ():
+            self.active.forget(conversation_id, ref)
+            self._stored.pop((conversation_id, ref), None)
+        self.warm.drop(conversation_id)
+
+    def _read_record(self, conversation_id: str, data: bytes) -> Conversation:
         try:
-            conv = Conversation.from_json(json.loads(read_no_follow(path)))
+            conv = Conversation.from_json(json.loads(data))
         except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
             raise ConversationRecordError(f"the record of conversation {conversation_id!r} is unreadable: {reason_without_paths(e)}") from e
         if conv.conversation_id != conversation_id:
@@ -191,14 +206,18 @@ class ConversationManager:
 
     def _persist(self, conv: Conversation) -> None:
         if self.persistent:
-            atomic_write(self._record_path(conv.conversation_id), json.dumps(conv.to_json()).encode())
+            try:
+                self.store.write_record(conv.conversation_id, json.dumps(conv.to_json()).encode())
+            except StaleViewError:
+                self._drop_stale(conv.conversation_id)
+                raise
             self._unrecorded.discard(conv.conversation_id)
 
     def list_ids(self) -> list[str]:
         with self._lock:
             ids = set(self._conversations)
-            if self.persistent and self.root.is_dir():
-                ids |= {p.parent.name for p in self.root.glob(f"*/{RECORD_NAME}") if not (p.is_symlink() or p.parent.is_symlink())}
+            if self.persistent:
+                ids |= set(self.store.record_ids())
             return sorted(ids)
 
     def visible(self, tenant: str | None, after: str | None = None, limit: int | None = None) -> list[Conversation]:
@@ -708,7 +727,7 @@ class ConversationManager:
                     for path in self._record_path(conversation_id).parent.glob("*/*"):
                         if path.is_file():
                             path.unlink()
-                self._record_path(conversation_id).unlink(missing_ok=True)
+                self.store.delete_record(conversation_id)
                 for folder in sorted(self._record_path(conversation_id).parent.glob("*"), reverse=True):
                     if folder.is_dir() and not any(folder.iterdir()):
                         folder.rmdir()

@@ -132,6 +132,11 @@ def snapshot_path(root: str | Path, conversation_id: str, branch: str, turn: int
     return check_no_links(Path(root), path)
 
 
+def record_path(root: Path, conversation_id: str) -> Path:
+    """`<root>/<conversation_id>/conversation.json`: the conversation's record (state/turns.py)."""
+    return check_no_links(root, root / validate_id(conversation_id, "conversation_id") / RECORD_NAME)
+
+
 def check_no_links(root: Path, path: Path) -> Path:
     """`path`, after checking (lstat) that none of its components below `root` is a symbolic link;
     those that do not exist yet are fine. A link raises SnapshotLinkError (and is logged)."""
