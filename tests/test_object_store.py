@@ -26,8 +26,15 @@ def engines(checkpoint_dir):
 
 def replica(engine, cache, url="memory:///", shared=None) -> ConversationManager:
     manager = ConversationManager(
-        engine.spec, engine.state_dtypes, ModelIdentity.of(engine.spec, engine.model_path), tokenizer_fingerprint(engine.model_path),
-        SnapshotPolicy(), cache, WarmCache(64, 1 << 30), chunk_tokens=16, store_url=url,
+        engine.spec,
+        engine.state_dtypes,
+        ModelIdentity.of(engine.spec, engine.model_path),
+        tokenizer_fingerprint(engine.model_path),
+        SnapshotPolicy(),
+        cache,
+        WarmCache(64, 1 << 30),
+        chunk_tokens=16,
+        store_url=url,
     )
     if shared is not None:
         manager.store.remote = shared.store.remote  # one bucket for both
@@ -83,8 +90,14 @@ def test_two_replicas_creating_one_conversation_exactly_one_records_it(engines, 
 def test_an_unreachable_store_is_an_os_error_naming_the_store(engines, tmp_path):
     manager = replica(engines[0], tmp_path, url="s3://engram-test/p")
     manager.store.remote = obstore.store.S3Store(
-        "engram-test", endpoint="http://127.0.0.1:9", region="us-east-1", access_key_id="k", secret_access_key="s",
-        allow_http=True, client_options={"connect_timeout": "1s"}, retry_config={"max_retries": 0},
+        "engram-test",
+        endpoint="http://127.0.0.1:9",
+        region="us-east-1",
+        access_key_id="k",
+        secret_access_key="s",
+        allow_http=True,
+        client_options={"connect_timeout": "1s"},
+        retry_config={"max_retries": 0},
     )
     with pytest.raises(StoreUnavailableError, match="the object store s3://engram-test/p failed") as e:
         manager.begin("u")

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import errno
 import json
-from datetime import timedelta
+import os
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
@@ -85,9 +86,14 @@ def open_remote(url: str) -> ObjectStore:
     except ImportError:
         raise StoreConfigError(f"--snapshot-store {url!r} needs obstore: pip install 'engram[s3]'") from None
     config: S3Config | None = {"conditional_put": "etag"} if urlsplit(url).scheme in ("s3", "s3a") else None
-    client: ClientConfig = {"connect_timeout": "2s", "timeout": "30s"}
-    retry: RetryConfig = {"max_retries": 2, "retry_timeout": timedelta(seconds=10),
-                          "backoff": {"init_backoff": timedelta(seconds=0.1), "max_backoff": timedelta(seconds=1), "base": 2.0}}
+    # Client options given here replace the environment's: AWS_ALLOW_HTTP is read again (an http:// endpoint implies it).
+    allow_http = os.environ.get("AWS_ALLOW_HTTP", "").lower() == "true" or os.environ.get("AWS_ENDPOINT_URL", "").startswith("http://")
+    client: ClientConfig = {"connect_timeout": "2s", "timeout": "30s", "allow_http": allow_http}
+    retry: RetryConfig = {
+        "max_retries": 2,
+        "retry_timeout": timedelta(seconds=10),
+        "backoff": {"init_backoff": timedelta(seconds=0.1), "max_backoff": timedelta(seconds=1), "base": 2.0},
+    }
     try:
         return from_url(url, config=config, client_options=client, retry_config=retry)
     except Exception as e:  # obstore's configuration errors have no common base of their own
@@ -101,11 +107,21 @@ def first_line(e: BaseException) -> str:
 class ObjectColdStore(FilesystemColdStore):
     """Turn states and conversation records in an object store, `cache` (a folder) in front."""
 
-    def __init__(self, remote: ObjectStore, url: str, cache: Path, spec: ModelSpec, dtypes: StateDtypes, hasher: PrefixHasher,
-                 model: ModelIdentity, tokenizer_sha256: str):
+    def __init__(
+        self,
+        remote: ObjectStore,
+        url: str,
+        cache: Path,
+        spec: ModelSpec,
+        dtypes: StateDtypes,
+        hasher: PrefixHasher,
+        model: ModelIdentity,
+        tokenizer_sha256: str,
+    ):
         super().__init__(cache, spec, dtypes, hasher, model, tokenizer_sha256)
         self.remote, self.url = remote, url
         self._versions: dict[str, str | None] = {}  # conversation -> its record's ETag as last read or written here (None: it had none)
+        self._in_bucket: set[str] = set()  # store files known to be in the bucket (uploaded or downloaded here)
 
     # ---- the bucket --------------------------------------------------------------------------
 
@@ -160,21 +176,28 @@ class ObjectColdStore(FilesystemColdStore):
         same key, same content)."""
         from obstore.exceptions import AlreadyExistsError
 
-        for path in [self.chunks.piece_path(p.key) for p in stored.pieces] + [self.chunks.checkpoint_path(stored.checkpoint)]:
+        for path in self._store_files(stored):
+            if path.name in self._in_bucket:
+                continue
             try:
                 self._put(self._key(path), path.read_bytes(), mode="create")
             except AlreadyExistsError:
                 self.stats.files_reused += 1
+            self._in_bucket.add(path.name)
+
+    def _store_files(self, stored: StoredState) -> list[Path]:
+        return [self.chunks.piece_path(p.key) for p in stored.pieces] + [self.chunks.checkpoint_path(stored.checkpoint)]
 
     def _fetch_files(self, stored: StoredState) -> None:
         """Download the store files `stored` names that the folder lacks (one the bucket lacks too
         is left for the load to report as missing)."""
-        for path in [self.chunks.piece_path(p.key) for p in stored.pieces] + [self.chunks.checkpoint_path(stored.checkpoint)]:
+        for path in self._store_files(stored):
             if not path.is_file():
                 try:
                     atomic_write(path, self._get(self._key(path))[0])
                 except FileNotFoundError:
                     continue
+                self._in_bucket.add(path.name)
 
     def _fetch_referenced(self, location: str) -> Path:
         path = self._pull(location)
@@ -276,8 +299,10 @@ class ObjectColdStore(FilesystemColdStore):
             version = self._put(self._record_key(conversation_id), data, mode="create" if known is None else {"e_tag": known})
         except (AlreadyExistsError, PreconditionError):
             self._versions.pop(conversation_id, None)
-            raise StaleViewError(f"conversation {conversation_id!r} was changed by another replica since this one read it: "
-                                 "this turn is not recorded; send it again (the next request reads the conversation afresh)") from None
+            raise StaleViewError(
+                f"conversation {conversation_id!r} was changed by another replica since this one read it: "
+                "this turn is not recorded; send it again (the next request reads the conversation afresh)"
+            ) from None
         self._versions[conversation_id] = version
         super().write_record(conversation_id, data)
 
@@ -306,8 +331,9 @@ class ObjectColdStore(FilesystemColdStore):
         return version == self._versions[conversation_id]
 
 
-def open_cold_store(url: str | None, folder: Path, spec: ModelSpec, dtypes: StateDtypes, hasher: PrefixHasher, model: ModelIdentity,
-                    tokenizer_sha256: str) -> FilesystemColdStore:
+def open_cold_store(
+    url: str | None, folder: Path, spec: ModelSpec, dtypes: StateDtypes, hasher: PrefixHasher, model: ModelIdentity, tokenizer_sha256: str
+) -> FilesystemColdStore:
     """The COLD tier: `folder` alone (url None), or the object store at `url` with `folder` as its cache."""
     if url is None:
         return FilesystemColdStore(folder, spec, dtypes, hasher, model, tokenizer_sha256)
