@@ -7,20 +7,16 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import logging
 import os
-import re
 import shutil
-import subprocess
-import time
-from pathlib import Path
 
 import httpx
 import pytest
+from fleet_utils import S3Server, start_nginx
 from server_utils import ServerProcess, free_port
 
 pytestmark = pytest.mark.scale_out
-moto_server = pytest.importorskip("moto.server", reason="needs moto[server]")
+pytest.importorskip("moto.server", reason="needs moto[server]")
 pytest.importorskip("obstore", reason="needs obstore (engram[s3])")
 NGINX = shutil.which("nginx") or ("/usr/sbin/nginx" if os.access("/usr/sbin/nginx", os.X_OK) else None)
 if NGINX is None:
@@ -28,62 +24,14 @@ if NGINX is None:
 
 MODEL = "m"
 BUCKET = "engram-fleet"
-CONFIG = Path(__file__).resolve().parent.parent / "deploy" / "nginx-engram.conf"
-
-
-class Store:
-    """moto's S3 in this process, stoppable and restartable on its port (its buckets live on)."""
-
-    def __init__(self) -> None:
-        self.port = free_port()
-        self.server: moto_server.ThreadedMotoServer | None = None
-
-    @property
-    def env(self) -> dict[str, str]:
-        return {
-            "AWS_ACCESS_KEY_ID": "test",
-            "AWS_SECRET_ACCESS_KEY": "test",
-            "AWS_REGION": "us-east-1",
-            "AWS_ENDPOINT_URL": f"http://127.0.0.1:{self.port}",
-            "AWS_ALLOW_HTTP": "true",
-        }
-
-    def start(self) -> None:
-        logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line per request otherwise
-        self.server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
-        self.server.start()
-
-    def stop(self) -> None:
-        self.server.stop()
-
-
-def nginx_config(folder: Path, port: int, replicas: list[ServerProcess]) -> Path:
-    """deploy/nginx-engram.conf with these replicas and port, inside a main file of its own."""
-    site = CONFIG.read_text()
-    servers = "".join(f"    server 127.0.0.1:{r.port} max_fails=1 fail_timeout=10s;\n" for r in replicas)
-    site, count = re.subn(r"(    server engram-\d+:30000 [^\n]*\n)+", servers, site)
-    assert count == 1 and "listen 8080;" in site
-    (folder / "site.conf").write_text(site.replace("listen 8080;", f"listen 127.0.0.1:{port};"))
-    user = "user root;\n" if os.geteuid() == 0 else ""
-    main = (
-        f"{user}worker_processes 1;\npid {folder}/nginx.pid;\nerror_log {folder}/error.log warn;\nevents {{}}\n"
-        f"http {{\n  access_log off;\n  client_body_temp_path {folder}/body;\n  proxy_temp_path {folder}/proxy;\n"
-        f"  include {folder}/site.conf;\n}}\n"
-    )
-    (folder / "nginx.conf").write_text(main)
-    return folder / "nginx.conf"
 
 
 @pytest.fixture(scope="module")
 def fleet(checkpoint_dir, tmp_path_factory):
     folder = tmp_path_factory.mktemp("fleet")
-    store = Store()
+    store = S3Server()
     store.start()
-    import boto3
-
-    boto3.client(
-        "s3", endpoint_url=store.env["AWS_ENDPOINT_URL"], region_name="us-east-1", aws_access_key_id="test", aws_secret_access_key="test"
-    ).create_bucket(Bucket=BUCKET)
+    store.create_bucket(BUCKET)
     replicas = [
         ServerProcess(
             [
@@ -111,18 +59,8 @@ def fleet(checkpoint_dir, tmp_path_factory):
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         list(pool.map(lambda r: r.start(), replicas))
     port = free_port()
-    nginx = subprocess.Popen(
-        [NGINX, "-p", str(folder), "-c", str(nginx_config(folder, port, replicas)), "-g", "daemon off;"],
-        stdout=subprocess.DEVNULL,
-        stderr=open(folder / "nginx.out", "wb"),
-    )
+    nginx = start_nginx(NGINX, folder, port, replicas)
     router = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(router + "/health", timeout=2).status_code == 200:
-                break
-        time.sleep(0.1)
     try:
         yield router, replicas, store
     finally:
