@@ -691,3 +691,12 @@ def test_a_turn_preempted_over_http_while_its_last_token_is_in_flight_is_recorde
         prompt_ids = fill[: len(fill) - reply["usage"]["completion_tokens"]]
         full = http.post("/generate", json={"input_ids": prompt_ids, "sampling_params": {"temperature": 0, "max_new_tokens": 10}}).json()
         assert full["output_ids"] == fill[len(prompt_ids):] and full["text"] == reply["choices"][0]["message"]["content"]
+
+
+def test_a_routing_header_naming_another_conversation_is_refused(checkpoint_dir, tmp_path):
+    """X-Conversation-Id (the router's key, docs/DEPLOYMENT.md) must be the body's conversation_id."""
+    with serving(checkpoint_dir("nemotron"), tmp_path) as (srv, http):
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "conversation_id": "a", **GREEDY}
+        r = http.post("/v1/chat/completions", json=body, headers={"X-Conversation-Id": "b"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "X-Conversation-Id", r.text
+        assert http.post("/v1/chat/completions", json=body, headers={"X-Conversation-Id": "a"}).status_code == 200
