@@ -59,6 +59,19 @@ def test_a_conversation_continues_exactly_on_another_replica_from_the_store(engi
     assert out.token_ids == full_generation(eb, history + new)
     assert b.store.stats.pieces_read > 0
     assert a.require("c").latest("main").turn == 3  # the record in the store, as A sees it now
+    assert a.list_ids() == b.list_ids() == ["c"]
+
+
+def test_an_export_from_a_replica_that_never_held_the_state_has_every_file(engines, pair, tmp_path):
+    import io
+
+    (ea, _), (a, b) = engines, pair
+    take_turn(ea, a, "e", random_prompt(40, 10))
+    out = io.BytesIO()
+    b.export_conversation("e", None, out)  # B's cache holds none of it
+    out.seek(0)
+    imported = a.import_conversation(out, None, conversation_id="e2")  # loads and verifies every snapshot
+    assert imported.tokens(imported.latest("main")) == a.require("e").tokens(a.require("e").latest("main"))
 
 
 def test_two_replicas_racing_one_turn_exactly_one_records_it(engines, pair):

@@ -253,7 +253,9 @@ class ObjectColdStore(FilesystemColdStore):
         import obstore
 
         folder = self.root / validate_id(conversation_id, "conversation_id")
-        listed = {entry["path"] for batch in self._call(obstore.list, f"{conversation_id}/") for entry in batch}
+        listed = {
+            entry["path"] for entry in self._call(lambda store, prefix: [e for b in obstore.list(store, prefix) for e in b], f"{conversation_id}/")
+        }
         manifests = {self.root / key for key in listed if key.count("/") == 2 and key.endswith(".json")}
         for stale in set(folder.glob("*/*.json")) - manifests:
             stale.unlink(missing_ok=True)
@@ -263,6 +265,10 @@ class ObjectColdStore(FilesystemColdStore):
             except SnapshotNotFoundError:  # deleted since the listing
                 continue
         return super().snapshots(conversation_id)
+
+    def store_members(self, stored: StoredState) -> dict[str, str]:
+        self._fetch_files(stored)  # an export reads them from the folder
+        return super().store_members(stored)
 
     def read(self, location: str) -> bytes:
         return self._get(self._key(location))[0]
