@@ -16,6 +16,7 @@ import asyncio
 import json
 import os
 import platform
+import resource
 import shutil
 import subprocess
 import sys
@@ -27,7 +28,9 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fleet_utils import S3Server, start_nginx  # noqa: E402
+from serve_bench import cpu_seconds  # noqa: E402
 from server_utils import ServerProcess, free_port  # noqa: E402
 
 WORDS = "the state of a conversation is kept exactly and restored so a turn costs only its new tokens".split()
@@ -101,7 +104,15 @@ def run(count: int, a: argparse.Namespace, store: S3Server, folder: Path) -> dic
             ).raise_for_status()
         port = free_port()
         nginx = start_nginx(a.nginx, folder, port, replicas)
-        return {"replicas": count, **asyncio.run(workload(f"http://127.0.0.1:{port}", a, f"r{count}"))}
+        processes = [*replicas, store.server, nginx]  # each has a pid; cpu_seconds reads /proc/<pid>
+        before = [cpu_seconds(p)[0] for p in processes], resource.getrusage(resource.RUSAGE_SELF)
+        row = asyncio.run(workload(f"http://127.0.0.1:{port}", a, f"r{count}"))
+        after = [cpu_seconds(p)[0] for p in processes], resource.getrusage(resource.RUSAGE_SELF)
+        # Cores busy on average over the run: each replica, moto's S3, nginx, and this process (the clients).
+        cores = [round((b - a0) / row["wall_s"], 2) for a0, b in zip(before[0], after[0])]
+        row["replica_cores"], (row["store_cores"], row["nginx_cores"]) = cores[:count], cores[count:]
+        row["client_cores"] = round((after[1].ru_utime + after[1].ru_stime - before[1].ru_utime - before[1].ru_stime) / row["wall_s"], 2)
+        return {"replicas": count, **row}
     finally:
         if nginx is not None:
             nginx.kill()
@@ -114,14 +125,14 @@ def run(count: int, a: argparse.Namespace, store: S3Server, folder: Path) -> dic
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-path", default=None, help="default: the built-in demo model")
-    p.add_argument("--conversations", type=int, default=16)
-    p.add_argument("--turns", type=int, default=3)
+    p.add_argument("--conversations", type=int, default=64, help="clients at once (enough for the hash ring to split them evenly)")
+    p.add_argument("--turns", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--message-words", type=int, default=150, help="words per user message: the prompt tokens each turn prefills")
     p.add_argument("--nginx", default=shutil.which("nginx") or "/usr/sbin/nginx")
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args()
-    store = S3Server()
+    store = S3Server(in_process=False)  # its own process: no GIL shared with the clients
     store.start()
     with tempfile.TemporaryDirectory() as tmp:
         rows = [run(n, a, store, Path(tmp)) for n in (1, 2)]
@@ -129,7 +140,7 @@ def main() -> int:
     ratio = rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"]
     for row in rows:
         print(
-            f"{row['replicas']} replica(s): {row['tokens_per_s']:8.1f} tok/s  {row['turns_per_s']:6.2f} turns/s  ({row['wall_s']} s, turns per replica {row['turns_per_replica']})"
+            f"{row['replicas']} replica(s): {row['tokens_per_s']:8.1f} tok/s  {row['turns_per_s']:6.2f} turns/s  ({row['wall_s']} s, turns per replica {row['turns_per_replica']}, cores busy: replicas {row['replica_cores']}, store {row['store_cores']}, nginx {row['nginx_cores']}, clients {row['client_cores']})"
         )
     print(f"2 replicas / 1 replica: {ratio:.2f}x")
     result = {

@@ -9,6 +9,7 @@ import logging
 import os
 import re
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -22,9 +23,12 @@ CONFIG = Path(__file__).resolve().parent.parent / "deploy" / "nginx-engram.conf"
 class S3Server:
     """moto's S3 in this process, stoppable and restartable on its port (its buckets live on)."""
 
-    def __init__(self) -> None:
+    def __init__(self, in_process: bool = True) -> None:
+        """`in_process` False: moto in a process of its own (no GIL shared with this one's clients),
+        which cannot be restarted with its buckets."""
         self.port = free_port()
-        self.server: Any = None  # moto.server.ThreadedMotoServer, imported on start (moto is optional)
+        self.in_process = in_process
+        self.server: Any = None  # moto.server.ThreadedMotoServer, imported on start (moto is optional), or its Popen
 
     @property
     def env(self) -> dict[str, str]:
@@ -44,6 +48,12 @@ class S3Server:
         ).create_bucket(Bucket=name)
 
     def start(self) -> None:
+        if not self.in_process:
+            self.server = subprocess.Popen(
+                [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            )
+            wait_for(f"http://127.0.0.1:{self.port}/moto-api/", "moto")
+            return
         logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line per request otherwise
         from moto.server import ThreadedMotoServer
 
@@ -51,7 +61,11 @@ class S3Server:
         self.server.start()
 
     def stop(self) -> None:
-        self.server.stop()
+        if self.in_process:
+            self.server.stop()
+        else:
+            self.server.kill()
+            self.server.wait()
 
 
 def nginx_config(folder: Path, port: int, replicas: list[ServerProcess]) -> Path:
@@ -78,11 +92,20 @@ def start_nginx(nginx: str, folder: Path, port: int, replicas: list[ServerProces
         stdout=subprocess.DEVNULL,
         stderr=open(folder / "nginx.out", "wb"),
     )
-    deadline = time.monotonic() + 10
+    try:
+        wait_for(f"http://127.0.0.1:{port}/health", f"nginx ({folder / 'nginx.out'})")
+    except RuntimeError:
+        proc.kill()
+        raise
+    return proc
+
+
+def wait_for(url: str, what: str, timeout_s: float = 20.0) -> None:
+    """Until `url` answers 200; RuntimeError naming `what` if it does not in time."""
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
         time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError(f"nginx did not answer: {(folder / 'nginx.out').read_text()[-2000:]}")
+    raise RuntimeError(f"{what} did not answer within {timeout_s:g} s")
