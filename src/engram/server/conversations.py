@@ -59,6 +59,8 @@ def build_manager(engine: LLMEngine, args: ServerArgs) -> ConversationManager:
         durability=args.snapshot_durability,
     )
     root, store_url = None, remote_url(args.snapshot_store)
+    if args.snapshot_store is not None and not args.enable_snapshot_persistence:
+        raise StoreConfigError(f"--snapshot-store {args.snapshot_store}: snapshot persistence is off (--no-enable-snapshot-persistence)")
     if store_url is not None and args.snapshot_durability != "sync":
         raise StoreConfigError(f"--snapshot-store {store_url}: replicas sharing a store need --snapshot-durability sync "
                                "(a turn answered before its record is written could be refused by another replica's)")
