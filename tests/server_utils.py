@@ -63,6 +63,7 @@ class ServerProcess:
     env: Mapping[str, str] | None = None  # added to this process's environment
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen | None = None
+    launcher: Sequence[str] = ()  # a command the interpreter runs under, e.g. ("taskset", "-c", "0")
 
     @property
     def url(self) -> str:
@@ -76,7 +77,7 @@ class ServerProcess:
         """Start it and wait until /health answers 200 (503 while it warms up); the seconds that
         took. RuntimeError with the log's tail if it exits first or is not ready in time."""
         started = time.monotonic()
-        cmd = [sys.executable, "-m", "engram", "serve", "--port", str(self.port), *self.args]
+        cmd = [*self.launcher, sys.executable, "-m", "engram", "serve", "--port", str(self.port), *self.args]
         with open(self.log_path, "ab") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(self.env or {})})
         while time.monotonic() - started < timeout_s:

@@ -64,16 +64,16 @@ def full_generation(engine, tokens, max_tokens=8):
 
 def fail_record_writes(monkeypatch, errno: int = 28) -> None:
     """Every write of a conversation record raises OSError(errno) until monkeypatch.undo()."""
-    from engram.state import conversations
+    from engram.state import records
 
-    real_write = conversations.atomic_write
+    real_write = records.atomic_write
 
     def failing_record_write(path, data):
-        if path.name == conversations.RECORD_NAME:
+        if path.name == records.RECORD_NAME:
             raise OSError(errno, "injected record write failure")
         real_write(path, data)
 
-    monkeypatch.setattr(conversations, "atomic_write", failing_record_write)
+    monkeypatch.setattr(records, "atomic_write", failing_record_write)
 
 
 def test_three_turns_with_restart_equal_full_prefill_and_compute_only_new_tokens(engine, tmp_path):
@@ -314,18 +314,18 @@ def test_a_snapshot_that_cannot_be_written_leaves_the_turn_recorded_without_it(e
 
 
 def test_a_record_that_cannot_be_written_undoes_the_turn(engine, tmp_path, monkeypatch):
-    from engram.state import conversations
+    from engram.state import records
 
     manager = manager_for(engine, tmp_path)
     take_turn(engine, manager, "r", random_prompt(6, 1), max_tokens=3)
-    real_write = conversations.atomic_write
+    real_write = records.atomic_write
 
     def failing_record_write(path, data):
-        if path.name == conversations.RECORD_NAME:
+        if path.name == records.RECORD_NAME:
             raise OSError(28, "No space left on device")
         real_write(path, data)
 
-    monkeypatch.setattr(conversations, "atomic_write", failing_record_write)
+    monkeypatch.setattr(records, "atomic_write", failing_record_write)
     with pytest.raises(OSError):
         take_turn(engine, manager, "r", random_prompt(5, 2), max_tokens=3)
     monkeypatch.undo()
@@ -364,14 +364,14 @@ def test_a_regenerate_whose_record_cannot_be_written_keeps_the_turns_it_would_re
 def test_retention_deletes_a_snapshot_only_after_the_record_stops_listing_it(engine, tmp_path, monkeypatch):
     import json
 
-    from engram.state import cold, conversations
+    from engram.state import cold, records
 
     manager = manager_for(engine, tmp_path, SnapshotPolicy(SnapshotTrigger.EVERY_TURN, retention_count=1))
     real_delete = cold.delete_snapshot
     listed_when_deleted = []
 
     def delete(path):
-        record = json.loads((tmp_path / "k" / conversations.RECORD_NAME).read_text())
+        record = json.loads((tmp_path / "k" / records.RECORD_NAME).read_text())
         turn = int(Path(path).stem)
         listed_when_deleted.append([t["snapshot"] for t in record["turns"] if t["turn"] == turn][0])
         real_delete(path)
@@ -515,7 +515,7 @@ def test_async_durability_keeps_a_turn_whose_record_write_failed(engine, tmp_pat
     """Answered already: the turn stays, and the next turn's record write records it."""
     import threading
 
-    from engram.state import conversations
+    from engram.state import records
 
     manager = ConversationManager(
         engine.spec, engine.state_dtypes, ModelIdentity.of(engine.spec, engine.model_path), tokenizer_fingerprint(engine.model_path),
@@ -523,15 +523,15 @@ def test_async_durability_keeps_a_turn_whose_record_write_failed(engine, tmp_pat
     )
     gate = threading.Event()
     manager.writer.submit(gate.wait)  # the writer is held until both turns are recorded in memory
-    real_write, failures = conversations.atomic_write, []
+    real_write, failures = records.atomic_write, []
 
     def first_record_write_fails(path, data):
-        if path.name == conversations.RECORD_NAME and not failures:
+        if path.name == records.RECORD_NAME and not failures:
             failures.append(path)
             raise OSError(5, "Input/output error")
         real_write(path, data)
 
-    monkeypatch.setattr(conversations, "atomic_write", first_record_write_fails)
+    monkeypatch.setattr(records, "atomic_write", first_record_write_fails)
     take_turn(engine, manager, "as", random_prompt(5, 1), max_tokens=2)
     take_turn(engine, manager, "as", random_prompt(5, 2), max_tokens=2)
     gate.set()

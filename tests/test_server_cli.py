@@ -93,3 +93,18 @@ def test_a_model_path_without_a_checkpoint_stops_the_start_with_one_line(tmp_pat
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr and done.stderr.strip() == f"engram serve: no config.json at {tmp_path / 'nothing'}"
+
+
+@pytest.mark.parametrize(("flags", "reason"), [
+    (["--snapshot-store", "ftp://host/x"], "the scheme is not one of"),
+    (["--snapshot-store", "s3://b/p", "--snapshot-durability", "async"], "need --snapshot-durability sync"),
+    (["--snapshot-store", "s3://b/p", "--no-enable-snapshot-persistence"], "snapshot persistence is off"),
+])
+def test_a_snapshot_store_the_server_cannot_use_stops_the_start_with_one_line(tmp_path_factory, flags, reason):
+    cache = tmp_path_factory.getbasetemp() / "engram-cache"
+    cmd = [sys.executable, "-m", "engram", "serve", "--model-path", str(ensure_embedded_model(cache)), "--port", str(free_port()),
+           "--log-level", "warning", *flags]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 2, done.stderr
+    lines = [line for line in done.stderr.strip().splitlines() if "Warning" not in line]
+    assert "Traceback" not in done.stderr and len(lines) == 1 and reason in lines[0], done.stderr

@@ -396,7 +396,7 @@ def test_the_closing_the_model_generated_is_not_fed_again(template, generated, f
 def test_a_storage_failure_is_a_503_that_names_no_path_and_the_turn_is_undone(checkpoint_dir, tmp_path, monkeypatch):
     """A full disk (or a folder the server may not write) while a turn records: a 503 with the
     system's reason and not the server's paths; the conversation is as before the turn."""
-    import engram.state.conversations as conversations
+    import engram.state.records as records
 
     def full_disk(path, data):
         raise OSError(28, "No space left on device", str(path))
@@ -404,7 +404,7 @@ def test_a_storage_failure_is_a_503_that_names_no_path_and_the_turn_is_undone(ch
     with serving(checkpoint_dir("nemotron"), tmp_path) as (srv, http):
         chat(http, "disk", "hello")
         with monkeypatch.context() as m:
-            m.setattr(conversations, "atomic_write", full_disk)
+            m.setattr(records, "atomic_write", full_disk)
             body = {"model": MODEL, "messages": [{"role": "user", "content": "more"}], "conversation_id": "disk", **GREEDY}
             r = http.post("/v1/chat/completions", json=body)
         error = r.json()["error"]
@@ -478,21 +478,21 @@ def stream_chat(http, conversation_id, text):
 def test_a_streamed_turn_sends_its_finish_chunk_only_once_recorded(checkpoint_dir, tmp_path, monkeypatch):
     """Sync durability: the finish chunk comes after the record is on disk; a record that cannot
     be written is an in-band error in its place, and the turn is not kept."""
-    from engram.state import conversations
+    from engram.state import records
 
     with serving(checkpoint_dir("nemotron"), tmp_path) as (_, http):
         events, _ = stream_chat(http, "sse", "hello")
-        on_disk = json.loads((tmp_path / "sse" / conversations.RECORD_NAME).read_text())
+        on_disk = json.loads((tmp_path / "sse" / records.RECORD_NAME).read_text())
         assert [t["turn"] for t in on_disk["turns"]] == [1] and events[-1]["turn"] == 1
-        real_write = conversations.atomic_write
+        real_write = records.atomic_write
 
         def full_disk(path, data):
-            if path.name == conversations.RECORD_NAME:
+            if path.name == records.RECORD_NAME:
                 raise OSError(28, "No space left on device")
             real_write(path, data)
 
         with monkeypatch.context() as m:
-            m.setattr(conversations, "atomic_write", full_disk)
+            m.setattr(records, "atomic_write", full_disk)
             events, _ = stream_chat(http, "sse", "more")
         assert not any(c.get("finish_reason") for e in events for c in e.get("choices", []))
         assert events[-1]["error"]["code"] == "storage_unavailable", events[-1]
@@ -730,3 +730,12 @@ def test_each_turn_copies_only_its_new_tokens_state_to_the_host(checkpoint_dir, 
             assert copied[-1] <= (state_len - held) * per_token + recurrent, (turn, copied, state_len, held)
             held = state_len
         assert copied[0] > recurrent  # the first turn copies its whole history's KV
+
+
+def test_a_routing_header_naming_another_conversation_is_refused(checkpoint_dir, tmp_path):
+    """X-Conversation-Id (the router's key, docs/DEPLOYMENT.md) must be the body's conversation_id."""
+    with serving(checkpoint_dir("nemotron"), tmp_path) as (srv, http):
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "conversation_id": "a", **GREEDY}
+        r = http.post("/v1/chat/completions", json=body, headers={"X-Conversation-Id": "b"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "X-Conversation-Id", r.text
+        assert http.post("/v1/chat/completions", json=body, headers={"X-Conversation-Id": "a"}).status_code == 200

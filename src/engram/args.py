@@ -100,6 +100,12 @@ class ServerArgs:
     log_level: str = field(default="info", metadata={"help": "logging level", "choices": ["critical", "error", "warning", "info", "debug"]})
     enable_snapshot_persistence: bool = field(default=True, metadata={"help": "write conversation snapshots to --snapshot-dir so they survive restarts"})
     snapshot_dir: str | None = field(default=None, metadata={"help": "snapshot folder (default: $ENGRAM_CACHE_DIR/snapshots or ~/.cache/engram/snapshots)"})
+    snapshot_store: str | None = field(
+        default=None,
+        metadata={"help": "where snapshots and conversation records are kept: a folder or file:// URL (as --snapshot-dir), or an object "
+                          "store shared by replicas (s3://bucket/prefix, gs://, az://; needs engram[s3]; credentials and endpoint "
+                          "from AWS_*, GOOGLE_*, AZURE_*), with --snapshot-dir as its local cache; default: --snapshot-dir"},
+    )
     snapshot_retention_count: int = field(default=0, metadata={"help": "snapshots kept per conversation branch, oldest deleted first; 0 keeps all"})
     snapshot_trigger_policy: str = field(default="every_turn", metadata={"help": "when a turn is snapshotted", "choices": ["every_turn", "every_n_turns", "on_tool_call", "manual_only"]})
     snapshot_every_n_turns: int = field(default=1, metadata={"help": "with --snapshot-trigger-policy every_n_turns: snapshot turns n, 2n, ..."})

@@ -41,7 +41,7 @@ def build_app(engine_args: EngineArgs, server_args: ServerArgs) -> FastAPI:
 
 
 def serve(engine_args: EngineArgs, server_args: ServerArgs) -> None:
-    """Exits with status 2 and one line, not a traceback, when the model's folder or the snapshot folder's state stops the start."""
+    """Exits with status 2 and one line, not a traceback, when the model's folder, the snapshot folder's state or the snapshot store stops the start."""
     import uvicorn
 
     from engram.engine.spec_config import SpeculativeConfigError
@@ -49,11 +49,12 @@ def serve(engine_args: EngineArgs, server_args: ServerArgs) -> None:
     from engram.server.background import UVICORN_LOOP
     from engram.server.startup import banner
     from engram.state.health import QuarantineListError
+    from engram.state.object_store import StoreConfigError
 
     logging.basicConfig(level=server_args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         app = build_app(engine_args, server_args)
-    except (ConfigError, QuarantineListError, SpeculativeConfigError) as e:
+    except (ConfigError, QuarantineListError, SpeculativeConfigError, StoreConfigError) as e:
         print(f"engram serve: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     logging.getLogger("engram.server").info(banner(app.state.serving, server_args, f"http://{server_args.host}:{server_args.port}"))

@@ -38,6 +38,7 @@ from engram.state.conversations import (
 )
 from engram.state.health import HealthConfig, HealthMonitor, HealthPolicy
 from engram.state.identity import ModelIdentity, tokenizer_fingerprint
+from engram.state.object_store import StoreConfigError, local_folder, remote_url
 from engram.state.store import WarmCache
 
 log = logging.getLogger(__name__)
@@ -57,9 +58,16 @@ def build_manager(engine: LLMEngine, args: ServerArgs) -> ConversationManager:
         cold_retention=args.conversation_cold_retention,
         durability=args.snapshot_durability,
     )
-    root = None
+    root, store_url = None, remote_url(args.snapshot_store)
+    if args.snapshot_store is not None and not args.enable_snapshot_persistence:
+        raise StoreConfigError(f"--snapshot-store {args.snapshot_store}: snapshot persistence is off (--no-enable-snapshot-persistence)")
+    if store_url is not None and args.snapshot_durability != "sync":
+        raise StoreConfigError(f"--snapshot-store {store_url}: replicas sharing a store need --snapshot-durability sync "
+                               "(a turn answered before its record is written could be refused by another replica's)")
     if args.enable_snapshot_persistence:
         root = Path(args.snapshot_dir) if args.snapshot_dir else default_cache_dir() / "snapshots"
+        if args.snapshot_store is not None and store_url is None:
+            root = local_folder(args.snapshot_store)
     warm_entries = args.max_warm_conversations if args.enable_memory_tiers else 0
     health = HealthMonitor(HealthConfig(args.snapshot_health_check_interval, HealthPolicy(args.snapshot_health_failure_policy)))
     return ConversationManager(
@@ -76,6 +84,7 @@ def build_manager(engine: LLMEngine, args: ServerArgs) -> ConversationManager:
         prefix_cache_bytes=int(args.prefix_cache_memory_gb * (1 << 30)) if args.enable_prefix_caching else 0,
         prefix_cache_min_tokens=args.prefix_cache_min_tokens,
         prefix_cache_disk_bytes=int(args.prefix_cache_disk_gb * (1 << 30)),
+        store_url=store_url,
     )
 
 

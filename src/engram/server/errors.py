@@ -25,6 +25,7 @@ from engram.state.turns import (
     ConversationConflictError,
     ConversationError,
     ConversationNotFoundError,
+    StaleViewError,
     TurnMismatchError,
 )
 
@@ -61,6 +62,7 @@ _STATUS_OF = (
     (ConversationNotFoundError, 404, "conversation_not_found"),
     (SnapshotNotFoundError, 404, "snapshot_not_found"),
     (ConversationBusyError, 409, "conversation_busy"),
+    (StaleViewError, 409, "stale_view"),
     (ConversationConflictError, 409, "conversation_conflict"),
     (SnapshotIncompatibleError, 409, "snapshot_incompatible"),
     (SnapshotCorruptError, 409, "snapshot_corrupt"),

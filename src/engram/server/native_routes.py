@@ -28,7 +28,7 @@ admin_router = APIRouter()  # guarded by --admin-api-key
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 SECRET_ARGS = ("api_key", "admin_api_key")
-PATH_ARGS = ("model_path", "snapshot_dir")  # shown to admins only
+PATH_ARGS = ("model_path", "snapshot_dir", "snapshot_store")  # shown to admins only
 TokenText = Callable[[int], str]
 
 

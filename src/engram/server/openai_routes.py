@@ -103,6 +103,7 @@ async def chat_completions(request: ChatCompletionRequest, raw_request: Request)
     fmt = s.replies.format(*request.tool_setup(), request.chat_template_kwargs or {}, request.parallel_tool_calls)
     rid = f"chatcmpl-{request.request_id or uuid.uuid4().hex}"
     key = _idempotency_key(request, raw_request)
+    _check_routing_header(request, raw_request)
     if request.conversation_id is None:
         where = ConversationFields()
         prompt = await s.encode_chat(messages, request.chat_template_options())
@@ -182,6 +183,15 @@ def _idempotency_key(request: ChatCompletionRequest, raw_request: Request) -> st
     if request.turn_id not in (None, header):
         raise APIError(400, "the Idempotency-Key header and turn_id differ", param="turn_id")
     return header
+
+
+def _check_routing_header(request: ChatCompletionRequest, raw_request: Request) -> None:
+    """X-Conversation-Id is the router's key for a turn (docs/DEPLOYMENT.md): one naming another
+    conversation than the body's would route turns of one conversation to several replicas."""
+    header = raw_request.headers.get("x-conversation-id")
+    if header is not None and header != request.conversation_id:
+        raise APIError(400, f"the X-Conversation-Id header {header!r:.140} is not the body's conversation_id "
+                            f"{request.conversation_id!r}: send the same value in both", param="X-Conversation-Id")
 
 
 async def _chat_events(

@@ -1,6 +1,7 @@
 """The COLD tier behind one interface: `ColdStore` is what the conversation manager asks of durable
-storage for turn states; `FilesystemColdStore` is today's (v2 manifests over the `ChunkStore`
-under the snapshot folder, v1 files read).
+storage for turn states and conversation records; `FilesystemColdStore` is the snapshot folder's
+(v2 manifests over the `ChunkStore`, v1 files read, records by `RecordFiles`), and
+state/object_store.py's puts a bucket behind it.
 
 A turn's snapshot is found by `locate` (a string: here a path; an object store would use a key) and
 every listing and manifest carries it as "path". A backend keeps the guarantees in
@@ -18,6 +19,7 @@ from engram.models.spec import ModelSpec
 from engram.state.chunks import ChunkStore, PrefixHasher, StoredState, StoreStats
 from engram.state.identity import ModelIdentity
 from engram.state.manifest import load_turn, save_turn, stored_state, turn_file, turn_tokens
+from engram.state.records import RecordFiles
 from engram.state.sequence_state import SequenceState, StateDtypes
 from engram.state.snapshot import (
     SnapshotMeta,
@@ -112,6 +114,29 @@ class ColdStore(Protocol):
         """Delete the entry (none: nothing to do); the store files it names stay until a sweep."""
         ...
 
+    # Conversation records (state/turns.py), one per conversation. A store that other processes
+    # write too (object_store.py) writes one only over the version this process last read or
+    # wrote, and raises StaleViewError otherwise.
+
+    def read_record(self, conversation_id: str) -> bytes | None:
+        """The conversation's record (None: it has none)."""
+        ...
+
+    def write_record(self, conversation_id: str, data: bytes) -> None: ...
+
+    def delete_record(self, conversation_id: str) -> None:
+        """Delete the record (none: nothing to do)."""
+        ...
+
+    def record_ids(self) -> list[str]:
+        """The conversations that may have a record (a listing: `read_record` says for sure)."""
+        ...
+
+    def record_current(self, conversation_id: str) -> bool:
+        """Whether the record is still the version this process last read or wrote (always, for a
+        store no other process writes)."""
+        ...
+
 
 class FilesystemColdStore:
     """`<root>/<conversation>/<branch>/<turn:06d>.json` manifests over `<root>/.store/` (ChunkStore)."""
@@ -120,6 +145,7 @@ class FilesystemColdStore:
                  tokenizer_sha256: str):
         self.root = root
         self.chunks = ChunkStore(root, spec, dtypes, hasher)
+        self.records = RecordFiles(root)
         self.stats = self.chunks.stats
         self.spec, self.dtypes, self.model, self.tokenizer_sha256 = spec, dtypes, model, tokenizer_sha256
 
@@ -196,3 +222,18 @@ class FilesystemColdStore:
     def drop_prefix_entry(self, name: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             self._prefix_entry(name).unlink()
+
+    def read_record(self, conversation_id: str) -> bytes | None:
+        return self.records.read(conversation_id)
+
+    def write_record(self, conversation_id: str, data: bytes) -> None:
+        self.records.write(conversation_id, data)
+
+    def delete_record(self, conversation_id: str) -> None:
+        self.records.delete(conversation_id)
+
+    def record_ids(self) -> list[str]:
+        return self.records.ids()
+
+    def record_current(self, conversation_id: str) -> bool:
+        return True

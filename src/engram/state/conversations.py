@@ -1,8 +1,9 @@
 """Conversations: their records (state/turns.py) and where each turn's state lives.
 
-The record is one JSON file per conversation beside its snapshots,
-replaced atomically on every change. States live in the warm cache (host memory) and, per the
-trigger policy, in snapshot files; a continuation restores the nearest turn that has one.
+The record is one JSON document per conversation in the COLD store (a file beside its snapshots,
+or an object in a bucket shared by replicas), replaced whole on every change. States live in the
+warm cache (host memory) and, per the trigger policy, in snapshot files; a continuation restores
+the nearest turn that has one.
 """
 
 from __future__ import annotations
@@ -19,21 +20,21 @@ from typing import IO
 
 from engram.models.spec import ModelSpec
 from engram.state.chunks import DEFAULT_CHUNK_TOKENS, ORPHAN_GRACE_S, PrefixHasher, StoredState
-from engram.state.cold import ColdStore, FilesystemColdStore
+from engram.state.cold import ColdStore
 from engram.state.eviction import ComputeSavedPolicy, PrefillCost
 from engram.state.exchange import export_of, read_import, write_imported
 from engram.state.health import HealthMonitor, Quarantine
 from engram.state.identity import ModelIdentity
+from engram.state.object_store import open_cold_store
 from engram.state.prefix_cache import PrefixCache
 from engram.state.prefix_disk import PrefixDisk
-from engram.state.records import RecordFiles
+from engram.state.records import RecordFiles, decode_record, encode_record
 from engram.state.sequence_state import SequenceState, StateDtypes
 from engram.state.snapshot import (
     QUARANTINE_NAME,
     SnapshotCorruptError,
     SnapshotError,
     SnapshotNotFoundError,
-    atomic_write,
     dtype_names,
     validate_id,
 )
@@ -49,6 +50,7 @@ from engram.state.turns import (
     ConversationConflictError,
     ConversationNotFoundError,
     ConversationRecordError,
+    StaleViewError,
     Turn,
     TurnAnswer,
     TurnMismatchError,
@@ -79,19 +81,20 @@ class ConversationManager:
         prefix_cache_bytes: int = 0,
         prefix_cache_min_tokens: int = 1,
         prefix_cache_disk_bytes: int = 0,
+        store_url: str | None = None,
     ):
         self.spec, self.dtypes, self.model, self.tokenizer_sha256 = spec, dtypes, model, tokenizer_sha256
         self.policy = policy
         self._lock = threading.RLock()
         self.stats = TierStats()
         self.root = Path(snapshot_dir) if snapshot_dir is not None else None
-        self.records = RecordFiles(self.root) if self.root is not None else None
         identity = json.dumps({"model": asdict(model), "tokenizer": tokenizer_sha256, "layout": spec.layout(), "dtypes": dtype_names(dtypes)},
                               sort_keys=True).encode()
         hasher = PrefixHasher(identity, chunk_tokens)
-        self.store: ColdStore | None = (
-            FilesystemColdStore(self.root, spec, dtypes, hasher, model, tokenizer_sha256) if self.root is not None else None
-        )
+        # `store_url`: an object store shared with other replicas (state/object_store.py), `snapshot_dir` its cache.
+        store = open_cold_store(store_url, self.root, spec, dtypes, hasher, model, tokenizer_sha256) if self.root is not None else None
+        self.store: ColdStore | None = store
+        self.records = store.records if store is not None else None  # the folder's side of the records (the store's cache for an object store)
         self.turn_snapshots = TurnSnapshots(self.store, self.stats, self._lock) if self.store is not None else None
         # States after whole prompts, for requests of no conversation (0 bytes: prefix caching off),
         # also kept on disk (0 bytes, or no store: memory only); both tiers evict by the compute a byte saves.
@@ -144,16 +147,34 @@ class ConversationManager:
     # ---- records -----------------------------------------------------------------------------
 
     def get(self, conversation_id: str) -> Conversation | None:
-        """The conversation, loaded from disk on first access (startup indexes nothing)."""
+        """The conversation, loaded from the store on first access (startup indexes nothing), and
+        again when another replica sharing the store has changed it since."""
         validate_id(conversation_id, "conversation_id")
         with self._lock:
             conv = self._conversations.get(conversation_id)
-            if conv is None and self.records is not None and self.records.exists(conversation_id):
-                self.records.check_folder(conversation_id)
-                conv = self.records.read(conversation_id)
-                self._conversations[conversation_id] = conv
-                self._remove_orphans(conv, self.records)
+            if self.store is None or self.records is None:
+                return conv
+            if conv is not None and conversation_id not in self._busy and not self.store.record_current(conversation_id):
+                self._drop_stale(conversation_id)
+                conv = None
+            if conv is None:
+                data = self.store.read_record(conversation_id)
+                if data is not None:
+                    conv = decode_record(conversation_id, data)
+                    self._conversations[conversation_id] = conv
+                    self._remove_orphans(conv, self.records)
             return conv
+
+    def _drop_stale(self, conversation_id: str) -> None:
+        """Forget what memory holds of a conversation another replica changed (its files are the
+        store's): its turns' states, which may be of turns the store now records differently; a
+        slot still held for one is handed back to the engine."""
+        conv = self._conversations.pop(conversation_id, None)
+        for ref in conv.turns if conv is not None else ():
+            self.active.forget(conversation_id, ref)
+            if self.turn_snapshots is not None:
+                self.turn_snapshots.forget(conversation_id, ref)
+        self.warm.drop(conversation_id)
 
     def _remove_orphans(self, conv: Conversation, records: RecordFiles) -> None:
         """Delete snapshot files the record does not point at: a crash between a snapshot's commit
@@ -175,14 +196,19 @@ class ConversationManager:
         return conv
 
     def _persist(self, conv: Conversation) -> None:
-        """Write the conversation's record (after the snapshot files it lists: the caller's order)."""
-        if self.records is not None:
-            atomic_write(self.records.path(conv.conversation_id), self.records.encode(conv))
+        """Write the conversation's record (after the snapshot files it lists: the caller's order).
+        A replica sharing the store that changed it first (StaleViewError): this one's copy is dropped."""
+        if self.store is not None:
+            try:
+                self.store.write_record(conv.conversation_id, encode_record(conv))
+            except StaleViewError:
+                self._drop_stale(conv.conversation_id)
+                raise
             self._unrecorded.discard(conv.conversation_id)
 
     def list_ids(self) -> list[str]:
         with self._lock:
-            return sorted(set(self._conversations) | (self.records.ids() if self.records is not None else set()))
+            return sorted(set(self._conversations) | set(self.store.record_ids() if self.store is not None else ()))
 
     def visible(self, tenant: str | None, after: str | None = None, limit: int | None = None) -> list[Conversation]:
         """The conversations `tenant` may see (None: all), in id order, from the first id past
@@ -651,8 +677,11 @@ class ConversationManager:
             if conv is not None:
                 for t in list(conv.turns.values()):
                     self._forget_turn(conv, t)
-            if self.records is not None:  # without a record to say which files are its snapshots: every file of its branches
-                self.records.remove(conversation_id, with_branch_files=conv is None)
+            if self.store is not None and self.records is not None:
+                if conv is None:  # no record to say which files are its snapshots: every file of its branches
+                    self.records.remove_branch_files(conversation_id)
+                self.store.delete_record(conversation_id)
+                self.records.remove_empty_folders(conversation_id)
             self._conversations.pop(conversation_id, None)
             self._sweep_due = True
             self.health.forget(conversation_id)

@@ -30,6 +30,11 @@ class ConversationConflictError(ConversationError):
     pass
 
 
+class StaleViewError(ConversationConflictError):
+    """Another process (a replica sharing the store) changed the conversation since this one read
+    it: this one's write is refused, and it reads the conversation again before the next turn."""
+
+
 class TurnMismatchError(ConversationConflictError):
     """The turn the client expected to be the latest is not."""
 

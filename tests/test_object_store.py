@@ -1,0 +1,145 @@
+"""The object-store COLD tier (state/object_store.py) as two replicas see it: two engines, two
+conversation managers, each with its own cache folder, over one obstore in-memory store. A turn
+continues exactly on the other replica; conditional record writes let exactly one of two racing
+replicas record a turn; a replica whose view is stale reads the conversation again."""
+
+from __future__ import annotations
+
+import pytest
+from engine_utils import greedy, make_engine, random_prompt, run_to_end
+from test_conversations import full_generation, take_turn
+
+from engram.state.conversations import ConversationManager, SnapshotPolicy
+from engram.state.identity import ModelIdentity, tokenizer_fingerprint
+from engram.state.object_store import StoreConfigError, StoreUnavailableError, remote_url
+from engram.state.store import WarmCache
+from engram.state.turns import StaleViewError, retain_key
+
+obstore = pytest.importorskip("obstore")
+
+
+@pytest.fixture(scope="module")
+def engines(checkpoint_dir):
+    path = checkpoint_dir("nemotron")
+    return make_engine(path), make_engine(path)
+
+
+def replica(engine, cache, url="memory:///", shared=None) -> ConversationManager:
+    manager = ConversationManager(
+        engine.spec,
+        engine.state_dtypes,
+        ModelIdentity.of(engine.spec, engine.model_path),
+        tokenizer_fingerprint(engine.model_path),
+        SnapshotPolicy(),
+        cache,
+        WarmCache(64, 1 << 30),
+        chunk_tokens=16,
+        store_url=url,
+    )
+    if shared is not None:
+        manager.store.remote = shared.store.remote  # one bucket for both
+    return manager
+
+
+@pytest.fixture
+def pair(engines, tmp_path):
+    a = replica(engines[0], tmp_path / "a")
+    return a, replica(engines[1], tmp_path / "b", shared=a)
+
+
+def test_a_conversation_continues_exactly_on_another_replica_from_the_store(engines, pair):
+    (ea, eb), (a, b) = engines, pair
+    take_turn(ea, a, "c", random_prompt(20, 1))
+    take_turn(ea, a, "c", random_prompt(7, 2))
+    history = a.require("c").tokens(a.require("c").latest("main"))
+    new = random_prompt(5, 3)
+    turn, out, computed, plan = take_turn(eb, b, "c", new)
+    assert plan.state_tier == "cold" and plan.turn == 3
+    assert computed == len(history) - plan.state.state_len + len(new) <= len(new) + 1  # only past the stored state
+    assert out.token_ids == full_generation(eb, history + new)
+    assert b.store.stats.pieces_read > 0
+    assert a.require("c").latest("main").turn == 3  # the record in the store, as A sees it now
+    assert a.list_ids() == b.list_ids() == ["c"]
+
+
+def test_an_export_from_a_replica_that_never_held_the_state_has_every_file(engines, pair, tmp_path):
+    import io
+
+    (ea, _), (a, b) = engines, pair
+    take_turn(ea, a, "e", random_prompt(40, 10))
+    out = io.BytesIO()
+    b.export_conversation("e", None, out)  # B's cache holds none of it
+    out.seek(0)
+    imported = a.import_conversation(out, None, conversation_id="e2")  # loads and verifies every snapshot
+    assert imported.tokens(imported.latest("main")) == a.require("e").tokens(a.require("e").latest("main"))
+
+
+def test_two_replicas_racing_one_turn_exactly_one_records_it(engines, pair):
+    (ea, eb), (a, b) = engines, pair
+    take_turn(ea, a, "r", random_prompt(12, 4))
+    assert b.require("r").latest("main").turn == 1
+    plan_a, plan_b = a.begin("r"), b.begin("r")
+    assert plan_a.turn == plan_b.turn == 2
+    take_turn_from(ea, a, plan_a, random_prompt(3, 5))
+    with pytest.raises(StaleViewError, match="another replica"):
+        take_turn_from(eb, b, plan_b, random_prompt(4, 6))
+    turn, out, _, plan = take_turn(eb, b, "r", random_prompt(2, 7))  # B reads the conversation afresh
+    assert plan.turn == 3
+    winner = a.require("r").turns["main/000002"]
+    assert b.require("r").turns["main/000002"].new_tokens == winner.new_tokens
+    history = plan.history_tokens + random_prompt(2, 7)
+    assert out.token_ids == full_generation(eb, history)
+
+
+def test_a_replica_whose_view_went_stale_hands_back_the_slot_it_kept(engines, pair):
+    """B kept turn 1's engine slot (ACTIVE); A records turn 2: B's next read drops its copy and
+    hands the slot back, so that no state of a turn the store may record differently is adopted."""
+    (ea, eb), (a, b) = engines, pair
+    take_turn(eb, b, "s", random_prompt(8, 11))
+    assert b.active.holds("s", "main/000001")
+    b.active.take_released()
+    take_turn(ea, a, "s", random_prompt(3, 12))
+    assert b.require("s").latest("main").turn == 2  # read afresh from the store
+    assert not b.active.holds("s", "main/000001")
+    assert b.active.take_released() == [retain_key("s", "main/000001")]
+
+
+def test_two_replicas_creating_one_conversation_exactly_one_records_it(engines, pair):
+    (ea, eb), (a, b) = engines, pair
+    plan_a, plan_b = a.begin("n"), b.begin("n")
+    take_turn_from(ea, a, plan_a, random_prompt(6, 8))
+    with pytest.raises(StaleViewError):
+        take_turn_from(eb, b, plan_b, random_prompt(6, 9))
+    assert b.require("n").turns["main/000001"].new_tokens[:6] == random_prompt(6, 8)
+
+
+def test_an_unreachable_store_is_an_os_error_naming_the_store(engines, tmp_path):
+    manager = replica(engines[0], tmp_path, url="s3://engram-test/p")
+    manager.store.remote = obstore.store.S3Store(
+        "engram-test",
+        endpoint="http://127.0.0.1:9",
+        region="us-east-1",
+        access_key_id="k",
+        secret_access_key="s",
+        allow_http=True,
+        client_options={"connect_timeout": "1s"},
+        retry_config={"max_retries": 0},
+    )
+    with pytest.raises(StoreUnavailableError, match="the object store s3://engram-test/p failed") as e:
+        manager.begin("u")
+    assert isinstance(e.value, OSError)
+
+
+def test_store_urls():
+    assert remote_url(None) is None and remote_url("/data/snapshots") is None and remote_url("file:///data") is None
+    assert remote_url("s3://b/p") == "s3://b/p"
+    with pytest.raises(StoreConfigError, match="scheme"):
+        remote_url("ftp://host/x")
+
+
+def take_turn_from(engine, manager, plan, new_tokens):
+    """Finish an already begun turn (a plan from `manager.begin`) on `engine`."""
+    prompt = plan.history_tokens + new_tokens
+    engine.add_request("t", prompt, greedy(4), initial_state=plan.state, capture_state=True)
+    out = run_to_end(engine)["t"]
+    return manager.finish(plan, prompt, out.token_ids, [{"role": "user", "content": "x"}], out.state)
