@@ -326,7 +326,7 @@ class ChatCompletionRequest(_OpenAIRequest, _ChatTemplateOptions, _ChatExtras):
         return self
 
     @model_validator(mode="after")
-    def _tool_choice(self) -> ChatCompletionRequest:
+    def _resolve_tools(self) -> ChatCompletionRequest:
         self._tools, self._tool_choice = resolve_tools(self.tools, self.tool_choice, self.functions, self.function_call)
         grammar = tool_grammar(self._tools, self._tool_choice, self.parallel_tool_calls)
         if grammar is not None:
