@@ -12,6 +12,8 @@ import jsonschema
 import pytest
 from server_utils import ServerProcess, openai_client, running_server
 
+from engram.server.protocol import ChatCompletionRequest
+
 MODEL = "m"
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7},
@@ -23,6 +25,12 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 RECORDED = ('<think>\nThe user asks for the weather.\n</think>\n\nLet me check.\n<tool_call>\n'
             '{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>')
+
+
+def test_an_unvalidated_request_has_the_default_tool_setup():
+    """The resolved tools and choice are private attributes: `model_construct`, which runs no
+    validator, leaves their defaults (no tools, choice "none")."""
+    assert ChatCompletionRequest.model_construct(messages=[]).tool_setup() == ([], "none")
 
 
 @pytest.fixture(scope="module")

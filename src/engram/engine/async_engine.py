@@ -14,9 +14,9 @@ import asyncio
 import logging
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncGenerator, Callable, Iterable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
 from engram.engine.request import RequestOutput, SamplingParams, merge_outputs
 
@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 Item = RequestOutput | BaseException
+# A request's outputs: closing it (`aclose`, `contextlib.aclosing`) aborts the request.
+RequestOutputs: TypeAlias = AsyncGenerator[RequestOutput, None]
 
 
 class EngineDeadError(RuntimeError):
@@ -114,7 +116,7 @@ class AsyncEngine:
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, **kwargs: Any
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> RequestOutputs:
         """Yield the request's outputs until it finishes. Bad input raises ValueError on the
         first iteration; a consumer that stops early aborts the request."""
         stream = _Stream(asyncio.get_running_loop())

@@ -12,7 +12,8 @@ import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI
+from fastapi import APIRouter, FastAPI
+from fastapi.routing import APIRoute
 
 from engram.args import ServerArgs
 from engram.engine.async_engine import AsyncEngine
@@ -37,10 +38,18 @@ def _reload_keys_on_sighup(keys: KeyRing) -> bool:
     return True
 
 
+def _paths(router: APIRouter) -> list[str]:
+    """The paths of the router's routes: every one an API route, else it would go unguarded."""
+    routes = [route for route in router.routes if isinstance(route, APIRoute)]
+    if len(routes) != len(router.routes):
+        raise TypeError(f"an admin router holds a route without a path for the admin key to guard: {router.routes}")
+    return [route.path for route in routes]
+
+
 def create_app(engine: AsyncEngine, args: ServerArgs) -> FastAPI:
     manager = build_manager(engine.engine, args)
     admin_routers = (native_routes.admin_router, snapshot_routes.admin_router)
-    admin_paths = frozenset(route.path for r in admin_routers for route in r.routes)
+    admin_paths = frozenset(path for router in admin_routers for path in _paths(router))
     keys = KeyRing(args.api_key, args.api_keys_file, args.admin_api_key, admin_paths)
 
     @asynccontextmanager

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +19,7 @@ from typing import Any
 import jinja2
 
 from engram.args import ServerArgs
-from engram.engine.async_engine import AsyncEngine
+from engram.engine.async_engine import AsyncEngine, RequestOutputs
 from engram.engine.engine import LLMEngine
 from engram.engine.request import FinishReason, RequestOutput, SlotNotRetainedError
 from engram.models.embedded import default_cache_dir
@@ -163,8 +163,10 @@ class ConversationTurns:
         (without logprobs). The retry must send the same messages (alone, or after the history)."""
         conv = self.manager.require(conversation_id)
         answer = turn.answer
+        assert answer is not None, "the turn was found by its answer's idempotency key"
+        parent = conv.turns[turn.parent] if turn.parent is not None else None
         sent = turn.new_messages[:-1] if answer.completion_tokens else turn.new_messages
-        if messages not in (sent, conv.messages(conv.turns.get(turn.parent)) + sent):
+        if messages not in (sent, conv.messages(parent) + sent):
             raise APIError(422, f"this Idempotency-Key made turn {turn.turn} of conversation {conversation_id!r} "
                                 "with other messages", param="Idempotency-Key", code="idempotency_key_reused")
         tokens = conv.tokens(turn)
@@ -186,7 +188,7 @@ class ConversationTurns:
             kwargs["retain_key"] = retain_key(plan.conversation_id, plan.ref)
         return kwargs
 
-    async def start(self, plan: TurnPlan, generate: Callable[..., Awaitable[AsyncIterator[RequestOutput]]]) -> AsyncIterator[RequestOutput]:
+    async def start(self, plan: TurnPlan, generate: Callable[..., Awaitable[RequestOutputs]]) -> RequestOutputs:
         """Start the turn's request with `generate(**engine_kwargs)`. If the slot `begin` found
         was reclaimed before the engine came to adopt it, the state the turn falls back to is
         fetched only then (off the event loop: it may read a snapshot) and the request starts from it."""
@@ -266,8 +268,8 @@ class ConversationTurns:
         return closing[len(fed) :] if closing.startswith(fed) else closing
 
     async def record(
-        self, rid: str, plan: TurnPlan, new_messages: list[dict], outputs: AsyncIterator[RequestOutput], reply: ReplyFormat | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+        self, rid: str, plan: TurnPlan, new_messages: list[dict], outputs: RequestOutputs, reply: ReplyFormat | None = None,
+    ) -> RequestOutputs:
         """Pass the outputs through, recording the turn before its final output goes on: a client
         that has read the end of a reply holds a recorded turn (on disk, with sync durability), and
         a record that fails is the request's error in its place. An aborted or failed request
@@ -299,7 +301,8 @@ class ConversationTurns:
         reply = fmt.read(out.text) if out.token_ids else None
         messages = new_messages + ([reply.message()] if reply is not None else [])
         parsed = reply is not None and reply.content != out.text
-        answer = TurnAnswer(plan.idempotency_key, out.finish_reason.value, out.stop_reason, len(out.token_ids), out.num_cached_tokens,
+        reason = out.finish_reason.value if out.finish_reason is not None else None
+        answer = TurnAnswer(plan.idempotency_key, reason, out.stop_reason, len(out.token_ids), out.num_cached_tokens,
                             out.text if parsed else None)
         work = asyncio.ensure_future(asyncio.to_thread(
             self.manager.finish, plan, out.prompt_token_ids, out.token_ids, messages, out.state,

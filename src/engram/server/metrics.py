@@ -153,7 +153,8 @@ class _StateCollector(Collector):
 
 
 def _buckets(h: StoreHistogram) -> list[tuple[str, float]]:
-    cumulative, out = 0, []
+    cumulative = 0
+    out: list[tuple[str, float]] = []
     for bound, count in zip((*h.buckets, float("inf")), h.counts):
         cumulative += count
         out.append(("+Inf" if bound == float("inf") else str(bound), cumulative))

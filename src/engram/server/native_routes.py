@@ -16,6 +16,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from engram.engine.async_engine import RequestOutputs
 from engram.engine.request import FinishReason, RequestOutput, SamplingParams, TokenLogprob
 from engram.server.auth import caller_is_admin, caller_of
 from engram.server.errors import APIError
@@ -53,14 +54,14 @@ async def generate(request: GenerateRequest, raw_request: Request):
         return generate_response(rid, out, logprobs if request.return_logprob else None, start, token_text)
     rids = request.rid if isinstance(request.rid, list) else [request.rid or uuid.uuid4().hex] * len(prompts)
     names = [rid if n == 1 else f"{rid}-{j}" for rid in rids for j in range(n)]  # prompt-major, as SGLang
-    streams: list[AsyncIterator[RequestOutput]] = []
+    streams: list[RequestOutputs] = []
     try:
         for i, (rid, prompt_ids) in enumerate(zip(rids, prompts)):
             engine_rid = engine_request_id(tenant, rid if isinstance(request.rid, list) else f"{rid}-p{i}")
             streams += await s.generate_choices(engine_rid, prompt_ids, params, n)
     except BaseException:
         for stream in streams:
-            await stream.aclose()  # type: ignore[attr-defined]
+            await stream.aclose()
         raise
     if request.stream:
         return sse_response(batch_events(names, request.return_logprob, start, streams, token_text))
@@ -80,7 +81,7 @@ async def generate_events(
 
 
 async def batch_events(
-    names: list[str], return_logprob: bool, start: float, streams: list[AsyncIterator[RequestOutput]], token_text: TokenText | None
+    names: list[str], return_logprob: bool, start: float, streams: list[RequestOutputs], token_text: TokenText | None
 ) -> AsyncIterator[str]:
     """A batch's streams (prompt-major, n per prompt) as they come: each event is `generate_events`'
     cumulative response of one of them, with its `index` in the batch (as SGLang)."""
@@ -203,10 +204,10 @@ async def abort_request(request: AbortRequest, raw_request: Request) -> dict[str
     server without --admin-api-key) reaches only that tenant's requests."""
     engine = get_serving(raw_request).engine
     tenant = caller_of(raw_request).tenant
-    if request.abort_all:
-        await engine.abort_all(prefix="" if tenant is None else engine_request_id(tenant, ""))
-    else:
+    if request.rid is not None:  # the protocol refuses a rid with abort_all
         await engine.abort(engine_request_id(tenant, request.rid))
+    else:
+        await engine.abort_all(prefix="" if tenant is None else engine_request_id(tenant, ""))
     return {"success": True}
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from engram.engine.async_engine import RequestOutputs
 from engram.engine.request import RequestOutput, SamplingParams, TokenLogprob
 from engram.server.auth import Caller, caller_is_admin, caller_of
 from engram.server.chat_reply import Reply, ReplyDelta, ReplyFormat
@@ -80,8 +81,10 @@ async def tokenize(request: TokenizeRequest, raw_request: Request) -> TokenizeRe
         s.check_model(request.model)
     if request.messages is not None:
         tokens = await s.encode_chat([m.template_dict() for m in request.messages], request.template_options())
-    else:
+    elif request.prompt is not None:
         tokens = await s.encode_prompt(request.prompt, request.add_special_tokens)
+    else:
+        raise APIError(400, "give exactly one of prompt and messages", param="prompt")
     return TokenizeResponse(count=len(tokens), max_model_len=s.engine.engine.max_context_length, tokens=tokens)
 
 
@@ -109,7 +112,8 @@ async def chat_completions(request: ChatCompletionRequest, raw_request: Request)
         prompt = await s.encode_chat(messages, request.chat_template_options())
         streams = await s.generate_choices(engine_request_id(caller_of(raw_request).tenant, rid), prompt, params, request.n)
     else:  # one choice (the protocol refuses n > 1 there)
-        where, outputs = await _conversation_turn(s, request, rid, messages, params, caller_of(raw_request), key, fmt)
+        where, outputs = await _conversation_turn(s, request, request.conversation_id, rid, messages, params, caller_of(raw_request),
+                                                  key, fmt)
         fmt = dataclasses.replace(fmt, call_ids=turn_call_ids(where))
         streams = [outputs]
     if request.stream:
@@ -142,19 +146,19 @@ def _message(reply: Reply) -> AssistantMessage:
 
 
 async def _conversation_turn(
-    s: Serving, request: ChatCompletionRequest, rid: str, messages: list[dict], params: SamplingParams, caller: Caller,
-    idempotency_key: str | None, fmt: ReplyFormat,
-) -> tuple[ConversationFields, AsyncIterator[RequestOutput]]:
+    s: Serving, request: ChatCompletionRequest, conversation_id: str, rid: str, messages: list[dict], params: SamplingParams,
+    caller: Caller, idempotency_key: str | None, fmt: ReplyFormat,
+) -> tuple[ConversationFields, RequestOutputs]:
     """Start the next turn of a server-side conversation: restore its state, feed only the new tokens.
     A retry of a turn already made (same idempotency key) is answered as it was."""
     turns = s.conversations
     s.check_prompt_chars(message_chars(messages), "messages")
-    timer = s.metrics.timer(request.conversation_id)  # from arrival: the turn's planning and its prompt count
-    plan = await turns.begin(request.conversation_id, request.branch, request.from_turn, caller.restricted_to, idempotency_key,
+    timer = s.metrics.timer(conversation_id)  # from arrival: the turn's planning and its prompt count
+    plan = await turns.begin(conversation_id, request.branch, request.from_turn, caller.restricted_to, idempotency_key,
                              request.expected_turn, request.from_conversation)
     if isinstance(plan, Turn):
-        where = ConversationFields(conversation_id=request.conversation_id, branch=plan.branch, turn=plan.turn, epoch=s.epoch)
-        return where, _one(turns.replay(request.conversation_id, plan, messages))
+        where = ConversationFields(conversation_id=conversation_id, branch=plan.branch, turn=plan.turn, epoch=s.epoch)
+        return where, _one(turns.replay(conversation_id, plan, messages))
     try:
         messages = new_messages(plan.history_messages, messages)
         # the template and tokenizer, off the event loop
@@ -167,7 +171,7 @@ async def _conversation_turn(
     return where, turns.record(rid, plan, messages, outputs, dataclasses.replace(fmt, call_ids=turn_call_ids(where)))
 
 
-async def _one(out: RequestOutput) -> AsyncIterator[RequestOutput]:
+async def _one(out: RequestOutput) -> RequestOutputs:
     yield out
 
 
@@ -195,7 +199,7 @@ def _check_routing_header(request: ChatCompletionRequest, raw_request: Request) 
 
 
 async def _chat_events(
-    s: Serving, request: ChatCompletionRequest, rid: str, streams: list[AsyncIterator[RequestOutput]], where: ConversationFields,
+    s: Serving, request: ChatCompletionRequest, rid: str, streams: list[RequestOutputs], where: ConversationFields,
     fmt: ReplyFormat,
 ) -> AsyncIterator[str]:
     created = int(time.time())
@@ -235,13 +239,13 @@ async def completions(request: CompletionRequest, raw_request: Request):
     params = s.sampling_params(request.sampling_fields())
     rid = f"cmpl-{request.request_id or uuid.uuid4().hex}"
     engine_rid = engine_request_id(caller_of(raw_request).tenant, rid)
-    streams: list[AsyncIterator[RequestOutput]] = []
+    streams: list[RequestOutputs] = []
     try:
         for i, prompt_ids in enumerate(prompts):  # prompt-major: choice j of prompt i is i * n + j
             streams += await s.generate_choices(engine_rid if len(prompts) == 1 else f"{engine_rid}-p{i}", prompt_ids, params, request.n)
     except BaseException:
         for stream in streams:
-            await stream.aclose()  # type: ignore[attr-defined]
+            await stream.aclose()
         raise
     echoes = [await _echo(s, prompt, ids) if request.echo else None for prompt, ids in zip(request.prompts, prompts)
               for _ in range(request.n)]
@@ -277,7 +281,7 @@ async def _echo(s: Serving, prompt: str | list[int], prompt_ids: list[int]) -> _
 
 
 async def _completion_events(
-    s: Serving, request: CompletionRequest, rid: str, streams: list[AsyncIterator[RequestOutput]], echoes: list[_Echo | None]
+    s: Serving, request: CompletionRequest, rid: str, streams: list[RequestOutputs], echoes: list[_Echo | None]
 ) -> AsyncIterator[str]:
     created = int(time.time())
 
@@ -290,12 +294,13 @@ async def _completion_events(
     async with aclosing(interleave(streams)) as outputs:
         async for i, out in outputs:
             last[i] = out
-            echo = echoes[i] if i not in echoed else None
+            prompt_echo = echoes[i]
+            echo = prompt_echo if i not in echoed else None
             echoed.add(i)
             if echo is None and out.new_text and out.logprobs is None and not out.finished:  # most tokens: the chunk serialized once
                 yield text_events(i, out.new_text)
             elif echo is not None or out.new_text or out.logprobs or out.finished:
-                offset = len(out.text) - len(out.new_text) + (len(echoes[i].text) if echoes[i] is not None else 0)
+                offset = len(out.text) - len(out.new_text) + (len(prompt_echo.text) if prompt_echo is not None else 0)
                 logprobs = _completion_logprobs(s, out.logprobs, offset if echo is None else 0, echo, out.prompt_logprobs)
                 text = out.new_text if echo is None else echo.text + out.new_text
                 yield sse(chunk([CompletionChoice(index=i, text=text, logprobs=logprobs, **_finish(s, out))]))

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, TypeAlias
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, Strict, model_serializer, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, Strict, model_serializer, model_validator
 
 from engram.engine.request import RequestOutput, StructuredOutputsParams
 from engram.server.tools import (
@@ -35,6 +35,8 @@ MAX_PROMPTS = 64  # a batch of prompts on /v1/completions, /generate and /v1/emb
 # structured-outputs key each one stands for.
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar",
                  "regex": "regex", "ebnf": "grammar"}
+# SGLang's constrained-decoding fields of /generate's sampling_params: the structured-outputs key of each.
+NATIVE_CONSTRAINT_FIELDS = {"json_schema": "json", "regex": "regex", "ebnf": "grammar"}
 # Arguments of `apply_chat_template` that a request's chat_template_kwargs may not set (its own
 # template, other messages or tools, tokenization, or the fields that have names of their own).
 TEMPLATE_RESERVED_KWARGS = frozenset({"chat_template", "conversation", "messages", "tools", "documents", "tokenize", "return_dict",
@@ -71,16 +73,14 @@ class _Request(BaseModel):
         return {key: value for key, value in data.items() if key not in cls._UNSUPPORTED}
 
 
-def _refused(why: str) -> Any:
-    """A field that is refused whenever it is given, for the reason `why` (given in the error)."""
-    def check(value: Any) -> Any:
-        if value is not None:
-            raise ValueError(why)
-        return value
-    return Annotated[Any, AfterValidator(check)]
+def _no_conversation(value: object) -> object:
+    if value is not None:
+        raise ValueError("server-side conversations are on /v1/chat/completions")
+    return value
 
 
-ConversationIdElsewhere = _refused("server-side conversations are on /v1/chat/completions")
+# `conversation_id` on a route without conversations: any value but null is refused, saying where they are.
+ConversationIdElsewhere: TypeAlias = Annotated[None, BeforeValidator(_no_conversation)]
 
 
 # ---- OpenAI requests ------------------------------------------------------------------------
@@ -103,7 +103,7 @@ class StructuredOutputsRequest(_Request):
     disable_any_whitespace: bool = False
 
     def params(self) -> StructuredOutputsParams:
-        keys = {"json": self.json_, "regex": self.regex, "choice": self.choice, "grammar": self.grammar,
+        keys: dict[str, Any] = {"json": self.json_, "regex": self.regex, "choice": self.choice, "grammar": self.grammar,
                 "json_object": self.json_object or None}
         given = [key for key, value in keys.items() if value is not None]
         source = f"structured_outputs.{given[0]}" if len(given) == 1 else "structured_outputs"
@@ -137,6 +137,13 @@ class ResponseFormat(_Request):
         if self.json_schema is not None:
             return StructuredOutputsParams(json=self.json_schema.schema_, source="response_format.json_schema.schema")
         return None
+
+
+def _field_constraints(request: BaseModel, fields: dict[str, str], prefix: str = "") -> list[StructuredOutputsParams]:
+    """The constraints the request's `fields` (field name -> structured-outputs key) give, each
+    named `prefix` + its field in errors."""
+    return [StructuredOutputsParams(**{key: getattr(request, name)}, source=prefix + name)
+            for name, key in fields.items() if getattr(request, name) is not None]
 
 
 def only_one_constraint(found: list[StructuredOutputsParams]) -> StructuredOutputsParams | None:
@@ -196,9 +203,7 @@ class _OpenAIRequest(_Request):
                              "or structured_outputs {'json': ...}")
         found = [p for p in (self.response_format.params() if self.response_format else None,
                              self.structured_outputs.params() if self.structured_outputs else None) if p is not None]
-        found += [StructuredOutputsParams(**{key: getattr(self, name)}, source=name)
-                  for name, key in GUIDED_FIELDS.items() if getattr(self, name) is not None]
-        self._structured = only_one_constraint(found)
+        self._structured = only_one_constraint(found + _field_constraints(self, GUIDED_FIELDS))
         return self
 
     @model_validator(mode="after")
@@ -326,7 +331,7 @@ class ChatCompletionRequest(_OpenAIRequest, _ChatTemplateOptions, _ChatExtras):
         return self
 
     @model_validator(mode="after")
-    def _tool_choice(self) -> ChatCompletionRequest:
+    def _resolve_tools(self) -> ChatCompletionRequest:
         self._tools, self._tool_choice = resolve_tools(self.tools, self.tool_choice, self.functions, self.function_call)
         grammar = tool_grammar(self._tools, self._tool_choice, self.parallel_tool_calls)
         if grammar is not None:
@@ -374,7 +379,7 @@ class CompletionRequest(_OpenAIRequest):
         return self
 
     @property
-    def prompts(self) -> list[str] | list[list[int]]:
+    def prompts(self) -> list[str | list[int]]:
         return prompt_batch(self.prompt)
 
     def sampling_fields(self) -> dict[str, Any]:
@@ -599,7 +604,7 @@ class EmbeddingRequest(_Request):
     conversation_id: ConversationIdElsewhere = None
 
     @property
-    def inputs(self) -> list[str] | list[list[int]]:
+    def inputs(self) -> list[str | list[int]]:
         return prompt_batch(self.input)
 
 
@@ -652,10 +657,7 @@ class NativeSamplingParams(_Request):
 
     @model_validator(mode="after")
     def _one_output_constraint(self) -> NativeSamplingParams:
-        found = [StructuredOutputsParams(**{key: value}, source=f"sampling_params.{name}")
-                 for name, key, value in (("json_schema", "json", self.json_schema), ("regex", "regex", self.regex),
-                                          ("ebnf", "grammar", self.ebnf)) if value is not None]
-        self._structured = only_one_constraint(found)
+        self._structured = only_one_constraint(_field_constraints(self, NATIVE_CONSTRAINT_FIELDS, "sampling_params."))
         return self
 
 
@@ -710,7 +712,7 @@ class GenerateRequest(_Request):
         return is_prompt_batch(self.text if self.text is not None else self.input_ids)
 
     @property
-    def prompts(self) -> list[str] | list[list[int]]:
+    def prompts(self) -> list[str | list[int]]:
         return prompt_batch(self.text if self.text is not None else self.input_ids)
 
     def sampling_fields(self) -> dict[str, Any]:
@@ -750,17 +752,16 @@ class GenerateResponse(BaseModel):
 _SNAPSHOT_ID_RE = re.compile(r"(?:[^/]{1,128}/)?[0-9]{1,6}")  # "<branch>/<turn>" or "<turn>", ASCII digits
 
 
-class SnapshotSelector(_Request):
+class _TurnSelector(_Request):
     """A turn of a conversation: `turn_number` on `branch_name`, or `snapshot_id` ("branch/000003"
     or "3"); the latest turn of the branch when neither is given."""
 
-    conversation_id: str
     turn_number: int | None = Field(default=None, ge=1)
     branch_name: str | None = None
     snapshot_id: str | None = None
 
     @model_validator(mode="after")
-    def _snapshot_id_form(self) -> SnapshotSelector:
+    def _snapshot_id_form(self) -> _TurnSelector:
         if self.snapshot_id is not None and not _SNAPSHOT_ID_RE.fullmatch(self.snapshot_id):
             raise ValueError(f"snapshot_id {self.snapshot_id!r:.80} is not '<branch>/<turn>' or '<turn>'")
         return self
@@ -774,8 +775,12 @@ class SnapshotSelector(_Request):
         return head or default, int(tail)
 
 
-class SaveSnapshotRequest(SnapshotSelector):
-    conversation_id: str | None = None
+class SnapshotSelector(_TurnSelector):
+    conversation_id: str
+
+
+class SaveSnapshotRequest(_TurnSelector):
+    conversation_id: str | None = None  # None: the conversation of the request `rid`
     rid: str | None = None
 
     @model_validator(mode="after")

@@ -13,14 +13,14 @@ import json
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from contextlib import aclosing
 from typing import Any
 
 import jinja2
 from fastapi import Request
 
-from engram.engine.async_engine import AsyncEngine
+from engram.engine.async_engine import AsyncEngine, RequestOutputs
 from engram.engine.request import SEED_RANGE, RequestOutput, SamplingParams, StructuredOutputsParams, TokenLogprob
 from engram.server.chat_reply import ReplyParsers
 from engram.server.conversations import ConversationTurns
@@ -138,7 +138,7 @@ class Serving:
     async def generate(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, timer: RequestTimer | None = None,
         cache_prefix: bool = False, **kwargs: Any,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> RequestOutputs:
         """Start a request and wait for its first output, so that bad input (the engine raises
         ValueError) is answered with 400 before a response, streaming or not, has begun. `timer`:
         when the request arrived, if before now. `cache_prefix`: a request of no conversation,
@@ -164,7 +164,7 @@ class Serving:
 
     async def generate_choices(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, n: int
-    ) -> list[AsyncIterator[RequestOutput]]:
+    ) -> list[RequestOutputs]:
         """`generate` for OpenAI's n choices of one prompt, each its own engine request, started
         together (after their shared prefill, for long prompts). Returns once the first has its first
         output (bad input fails them all alike), so a stream begins while choices beyond the free
@@ -251,7 +251,7 @@ def _bad_input_is_400() -> Iterator[None]:
         raise APIError(400, str(e)) from None
 
 
-async def _started(start: asyncio.Future[AsyncIterator[RequestOutput]], shared_len: int) -> AsyncIterator[RequestOutput]:
+async def _started(start: asyncio.Future[RequestOutputs], shared_len: int) -> RequestOutputs:
     """The outputs of a choice whose start may still be pending; closing this aborts it either way.
     The `shared_len` tokens of the choices' shared prefill were computed for this request, so they
     are not reported as cached."""
@@ -268,7 +268,7 @@ def _nth_choice(params: SamplingParams, i: int) -> SamplingParams:
     return params if params.seed is None or i == 0 else dataclasses.replace(params, seed=(params.seed + i) % SEED_RANGE)
 
 
-async def _timed(outputs: AsyncIterator[RequestOutput], first: RequestOutput, timer: RequestTimer) -> AsyncIterator[RequestOutput]:
+async def _timed(outputs: RequestOutputs, first: RequestOutput, timer: RequestTimer) -> RequestOutputs:
     async with aclosing(outputs):  # closing this generator aborts the request
         out = first
         while True:
@@ -279,7 +279,7 @@ async def _timed(outputs: AsyncIterator[RequestOutput], first: RequestOutput, ti
             out = await anext(outputs)
 
 
-async def _admitting(outputs: AsyncIterator[RequestOutput], cache: PrefixCache) -> AsyncIterator[RequestOutput]:
+async def _admitting(outputs: RequestOutputs, cache: PrefixCache) -> RequestOutputs:
     """The outputs as they come; the prompt's state goes into the prefix cache once it is there."""
     async with aclosing(outputs):
         async for out in outputs:
@@ -296,7 +296,7 @@ async def collect(outputs: AsyncIterator[RequestOutput]) -> tuple[RequestOutput,
     return out, logprobs
 
 
-async def collect_choices(streams: list[AsyncIterator[RequestOutput]]) -> list[tuple[RequestOutput, list[TokenLogprob]]]:
+async def collect_choices(streams: list[RequestOutputs]) -> list[tuple[RequestOutput, list[TokenLogprob]]]:
     """`collect` for every choice at once; one that fails aborts the others."""
     if len(streams) == 1:
         return [await collect(streams[0])]
@@ -308,7 +308,7 @@ async def collect_choices(streams: list[AsyncIterator[RequestOutput]]) -> list[t
             drain.cancel()
 
 
-async def interleave(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def interleave(streams: list[RequestOutputs]) -> AsyncGenerator[tuple[int, RequestOutput], None]:
     """(choice index, output) from every stream as they come; closing this closes them all."""
     if len(streams) == 1:
         async with aclosing(streams[0]):

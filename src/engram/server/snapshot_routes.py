@@ -40,9 +40,10 @@ def _turn_of(s: Serving, selector: SnapshotSelector, raw_request: Request) -> tu
     manager = s.conversations.manager
     conv = manager.require(selector.conversation_id, caller_of(raw_request).restricted_to)
     branch, turn = selector.target()
-    if validate_id(branch, "branch") not in conv.branches():
+    head = conv.heads().get(validate_id(branch, "branch"))
+    if head is None:
         raise APIError(404, f"conversation {selector.conversation_id!r} has no branch {branch!r}")
-    return conv, manager.find_turn(conv, branch, turn)  # an existing branch has a latest turn
+    return conv, head if turn is None else manager.find_turn(conv, branch, turn)
 
 
 def _visible(manager: ConversationManager, conversation_id: str, tenant: str | None) -> bool:
@@ -84,13 +85,12 @@ async def save_snapshot(body: SaveSnapshotRequest, raw_request: Request) -> dict
     """Snapshot a turn whose state is still held: by conversation (latest turn when no selector)
     or by the `rid` of the chat request that made it."""
     s = get_serving(raw_request)
-    if body.conversation_id is None:
-        made = s.conversations.by_request.get(body.rid)
-        if made is None:
-            raise APIError(404, f"no finished conversation turn was made by request {body.rid!r}")
-        conversation_id, branch, turn = made
-    else:
+    if body.conversation_id is not None:
         conversation_id, (branch, turn) = body.conversation_id, body.target()
+    elif body.rid is not None and body.rid in s.conversations.by_request:
+        conversation_id, branch, turn = s.conversations.by_request[body.rid]
+    else:  # the protocol refuses a request with neither
+        raise APIError(404, f"no finished conversation turn was made by request {body.rid!r}")
     s.conversations.manager.require(conversation_id, caller_of(raw_request).restricted_to)
     saved = await asyncio.to_thread(s.conversations.manager.save, conversation_id, branch, turn)
     return {"success": True, "conversation_id": conversation_id, "branch_name": saved.branch, "turn_number": saved.turn,
@@ -178,7 +178,7 @@ def _conversation_summary(conv: Conversation) -> dict[str, Any]:
         "object": "conversation",
         "created_at": conv.created_at,
         "owner": conv.owner,
-        "latest_turns": {branch: conv.latest(branch).turn for branch in conv.branches()},
+        "latest_turns": {branch: head.turn for branch, head in conv.heads().items()},
     }
 
 
@@ -193,12 +193,8 @@ async def get_conversation(conversation_id: str, raw_request: Request) -> dict[s
         "owner": conv.owner,
         "epoch": s.epoch,
         "branches": {
-            branch: {
-                "latest_turn": conv.latest(branch).turn,
-                "token_count": len(conv.tokens(conv.latest(branch))),
-                "messages": conv.messages(conv.latest(branch)),
-            }
-            for branch in conv.branches()
+            branch: {"latest_turn": head.turn, "token_count": len(conv.tokens(head)), "messages": conv.messages(head)}
+            for branch, head in conv.heads().items()
         },
         "turns": [
             {"branch": t.branch, "turn": t.turn, "parent": t.parent, "snapshot": t.snapshot, "state_len": t.state_len,

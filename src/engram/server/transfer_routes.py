@@ -53,6 +53,6 @@ async def import_conversation(raw_request: Request, conversation_id: str | None 
         "id": conv.conversation_id,
         "object": "conversation",
         "owner": conv.owner,
-        "latest_turns": {branch: conv.latest(branch).turn for branch in conv.branches()},
+        "latest_turns": {branch: head.turn for branch, head in conv.heads().items()},
         "snapshots": sum(t.snapshot for t in conv.turns.values()),
     }

@@ -16,7 +16,7 @@ import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import IO
+from typing import IO, overload
 
 from engram.models.spec import ModelSpec
 from engram.state.chunks import DEFAULT_CHUNK_TOKENS, ORPHAN_GRACE_S, PrefixHasher, StoredState
@@ -229,6 +229,11 @@ class ConversationManager:
         return out
 
     # ---- turns --------------------------------------------------------------------------------
+
+    @overload
+    def find_turn(self, conv: Conversation, branch: str, turn: int) -> Turn: ...
+    @overload
+    def find_turn(self, conv: Conversation, branch: str, turn: int | None) -> Turn | None: ...
 
     def find_turn(self, conv: Conversation, branch: str, turn: int | None) -> Turn | None:
         """Turn `turn` as seen from `branch` (its own turns or an ancestor's; for a branch without

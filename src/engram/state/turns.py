@@ -127,6 +127,10 @@ class Conversation:
     def branches(self) -> list[str]:
         return sorted({t.branch for t in self.turns.values()})
 
+    def heads(self) -> dict[str, Turn]:
+        """The latest turn of every branch, by branch name in order."""
+        return {t.branch: t for t in sorted(self.turns.values(), key=lambda t: (t.branch, t.turn))}  # the last one stays
+
     def made_by(self, idempotency_key: str) -> Turn | None:
         """The turn the request with this idempotency key made."""
         return next((t for t in self.turns.values() if t.answer is not None and t.answer.idempotency_key == idempotency_key), None)
