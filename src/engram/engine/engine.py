@@ -206,10 +206,11 @@ class LLMEngine:
             return (StatePool(spec, args.max_running_requests, dtypes, self.device),
                     KVPool(spec, self.plan.num_kv_blocks, args.kv_block_size, dtypes.kv, self.device))
         leader = self.tp_leader
-        leader.start(rank_state(args, self.spec, leader.tp, self.device, self.model), args.max_running_requests, self.plan.num_kv_blocks)
+        own = rank_state(args, self.spec, leader.tp, self.device, self.model)
+        leader.start(own, args.max_running_requests, self.plan.num_kv_blocks)
         state_pool = LeaderStatePool(leader, spec, args.max_running_requests, dtypes, self.device)
         kv_pool = LeaderKVPool(leader, spec, self.plan.num_kv_blocks, args.kv_block_size, dtypes.kv, self.device)
-        leader.state.state_pool, leader.state.kv_pool = state_pool, kv_pool
+        own.state_pool, own.kv_pool = state_pool, kv_pool
         return state_pool, kv_pool
 
     def close(self) -> None:
@@ -263,19 +264,19 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt = list(prompt_token_ids)  # the request's own copy (lists compare with the states' token lists)
         retained = self.scheduler.retained.get(resume_key) if resume_key is not None else None
-        adoptable = retained is not None and _prefix_mismatch(retained.tokens, retained.state_len, prompt) is None
-        if retained is not None and not adoptable:  # not this prompt's state
+        kept = retained if retained is not None and _prefix_mismatch(retained.tokens, retained.state_len, prompt) is None else None
+        if resume_key is not None and retained is not None and kept is None:  # not this prompt's state
             self.scheduler.drop_retained(resume_key)
-        if require_adoption and not adoptable:
+        if require_adoption and kept is None:
             raise SlotNotRetainedError(f"no retained slot under {resume_key!r} holds a prefix of this prompt")
-        restored = retained.state_len if adoptable else (initial_state.state_len if initial_state is not None else 0)
+        restored = kept.state_len if kept is not None else (initial_state.state_len if initial_state is not None else 0)
         self.check_request(prompt, params, restored)
         if (embed or params.prompt_logprobs is not None) and restored:
             raise ValueError(f"{'an embedding' if embed else 'prompt_logprobs'} needs every prompt token computed: "
                              f"{restored} of them come from a stored state")
         bad_words = bad_words_token_ids(self.tokenizer, params.bad_words) if params.bad_words else []
         if host_base is not None:
-            self._check_host_base(host_base, prompt, retained.state_len if adoptable and retained is not None else None)
+            self._check_host_base(host_base, prompt, kept.state_len if kept is not None else None)
         if initial_state is not None:
             self._check_prefix(initial_state.tokens, initial_state.state_len, prompt)
             # Structure only: values were checked where the state came from (a verified snapshot
@@ -287,8 +288,8 @@ class LLMEngine:
         seq = Sequence(request_id, prompt, params, generator, initial_state, capture_state, retain_key, internal)
         seq.capture_prompt = capture_prompt_state
         seq.embed, seq.bad_words_ids = embed, bad_words
-        seq.adopted = self.scheduler.adopt(resume_key) if adoptable else None
-        seq.host_base = host_base if adoptable else None
+        seq.adopted = self.scheduler.adopt(resume_key) if resume_key is not None and kept is not None else None
+        seq.host_base = host_base if kept is not None else None
         seq.matcher = self.grammars.matcher(grammar) if params.structured_outputs is not None else None
         seq.num_cached_tokens = seq.adopted.state_len if seq.adopted else (initial_state.state_len if initial_state else 0)
         self._requests[request_id] = seq
@@ -305,7 +306,7 @@ class LLMEngine:
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
         self.check_in_vocabulary("token ids", prompt_token_ids[restored_prefix if params.repetition_penalty == 1.0 else 0 :])
-        self.check_in_vocabulary("logit_bias token ids", params.logit_bias)
+        self.check_in_vocabulary("logit_bias token ids", params.logit_bias or {})
         self.check_in_vocabulary("allowed_token_ids", params.allowed_token_ids or [])
         limit = self.max_context_length
         if len(prompt_token_ids) >= limit:
@@ -383,6 +384,7 @@ class LLMEngine:
         for seq in admitted:  # the pages now hold the restored state's KV (none: recomputed, as after a preemption)
             seq.host_base = seq.initial_state if seq.initial_state is not None and _on_host(seq.initial_state) else None
             if seq.initial_state is not None:
+                assert seq.slot is not None, "an admitted sequence holds a slot"
                 started = time.perf_counter()
                 restore_state(self.state_pool, self.kv_pool, seq.slot, seq.blocks, seq.initial_state)
                 if self.device.type == "cuda":
@@ -405,6 +407,7 @@ class LLMEngine:
                 self._counters["prefill_computed"] += max(0, min(chunk.start + chunk.length, seq.num_prompt_tokens) - chunk.start)
                 seq.num_computed += chunk.length
                 if seq.capture_prompt and seq.num_computed == seq.num_prompt_tokens and chunk.length:
+                    assert seq.slot is not None, "a scheduled sequence holds a slot"
                     seq.prompt_recurrent = self._copy_recurrent(seq.slot)
             completing = [c.seq for c in chunks if c.completes]  # one logits row each, sampled unless finished
             outputs += [self._finish_prefill_only(seq) for seq in completing if seq.params.max_tokens == 0]
@@ -417,10 +420,9 @@ class LLMEngine:
         self._inflight = launched
         if launched is not None:
             self._mark_inflight(launched)
-        elif verify is not None:
-            outputs += self._verify_and_append(logits, chunks)
-        elif completing:
-            outputs += self._sample_and_append(logits, completing)
+        elif completing or verify is not None:
+            assert logits is not None, "a step that completes sequences ran a forward"
+            outputs += self._verify_and_append(logits, chunks) if verify is not None else self._sample_and_append(logits, completing)
         return outputs
 
     def _verify_and_append(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> list[RequestOutput]:
@@ -561,6 +563,7 @@ class LLMEngine:
     def _append_token(self, seq: Sequence, logits: torch.Tensor | None, token: int) -> None:
         p = seq.params
         if p.logprobs is not None:
+            assert logits is not None, "logprobs are taken on the host's path, with the step's logits"
             seq.pending_logprobs.append(token_logprob(logits, token, p.logprobs))
         seq.token_ids.append(token)
         if seq.output_counts is not None:
@@ -570,7 +573,7 @@ class LLMEngine:
         chars_before = len(seq.text)
         # before min_tokens, neither a stop token (masked, but a grammar may end) nor a stop string ends it, as in vLLM
         early = seq.num_output_tokens < p.min_tokens
-        stop_token = not early and ((not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids)
+        stop_token = not early and ((not p.ignore_eos and token in self.eos_token_ids) or token in (p.stop_token_ids or ()))
         if seq.matcher is not None:
             stop_token |= self._grammar_ends(seq, token)
         if not stop_token or p.include_stop_str_in_output:  # a stop token's text is left out, as in vLLM

@@ -22,6 +22,7 @@ import logging
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -103,9 +104,9 @@ class ModelRunner:
         self.max_context_length = max_context_length
         self._graphs: dict[int, tuple[_DecodeGraph, torch.Tensor]] = {}
         self._prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._pf: dict[str, torch.Tensor] | None = None
-        self._static: dict[str, torch.Tensor] | None = None
-        self._graph_pool = None
+        self._pf: dict[str, torch.Tensor] = {}  # a prefill graph's static inputs, made with the first one
+        self._static: dict[str, torch.Tensor] = {}  # a decode graph's, likewise
+        self._graph_pool: Any = None  # torch's graph memory pool handle, shared by every graph
         self._inputs_sent: torch.cuda.Event | None = None  # marks the last prefill replay's copies out of its pinned inputs
         self.num_graph_replays = 0
         self.num_graph_captures = 0
@@ -313,7 +314,7 @@ class ModelRunner:
         return graph, logits
 
     def _capture(self, b: int) -> None:
-        if self._static is None:
+        if not self._static:
             self._alloc_static()
         turns = self._turns
         turns.wait(0)  # the replays so far are done with the staged buffers and the host's tokens
@@ -411,7 +412,7 @@ class ModelRunner:
         )
 
     def _capture_prefill(self, tb: int) -> None:
-        if self._pf is None:
+        if not self._pf:
             self._alloc_prefill_static()
         h = self._pf_host_np
         h[:] = 0
