@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -11,6 +12,10 @@ from engram.args import EngineArgs
 from engram.engine.engine import LLMEngine
 from engram.engine.request import RequestOutput, SamplingParams
 from engram.state.chunks import STORE_NAME
+from engram.state.conversations import ConversationManager
+from engram.state.identity import ModelIdentity, tokenizer_fingerprint
+from engram.state.store import WarmCache
+from engram.state.tiers import SnapshotPolicy
 
 
 def make_engine(path: str, **overrides) -> LLMEngine:
@@ -71,3 +76,12 @@ def store_file(manifest_path: Path, piece: int | None = None) -> Path:
     refs = json.loads(manifest_path.read_text())["store"]
     kind, key = ("ckpt", refs["checkpoint"][0]) if piece is None else ("kv", refs["pieces"][piece][2])
     return manifest_path.parents[2] / STORE_NAME / kind / key[:2] / f"{key}.safetensors"
+
+
+def manager_of(engine: LLMEngine, root: Path | str | None, policy: SnapshotPolicy | None = None, warm: WarmCache | None = None,
+               **fields: Any) -> ConversationManager:
+    """A ConversationManager for `engine`'s model with snapshots under `root`; `fields` are the
+    constructor's keywords (tiers, chunk_tokens, store_url, ...)."""
+    return ConversationManager(engine.spec, engine.state_dtypes, ModelIdentity.of(engine.spec, engine.model_path),
+                               tokenizer_fingerprint(engine.model_path), policy or SnapshotPolicy(), root,
+                               warm or WarmCache(64, 1 << 30), **fields)

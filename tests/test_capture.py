@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_utils import greedy, make_engine, random_prompt, run_to_end
+from engine_utils import greedy, make_engine, manager_of, random_prompt, run_to_end
 
 from engram.state.chunks import ChunkStore, PrefixHasher
-from engram.state.conversations import ConversationManager, SnapshotPolicy, TierConfig, retain_key
-from engram.state.identity import ModelIdentity, tokenizer_fingerprint
+from engram.state.conversations import TierConfig, retain_key
 from engram.state.sequence_state import KVSegment, SequenceState, check_state, recurrent_tensors
 from engram.state.store import WarmCache
 
@@ -60,16 +59,7 @@ def assert_same_kv(state: SequenceState, reference: SequenceState, upto: int) ->
 
 
 def test_a_three_turn_conversation_copies_only_its_new_tokens(engine, tmp_path):
-    manager = ConversationManager(
-        engine.spec,
-        engine.state_dtypes,
-        ModelIdentity.of(engine.spec, engine.model_path),
-        tokenizer_fingerprint(engine.model_path),
-        SnapshotPolicy(),
-        tmp_path,
-        WarmCache(64, 1 << 30),
-        TierConfig(active_timeout=10, warm_timeout=100),
-    )
+    manager = manager_of(engine, tmp_path, tiers=TierConfig(active_timeout=10, warm_timeout=100))
     per_token, fixed = kv_bytes_per_token(engine), recurrent_bytes(engine)
     states: list[SequenceState] = []
     for i, new in enumerate((random_prompt(40, 1), random_prompt(9, 2), random_prompt(7, 3))):

@@ -6,13 +6,11 @@ replicas record a turn; a replica whose view is stale reads the conversation aga
 from __future__ import annotations
 
 import pytest
-from engine_utils import greedy, make_engine, random_prompt, run_to_end
+from engine_utils import greedy, make_engine, manager_of, random_prompt, run_to_end
 from test_conversations import full_generation, take_turn
 
-from engram.state.conversations import ConversationManager, SnapshotPolicy
-from engram.state.identity import ModelIdentity, tokenizer_fingerprint
+from engram.state.conversations import ConversationManager
 from engram.state.object_store import StoreConfigError, StoreUnavailableError, remote_url
-from engram.state.store import WarmCache
 from engram.state.turns import StaleViewError, retain_key
 
 obstore = pytest.importorskip("obstore")
@@ -25,17 +23,7 @@ def engines(checkpoint_dir):
 
 
 def replica(engine, cache, url="memory:///", shared=None) -> ConversationManager:
-    manager = ConversationManager(
-        engine.spec,
-        engine.state_dtypes,
-        ModelIdentity.of(engine.spec, engine.model_path),
-        tokenizer_fingerprint(engine.model_path),
-        SnapshotPolicy(),
-        cache,
-        WarmCache(64, 1 << 30),
-        chunk_tokens=16,
-        store_url=url,
-    )
+    manager = manager_of(engine, cache, chunk_tokens=16, store_url=url)
     if shared is not None:
         manager.store.remote = shared.store.remote  # one bucket for both
     return manager
