@@ -44,8 +44,14 @@ def main() -> None:
     args = ap.parse_args()
     model_path = args.model_path or str(ensure_embedded_model())
     engine_args = EngineArgs(model_path=model_path, max_running_requests=max(args.n, 4), context_length=args.prompt_len + 256)
-    body = {"model": MODEL, "prompt": ("ab" * args.prompt_len)[: args.prompt_len], "n": args.n,
-            "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True}
+    body = {
+        "model": MODEL,
+        "prompt": ("ab" * args.prompt_len)[: args.prompt_len],
+        "n": args.n,
+        "max_tokens": args.max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     shared_min = serving.SHARED_PREFILL_MIN_TOKENS
     results = {}
     with BackgroundServer(build_app(engine_args, ServerArgs(served_model_name=MODEL))) as srv:
@@ -56,8 +62,7 @@ def main() -> None:
             results[label] = (statistics.median(t for t, _ in runs), runs[-1][1])
     serving.SHARED_PREFILL_MIN_TOKENS = shared_min
     (t_each, texts_each), (t_shared, texts_shared) = results.values()
-    print(f"model {model_path}; prompt {args.prompt_len} chars; n={args.n}; {args.max_tokens} tokens per choice; "
-          f"median of {args.repeats}")
+    print(f"model {model_path}; prompt {args.prompt_len} chars; n={args.n}; {args.max_tokens} tokens per choice; median of {args.repeats}")
     print("| prefill | request time | ratio |\n| --- | --- | --- |")
     print(f"| each choice | {t_each * 1e3:.1f} ms | 1.00x |")
     print(f"| shared | {t_shared * 1e3:.1f} ms | {t_each / t_shared:.2f}x |")

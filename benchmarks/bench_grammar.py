@@ -59,8 +59,16 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp())
     tokenizer.save_pretrained(str(workdir))
     bs.random_weights_model({**cfg, "eos_token_id": tokenizer.eos_token_id}, workdir)
-    eng = engine_mod.LLMEngine(EngineArgs(model_path=str(workdir), dtype="bfloat16", device="cuda", max_running_requests=max(args.batches),
-                                          max_total_tokens=65536, context_length=args.prompt_len + 8 * args.steps + 64))
+    eng = engine_mod.LLMEngine(
+        EngineArgs(
+            model_path=str(workdir),
+            dtype="bfloat16",
+            device="cuda",
+            max_running_requests=max(args.batches),
+            max_total_tokens=65536,
+            context_length=args.prompt_len + 8 * args.steps + 64,
+        )
+    )
     free = SamplingParams(max_tokens=8 * args.steps, temperature=0.0, ignore_eos=True)
     constrained = SamplingParams(max_tokens=8 * args.steps, temperature=0.0, structured_outputs=StructuredOutputsParams(json=SCHEMA))
     results: dict = {"config": args.config, "schema": SCHEMA, "steps": args.steps, "prompt_len": args.prompt_len}
@@ -69,8 +77,14 @@ def main() -> None:
         plain = mean_step_seconds(eng, b, args.steps, args.prompt_len, free)
         masked = mean_step_seconds(eng, b, args.steps, args.prompt_len, constrained)
         seeded = mean_step_seconds(eng, b, args.steps, args.prompt_len, dataclasses.replace(free, temperature=1.0, seed=1))
-        row = {"plain_step_ms": plain * 1e3, "json_schema_step_ms": masked * 1e3, "mask_cost": masked / plain - 1,
-               "plain_tok_s": b / plain, "json_schema_tok_s": b / masked, "seeded_step_ms": seeded * 1e3}
+        row = {
+            "plain_step_ms": plain * 1e3,
+            "json_schema_step_ms": masked * 1e3,
+            "mask_cost": masked / plain - 1,
+            "plain_tok_s": b / plain,
+            "json_schema_tok_s": b / masked,
+            "seeded_step_ms": seeded * 1e3,
+        }
         results[f"batch_{b}"] = row
         bs.log(f"batch {b}: {json.dumps({k: round(v, 4) for k, v in row.items()})}")
     if args.out:

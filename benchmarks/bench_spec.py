@@ -62,8 +62,13 @@ def sync(device: torch.device) -> None:
 
 
 def build_engines(args) -> tuple[engine_mod.LLMEngine, engine_mod.LLMEngine]:
-    common = dict(device=args.device, max_running_requests=max(args.batches), max_total_tokens=args.max_total_tokens,
-                  context_length=args.prompt_block * args.prompt_repeats + args.max_tokens + 64, max_num_batched_tokens=8192)
+    common = dict(
+        device=args.device,
+        max_running_requests=max(args.batches),
+        max_total_tokens=args.max_total_tokens,
+        context_length=args.prompt_block * args.prompt_repeats + args.max_tokens + 64,
+        max_num_batched_tokens=8192,
+    )
     if args.model_path:
         base = EngineArgs(model_path=args.model_path, **common)
     else:
@@ -132,8 +137,13 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--max-total-tokens", type=int, default=65536)
     ap.add_argument("--out", default=None)
-    ap.add_argument("--profile-verify", type=int, default=0, metavar="K",
-                    help="only profile verify steps of K drafted tokens at batch 1 (torch profiler: the top ops) and stop")
+    ap.add_argument(
+        "--profile-verify",
+        type=int,
+        default=0,
+        metavar="K",
+        help="only profile verify steps of K drafted tokens at batch 1 (torch profiler: the top ops) and stop",
+    )
     args = ap.parse_args()
     args.batches = [int(x) for x in args.batches.split(",")]
     args.ks = [int(x) for x in args.ks.split(",")]

@@ -110,8 +110,10 @@ def random_weights_model(cfg: dict, workdir: Path):
     with torch.device("cuda"):
         hf = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.bfloat16).eval()
     sync()
-    log(f"transformers model built on the GPU with random weights in {time.perf_counter() - t:.1f}s "
-        f"({sum(p.numel() for p in hf.parameters()) / 1e9:.2f}B parameters)")
+    log(
+        f"transformers model built on the GPU with random weights in {time.perf_counter() - t:.1f}s "
+        f"({sum(p.numel() for p in hf.parameters()) / 1e9:.2f}B parameters)"
+    )
     state = hf.state_dict()
 
     def load_shared(spec, path, dtype, device):
@@ -201,8 +203,14 @@ def engine_decode(eng, batch: int, prompt_len: int, steps: int, vocab: int) -> d
         eng.step()
     sync()
     dt = time.perf_counter() - t
-    res = {"batch": batch, "steps": steps, "seconds": dt, "tok_s": batch * steps / dt,
-           "graph_replays": eng.runner.num_graph_replays - replays0, "preemptions": eng.scheduler.num_preemptions - preempted0}
+    res = {
+        "batch": batch,
+        "steps": steps,
+        "seconds": dt,
+        "tok_s": batch * steps / dt,
+        "graph_replays": eng.runner.num_graph_replays - replays0,
+        "preemptions": eng.scheduler.num_preemptions - preempted0,
+    }
     # GPU time of one step alone: replay the captured graph (its buffers still hold the last step)
     graphs = getattr(eng.runner, "_graphs", {})
     bucket = eng.runner.decode_bucket(batch) if hasattr(eng.runner, "decode_bucket") else None
@@ -259,8 +267,7 @@ def engine_resume(eng, history: int, new: int, vocab: int) -> dict:
     res.update(resumed_host_s=s, resumed_host_validation_s=s_add, same_first_token_host=out.token_ids == full_out.token_ids)
     # the ACTIVE tier: the slot and KV pages kept on the GPU are adopted, nothing copied
     s, s_add, out = engine_ttft(eng, hist + new_tokens, resume_key=key)
-    res.update(resumed_active_s=s, same_first_token_active=out.token_ids == full_out.token_ids,
-               resumed_active_cached_tokens=out.num_cached_tokens)
+    res.update(resumed_active_s=s, same_first_token_active=out.token_ids == full_out.token_ids, resumed_active_cached_tokens=out.num_cached_tokens)
     res["speedup_active"] = full_s / s
     res["state_bytes"] = sum(v.numel() * v.element_size() for v in state.tensors.values())
     res["speedup_gpu"] = full_s / res["resumed_gpu_s"]
@@ -337,8 +344,11 @@ def _device_events(prof) -> list[tuple[float, float, str]]:
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         trace = json.load(open(f.name))
-    return sorted((e["ts"], e["ts"] + e["dur"], e["name"][:60]) for e in trace["traceEvents"]
-                  if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    return sorted(
+        (e["ts"], e["ts"] + e["dur"], e["name"][:60])
+        for e in trace["traceEvents"]
+        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+    )
 
 
 def engine_step_timeline(eng, batch: int, vocab: int, prompt_len: int, steps: int = 16) -> str:
@@ -373,8 +383,10 @@ def engine_step_timeline(eng, batch: int, vocab: int, prompt_len: int, steps: in
         count[name] += 1
         took[name] += stop - start
     span = (events[-1][1] - events[0][0]) if events else 0.0
-    rows = [f"wall {wall / steps * 1e6:.1f} us/step; GPU timeline {span / steps:.1f} us/step, busy {busy / steps:.1f}, "
-            f"idle {(span - busy) / steps:.1f}", f"{'besides the graph':60s} {'per step':>8s} {'us/step':>8s}"]
+    rows = [
+        f"wall {wall / steps * 1e6:.1f} us/step; GPU timeline {span / steps:.1f} us/step, busy {busy / steps:.1f}, idle {(span - busy) / steps:.1f}",
+        f"{'besides the graph':60s} {'per step':>8s} {'us/step':>8s}",
+    ]
     for name in sorted(count, key=lambda n: -took[n]):
         extra = count[name] / steps - in_graph[name]
         if extra > 0.05:
@@ -474,8 +486,14 @@ def decode_bytes_per_step(model, spec, state_pool, kv_pool, batch: int, context:
         per_tok = kv_pool.k[i][0].numel() * kv_pool.k[i].element_size() * 2
         kv += per_tok * (context + 1) * batch
     total = other + embed + expert_bytes + state_rw + kv
-    return {"weights": other + embed, "experts_active": expert_bytes, "state_rw": state_rw, "kv": kv, "total": total,
-            "active_expert_fraction": active_frac}
+    return {
+        "weights": other + embed,
+        "experts_active": expert_bytes,
+        "state_rw": state_rw,
+        "kv": kv,
+        "total": total,
+        "active_expert_fraction": active_frac,
+    }
 
 
 # ---- main -------------------------------------------------------------------------------------------------
@@ -503,7 +521,9 @@ def main() -> None:
     ap.add_argument("--mamba-ssm-dtype", default=EngineArgs.mamba_ssm_dtype, help="dtype of the engine's SSM state (the engine's flag)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--profile", action="store_true", help="print where the engine's time goes (after the decode runs)")
-    ap.add_argument("--prompt-seed", type=int, default=0, help="shift the random prompts' seeds (the routing, and so a decode step's time, depends on the tokens)")
+    ap.add_argument(
+        "--prompt-seed", type=int, default=0, help="shift the random prompts' seeds (the routing, and so a decode step's time, depends on the tokens)"
+    )
     args = ap.parse_args()
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     args.decode_batches = ints(args.decode_batches)
@@ -522,8 +542,14 @@ def main() -> None:
     props = torch.cuda.get_device_properties(0)
     import transformers
 
-    RESULTS["machine"] = {"gpu": props.name, "memory_gib": round(props.total_memory / 2**30, 1), "sms": props.multi_processor_count,
-                          "torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__}
+    RESULTS["machine"] = {
+        "gpu": props.name,
+        "memory_gib": round(props.total_memory / 2**30, 1),
+        "sms": props.multi_processor_count,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "transformers": transformers.__version__,
+    }
     try:
         import triton
 
@@ -603,7 +629,9 @@ def print_table() -> None:
         return fmt.format(v) if isinstance(v, (int, float)) else "-"
 
     print()
-    print(f"machine: {RESULTS['machine']}; copy bandwidth {RESULTS['copy_bandwidth_GBps']:,.0f} GB/s; config {RESULTS['config']}; kernels {RESULTS.get('kernels')}")
+    print(
+        f"machine: {RESULTS['machine']}; copy bandwidth {RESULTS['copy_bandwidth_GBps']:,.0f} GB/s; config {RESULTS['config']}; kernels {RESULTS.get('kernels')}"
+    )
     print(f"command: {RESULTS['command']}")
     print("| measure | engram | transformers | ratio |")
     print("| --- | --- | --- | --- |")
@@ -621,19 +649,25 @@ def print_table() -> None:
     for key in sorted((k for k in E if k.startswith("decode")), key=lambda k: int(k[9:])):
         e = E[key]
         if "roofline_tok_s" in e:
-            print(f"| {key[9:]} | {e['tok_s']:,.0f} | {f(e, 'gpu_tok_s')} | {e['roofline_tok_s']:,.0f} | {e['roofline_fraction']:.1%} | "
-                  f"{f(e, 'roofline_fraction_gpu', '{:.1%}')} | {e['roofline_bytes']['total'] / 1e9:.2f} GB |")
+            print(
+                f"| {key[9:]} | {e['tok_s']:,.0f} | {f(e, 'gpu_tok_s')} | {e['roofline_tok_s']:,.0f} | {e['roofline_fraction']:.1%} | "
+                f"{f(e, 'roofline_fraction_gpu', '{:.1%}')} | {e['roofline_bytes']['total'] / 1e9:.2f} GB |"
+            )
     print()
-    print("| history tokens | full prefill TTFT | resumed TTFT, ACTIVE slot adopted | ratio | resumed TTFT, state restored from GPU memory | ratio "
-          "| resumed TTFT, state restored from pinned host memory | ratio | same first token |")
+    print(
+        "| history tokens | full prefill TTFT | resumed TTFT, ACTIVE slot adopted | ratio | resumed TTFT, state restored from GPU memory | ratio "
+        "| resumed TTFT, state restored from pinned host memory | ratio | same first token |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for key in sorted((k for k in E if k.startswith("resume")), key=lambda k: int(k[7:])):
         e = E[key]
         if "full_prefill_s" in e:
             same = all(e[k] for k in ("same_first_token_gpu", "same_first_token_host", "same_first_token_active"))
-            print(f"| {e['history']:,} | {e['full_prefill_s'] * 1e3:,.1f} ms | {e['resumed_active_s'] * 1e3:,.1f} ms | {e['speedup_active']:,.0f}x | "
-                  f"{e['resumed_gpu_s'] * 1e3:,.1f} ms | {e['speedup_gpu']:,.0f}x | "
-                  f"{e['resumed_host_s'] * 1e3:,.1f} ms | {e['speedup_host']:,.0f}x | {same} |")
+            print(
+                f"| {e['history']:,} | {e['full_prefill_s'] * 1e3:,.1f} ms | {e['resumed_active_s'] * 1e3:,.1f} ms | {e['speedup_active']:,.0f}x | "
+                f"{e['resumed_gpu_s'] * 1e3:,.1f} ms | {e['speedup_gpu']:,.0f}x | "
+                f"{e['resumed_host_s'] * 1e3:,.1f} ms | {e['speedup_host']:,.0f}x | {same} |"
+            )
 
 
 if __name__ == "__main__":

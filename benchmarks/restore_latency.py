@@ -37,10 +37,20 @@ from engram.state.snapshot import SnapshotMeta, load_snapshot, save_snapshot
 
 NEW_TOKENS = 16
 # A Granite-4.0-H-shaped model small enough for a CPU: same layer pattern kinds, fewer and narrower layers.
-CPU_SCALE = {"hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 2,
-             "intermediate_size": 256, "shared_intermediate_size": 512, "num_local_experts": 8,
-             "mamba_n_heads": 16, "mamba_d_head": 64, "mamba_d_state": 64, "vocab_size": 32000,
-             "layer_types": ["mamba", "mamba", "mamba", "attention", "mamba", "mamba", "mamba", "attention"]}
+CPU_SCALE = {
+    "hidden_size": 512,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "intermediate_size": 256,
+    "shared_intermediate_size": 512,
+    "num_local_experts": 8,
+    "mamba_n_heads": 16,
+    "mamba_d_head": 64,
+    "mamba_d_state": 64,
+    "vocab_size": 32000,
+    "layer_types": ["mamba", "mamba", "mamba", "attention", "mamba", "mamba", "mamba", "attention"],
+}
 
 
 def sync(device: torch.device) -> None:
@@ -58,8 +68,14 @@ def build_engine(config: dict, workdir: Path, device: str, max_history: int, max
     with torch.device(device):
         hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(workdir), dtype=dtype).eval()
     weights = hf.state_dict()
-    args = EngineArgs(model_path=str(workdir), device=device, max_running_requests=4, max_num_batched_tokens=max_batched_tokens,
-                      context_length=max_history + 4 * NEW_TOKENS, max_total_tokens=3 * (max_history + 4 * NEW_TOKENS))
+    args = EngineArgs(
+        model_path=str(workdir),
+        device=device,
+        max_running_requests=4,
+        max_num_batched_tokens=max_batched_tokens,
+        context_length=max_history + 4 * NEW_TOKENS,
+        max_total_tokens=3 * (max_history + 4 * NEW_TOKENS),
+    )
     engine = LLMEngine(args, weights=weights)
     del hf, weights
     return engine
@@ -92,8 +108,7 @@ def measure(engine: LLMEngine, history_len: int, snapshot_root: Path) -> dict:
 
     identity = ModelIdentity(engine.spec.architecture, engine.spec.config_sha256, "benchmark")
     started = time.perf_counter()
-    path = save_snapshot(snapshot_root, state, SnapshotMeta(conversation_id="bench", turn=1), engine.spec,
-                         engine.state_dtypes, identity, "none")
+    path = save_snapshot(snapshot_root, state, SnapshotMeta(conversation_id="bench", turn=1), engine.spec, engine.state_dtypes, identity, "none")
     write_s = time.perf_counter() - started
     started = time.perf_counter()
     loaded, _ = load_snapshot(path, engine.spec, engine.state_dtypes, identity, "none")
@@ -138,7 +153,11 @@ def main() -> None:
         (workdir / "model").mkdir()
         engine = build_engine(config, workdir / "model", args.device, max(args.histories), args.max_batched_tokens)
         first_token_seconds(engine, [1, 2, 3])  # warm-up
-        machine = torch.cuda.get_device_name() if args.device == "cuda" else f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+        machine = (
+            torch.cuda.get_device_name()
+            if args.device == "cuda"
+            else f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+        )
         print(f"# {Path(args.config).name} ({args.scale}), {engine.dtype}, {machine}, prefill chunk {args.max_batched_tokens}")
         print(f"# continuation: {NEW_TOKENS} new tokens; times to the first new token, in ms")
         header = "| history | state MiB | recompute | active | warm (copy) | cold (read) | snapshot write | recompute / warm | recompute / cold |"
@@ -150,9 +169,12 @@ def main() -> None:
             r = measure(engine, n, workdir / "snapshots")
             rows.append(r)
             ms = lambda x: f"{x * 1000:.1f}"  # noqa: E731
-            print(f"| {n} | {r['state_mib']:.1f} | {ms(r['recompute_s'])} | {ms(r['active_s'])} | "
-                  f"{ms(r['warm_s'])} ({ms(r['warm_copy_s'])}) | {ms(r['cold_s'])} ({ms(r['cold_read_s'])}) | "
-                  f"{ms(r['snapshot_write_s'])} | {r['recompute_s'] / r['warm_s']:.1f}x | {r['recompute_s'] / r['cold_s']:.1f}x |", flush=True)
+            print(
+                f"| {n} | {r['state_mib']:.1f} | {ms(r['recompute_s'])} | {ms(r['active_s'])} | "
+                f"{ms(r['warm_s'])} ({ms(r['warm_copy_s'])}) | {ms(r['cold_s'])} ({ms(r['cold_read_s'])}) | "
+                f"{ms(r['snapshot_write_s'])} | {r['recompute_s'] / r['warm_s']:.1f}x | {r['recompute_s'] / r['cold_s']:.1f}x |",
+                flush=True,
+            )
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=2))
 

@@ -52,9 +52,21 @@ from engram.models.byte_tokenizer import build_byte_tokenizer
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "bench"
 # --tiny: a Granite-4.0-H-shaped model a CPU serves in a couple of minutes.
-TINY = {**CPU_SCALE, "hidden_size": 128, "num_hidden_layers": 4, "layer_types": ["mamba", "attention", "mamba", "attention"],
-        "num_attention_heads": 4, "intermediate_size": 64, "shared_intermediate_size": 128, "num_local_experts": 8, "num_experts_per_tok": 2,
-        "mamba_n_heads": 8, "mamba_d_head": 32, "mamba_d_state": 16, "vocab_size": 1024}
+TINY = {
+    **CPU_SCALE,
+    "hidden_size": 128,
+    "num_hidden_layers": 4,
+    "layer_types": ["mamba", "attention", "mamba", "attention"],
+    "num_attention_heads": 4,
+    "intermediate_size": 64,
+    "shared_intermediate_size": 128,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+    "mamba_n_heads": 8,
+    "mamba_d_head": 32,
+    "mamba_d_state": 16,
+    "vocab_size": 1024,
+}
 
 
 def log(msg: str) -> None:
@@ -118,8 +130,13 @@ def pct(xs: list[float], q: float) -> float | None:
 
 
 def summary(ttft: list[float], itl: list[float], e2e: list[float], tokens: int, wall: float) -> dict:
-    return {"requests": len(e2e), "output_tokens": tokens, "wall_s": wall, "output_tok_s": tokens / wall,
-            **{f"{name}_p{q}": pct(xs, q) for name, xs in (("ttft", ttft), ("itl", itl), ("e2e", e2e)) for q in (50, 99)}}
+    return {
+        "requests": len(e2e),
+        "output_tokens": tokens,
+        "wall_s": wall,
+        "output_tok_s": tokens / wall,
+        **{f"{name}_p{q}": pct(xs, q) for name, xs in (("ttft", ttft), ("itl", itl), ("e2e", e2e)) for q in (50, 99)},
+    }
 
 
 @dataclass
@@ -146,8 +163,15 @@ async def stream_completion(client, prompt: list[int], max_tokens: int, timing: 
     one stands for a reply without text)."""
     start = time.perf_counter()
     times, tokens = [], 0
-    stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
-                                             stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    stream = await client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     async for chunk in stream:
         if chunk.choices and (chunk.choices[0].text or (not times and chunk.choices[0].finish_reason)):
             times.append(time.perf_counter())
@@ -257,7 +281,9 @@ async def http_chat_workloads(a, server: ServerProcess, client, out: dict):
     out["snapshot_bytes_per_resumed_turn"] = sum(later_bytes) / len(later_bytes) if later_bytes else None
     _, resent, _ = await http_chats(client, a, "r", resend=True, server=server)
     out["chat_resend_history"] = chat_row(resent)
-    log(f"http chats: resumed TTFT p50 {out['chat_resumed']['ttft_p50'] * 1e3:.1f} ms, resend-history {out['chat_resend_history']['ttft_p50'] * 1e3:.1f} ms")
+    log(
+        f"http chats: resumed TTFT p50 {out['chat_resumed']['ttft_p50'] * 1e3:.1f} ms, resend-history {out['chat_resend_history']['ttft_p50'] * 1e3:.1f} ms"
+    )
     out["compilations_after_ready"] = metric(server, "engram:compilations_after_ready_total")
     out["preemptions"] = metric(server, "engram:num_preemptions_total")
     await client.close()
@@ -283,9 +309,11 @@ async def run_http(a, server: ServerProcess, vocab: int) -> dict:
         r["server_cpu_ms_per_token"] = (server_after - server_cpu) * per_token
         r["server_loop_cpu_ms_per_token"] = (loop_after - loop_cpu) * per_token
         r["client_cpu_ms_per_token"] = (time.process_time() - client_cpu) * per_token
-        log(f"http fixed c={c}: {r['output_tok_s']:,.0f} tok/s, TTFT p50 {r['ttft_p50'] * 1e3:.1f} ms, CPU per token: "
+        log(
+            f"http fixed c={c}: {r['output_tok_s']:,.0f} tok/s, TTFT p50 {r['ttft_p50'] * 1e3:.1f} ms, CPU per token: "
             f"server {r['server_cpu_ms_per_token']:.3f} ms (event loop {r['server_loop_cpu_ms_per_token']:.3f}), "
-            f"client {r['client_cpu_ms_per_token']:.3f} ms")
+            f"client {r['client_cpu_ms_per_token']:.3f} ms"
+        )
     lengths = mixed_lengths(a.rate_requests, a.prompt_len, a.output_len, 0)
     for rate in a.rates:
         out[f"rate_{rate:g}"] = r = await http_rate(client, rate, lengths, vocab)
@@ -343,8 +371,9 @@ def engine_chats(eng: LLMEngine, a) -> tuple[Timing, Timing]:
         prompt = tok.encode(history_text(a.history, u), add_special_tokens=False)
         for t in range(a.turns):
             key = f"chat{u}-{t}"
-            ttft, e2e, out = engine_first_token(eng, prompt, a.reply_len, capture_state=True, retain_key=key,
-                                                **({"resume_key": f"chat{u}-{t - 1}"} if t else {}))
+            ttft, e2e, out = engine_first_token(
+                eng, prompt, a.reply_len, capture_state=True, retain_key=key, **({"resume_key": f"chat{u}-{t - 1}"} if t else {})
+            )
             (first if t == 0 else later).ttft.append(ttft)
             (first if t == 0 else later).e2e.append(e2e)
             prompt = out.state.tokens + tok.encode(history_text(a.turn_len, 1000 * u + t + 1), add_special_tokens=False)
@@ -384,34 +413,50 @@ def print_tables(res: dict) -> None:
     H, E = res["http"], res.get("engine", {})
     print(f"\nmachine: {res['machine']}; commit {res['commit']}; config {res['config']}")
     print(f"command: {res['command']}\n")
-    print("| workload | HTTP tok/s | engine tok/s | HTTP / engine | TTFT p50 / p99 ms (HTTP) | TTFT p50 ms (engine) | ITL p50 / p99 ms (HTTP) | "
-          "E2E p50 / p99 ms (HTTP) | CPU ms/token: server (its event loop) / client / engine |")
+    print(
+        "| workload | HTTP tok/s | engine tok/s | HTTP / engine | TTFT p50 / p99 ms (HTTP) | TTFT p50 ms (engine) | ITL p50 / p99 ms (HTTP) | "
+        "E2E p50 / p99 ms (HTTP) | CPU ms/token: server (its event loop) / client / engine |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for key in [k for k in H if k.startswith(("fixed_", "rate_"))]:
         h, e = H[key], E.get(key, {})
+
         def f(x: float | None) -> str:
             return f"{x:.3f}" if x is not None else "-"
 
-        cpu = (f"{f(h.get('server_cpu_ms_per_token'))} ({f(h.get('server_loop_cpu_ms_per_token'))}) / {f(h.get('client_cpu_ms_per_token'))}"
-               f" / {f(e.get('cpu_ms_per_token'))}")
-        print(f"| {key} | {h['output_tok_s']:,.0f} | {e.get('output_tok_s', 0):,.0f} | {ratio(h['output_tok_s'], e.get('output_tok_s'))} | "
-              f"{ms(h['ttft_p50'])} / {ms(h['ttft_p99'])} | {ms(e.get('ttft_p50'))} | {ms(h['itl_p50'])} / {ms(h['itl_p99'])} | "
-              f"{ms(h['e2e_p50'])} / {ms(h['e2e_p99'])} | {cpu} |")
+        cpu = (
+            f"{f(h.get('server_cpu_ms_per_token'))} ({f(h.get('server_loop_cpu_ms_per_token'))}) / {f(h.get('client_cpu_ms_per_token'))}"
+            f" / {f(e.get('cpu_ms_per_token'))}"
+        )
+        print(
+            f"| {key} | {h['output_tok_s']:,.0f} | {e.get('output_tok_s', 0):,.0f} | {ratio(h['output_tok_s'], e.get('output_tok_s'))} | "
+            f"{ms(h['ttft_p50'])} / {ms(h['ttft_p99'])} | {ms(e.get('ttft_p50'))} | {ms(h['itl_p50'])} / {ms(h['itl_p99'])} | "
+            f"{ms(h['e2e_p50'])} / {ms(h['e2e_p99'])} | {cpu} |"
+        )
     if "chat_first" in H:
         print("\n| chat turn | TTFT p50 / p99 ms (HTTP) | TTFT p50 ms (engine) | HTTP / engine | E2E p50 / p99 ms (HTTP) |")
         print("| --- | --- | --- | --- | --- |")
         for key in ("chat_first", "chat_resumed", "chat_resend_history", "chat_after_restart"):
             h, e = H[key], E.get(key if key != "chat_resend_history" else "chat_first", {})  # resend = a whole-history prefill
-            print(f"| {key[5:]} | {ms(h['ttft_p50'])} / {ms(h['ttft_p99'])} | {ms(e.get('ttft_p50'))} | {ratio(h['ttft_p50'], e.get('ttft_p50'))} | "
-                  f"{ms(h['e2e_p50'])} / {ms(h['e2e_p99'])} |")
-        print(f"\nserver snapshot write per turn: {ms(H['snapshot_write_s_per_turn'])} ms (first and later turns; sync durability: "
-              f"inside the turn's E2E); bytes a resumed turn writes: {(H['snapshot_bytes_per_resumed_turn'] or 0) / 1e6:.1f} MB; "
-              f"{H['restart_ready_s']:.1f} s to ready after the restart")
+            print(
+                f"| {key[5:]} | {ms(h['ttft_p50'])} / {ms(h['ttft_p99'])} | {ms(e.get('ttft_p50'))} | {ratio(h['ttft_p50'], e.get('ttft_p50'))} | "
+                f"{ms(h['e2e_p50'])} / {ms(h['e2e_p99'])} |"
+            )
+        print(
+            f"\nserver snapshot write per turn: {ms(H['snapshot_write_s_per_turn'])} ms (first and later turns; sync durability: "
+            f"inside the turn's E2E); bytes a resumed turn writes: {(H['snapshot_bytes_per_resumed_turn'] or 0) / 1e6:.1f} MB; "
+            f"{H['restart_ready_s']:.1f} s to ready after the restart"
+        )
     print(f"ready after {H['ready_s']:.1f} s; compilations after ready: {H['compilations_after_ready']:g}; preemptions: {H['preemptions']:g}")
 
 
 def machine() -> dict:
-    info = {"host": platform.node(), "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(), "torch": torch.__version__}
+    info = {
+        "host": platform.node(),
+        "cpu": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+    }
     if torch.cuda.is_available():
         info.update(gpu=torch.cuda.get_device_name(), cuda=torch.version.cuda)
     return info
@@ -446,8 +491,12 @@ def main() -> int:
     ap.add_argument("--turn-len", type=int, default=64)
     ap.add_argument("--reply-len", type=int, default=64)
     ap.add_argument("--max-running-requests", type=int, default=None, help="default: the largest concurrency")
-    ap.add_argument("--cpu-threads", type=int, default=1,
-                    help="torch threads on the CPU, server and in-process alike (OpenMP threads that outnumber free cores spin)")
+    ap.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=1,
+        help="torch threads on the CPU, server and in-process alike (OpenMP threads that outnumber free cores spin)",
+    )
     ap.add_argument("--server-args", default="", help="more `engram serve` flags, one string")
     ap.add_argument("--workdir", default=None, help="checkpoints and snapshots (default: $ENGRAM_CACHE_DIR/serve_bench)")
     ap.add_argument("--out", default=None, help="JSON file name under benchmarks/results/ (or a path)")
@@ -465,12 +514,31 @@ def main() -> int:
     context = max(a.history + a.turns * (a.turn_len + a.reply_len + 16) * 2, 2 * a.prompt_len + 2 * a.output_len) + 256
     engine_args = EngineArgs(model_path=str(model), device=device, max_running_requests=running, context_length=context)
     snapshots = Path(tempfile.mkdtemp(dir=work, prefix="snapshots-"))
-    server_args = ["--model-path", str(model), "--device", device, "--max-running-requests", str(running), "--context-length", str(context),
-                   "--snapshot-dir", str(snapshots), *a.server_args.split()]
-    res = {"machine": machine(), "commit": commit(), "command": " ".join(sys.argv), "config": config_path.name, "tiny": a.tiny,
-           "args": vars(a), "server_args": server_args}
-    server = ServerProcess(["--served-model-name", MODEL, *server_args], work / "server.log",
-                           env={"OMP_NUM_THREADS": str(torch.get_num_threads())})  # as many torch threads as the in-process engine
+    server_args = [
+        "--model-path",
+        str(model),
+        "--device",
+        device,
+        "--max-running-requests",
+        str(running),
+        "--context-length",
+        str(context),
+        "--snapshot-dir",
+        str(snapshots),
+        *a.server_args.split(),
+    ]
+    res = {
+        "machine": machine(),
+        "commit": commit(),
+        "command": " ".join(sys.argv),
+        "config": config_path.name,
+        "tiny": a.tiny,
+        "args": vars(a),
+        "server_args": server_args,
+    }
+    server = ServerProcess(
+        ["--served-model-name", MODEL, *server_args], work / "server.log", env={"OMP_NUM_THREADS": str(torch.get_num_threads())}
+    )  # as many torch threads as the in-process engine
     try:
         res["http"] = asyncio.run(run_http(a, server, config["vocab_size"]))
     finally:

@@ -154,8 +154,7 @@ def closed_loop(eng, clients: int, prompt_len: int, output_len: int, rounds: int
     bs.sync()
     seconds = time.perf_counter() - started
     eng.runner.run = type(eng.runner).run.__get__(eng.runner)
-    return {"clients": clients, "stagger_steps": stagger, "tok_s": generated / seconds, "seconds": seconds,
-            "steps": step, "paths": dict(counts)}
+    return {"clients": clients, "stagger_steps": stagger, "tok_s": generated / seconds, "seconds": seconds, "steps": step, "paths": dict(counts)}
 
 
 def main() -> None:
@@ -173,10 +172,21 @@ def main() -> None:
     ap.add_argument("--prefill-lens", default="256,512,1024,2048")
     ap.add_argument("--profile", action="store_true", help="only profile one eager prefill of --prompt-len tokens")
     args = ap.parse_args()
-    ns = argparse.Namespace(decode_batches=[args.batch], max_batched_tokens=2048, max_total_tokens=None,
-                            resume_histories=[0], prefill_lens=[int(n) for n in args.prefill_lens.split(",")] + [args.prompt_len], prompt_len=args.prompt_len,
-                            decode_steps=args.output_len, new_tokens=0, no_hf=True, reference_ops=False,
-                            no_cuda_graph=False, no_overlap_schedule=False, mamba_ssm_dtype="float32")
+    ns = argparse.Namespace(
+        decode_batches=[args.batch],
+        max_batched_tokens=2048,
+        max_total_tokens=None,
+        resume_histories=[0],
+        prefill_lens=[int(n) for n in args.prefill_lens.split(",")] + [args.prompt_len],
+        prompt_len=args.prompt_len,
+        decode_steps=args.output_len,
+        new_tokens=0,
+        no_hf=True,
+        reference_ops=False,
+        no_cuda_graph=False,
+        no_overlap_schedule=False,
+        mamba_ssm_dtype="float32",
+    )
     results: dict = {"config": args.config}
     with tempfile.TemporaryDirectory() as tmp:
         _, eng = bs.build_models(bs.find_config(args.config), Path(tmp), ns)

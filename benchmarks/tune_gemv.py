@@ -65,9 +65,12 @@ def sweep(key: str, fn, copies: int, nbytes: int, grid: list[tuple] = GRID) -> d
     triton_ops.blocks.GEMV_CONFIG[key] = saved
     rows.sort()
     best_t, best = rows[0]
-    print(f"{key}: best {best} {best_t * 1e6:.2f} us ({nbytes / best_t / 1e12:.2f} TB/s); "
-          f"current {saved} {dict((c, t) for t, c in rows)[saved] * 1e6:.2f} us; "
-          f"next: {[(c, round(t * 1e6, 2)) for t, c in rows[1:4]]}", flush=True)
+    print(
+        f"{key}: best {best} {best_t * 1e6:.2f} us ({nbytes / best_t / 1e12:.2f} TB/s); "
+        f"current {saved} {dict((c, t) for t, c in rows)[saved] * 1e6:.2f} us; "
+        f"next: {[(c, round(t * 1e6, 2)) for t, c in rows[1:4]]}",
+        flush=True,
+    )
     return {"best": best, "best_us": best_t * 1e6, "table": [(c, t * 1e6) for t, c in rows]}
 
 
@@ -91,8 +94,10 @@ def tune_moe(cfg: dict, m: int, rnd, results: dict) -> None:
 
     tk = m * top_k
     if not gemv and not triton_ops.moe.MOE_GEMV_MAX_PAIRS < tk <= triton_ops.moe.MOE_GROUPED_SMALL_PAIRS:
-        raise SystemExit(f"{tk} routed pairs do not take the tuned grouped MoE GEMM "
-                         f"(it runs for {triton_ops.moe.MOE_GEMV_MAX_PAIRS + 1}..{triton_ops.moe.MOE_GROUPED_SMALL_PAIRS} pairs)")
+        raise SystemExit(
+            f"{tk} routed pairs do not take the tuned grouped MoE GEMM "
+            f"(it runs for {triton_ops.moe.MOE_GEMV_MAX_PAIRS + 1}..{triton_ops.moe.MOE_GROUPED_SMALL_PAIRS} pairs)"
+        )
     print(f"moe: {distinct} experts + shared, {nbytes / 1e6:.1f} MB per call", flush=True)
     if gemv:
         results["moe_up"] = sweep("moe_up", moe, copies, nbytes)

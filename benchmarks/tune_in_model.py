@@ -84,9 +84,12 @@ def routing_report(eng, batch: int) -> None:
     c = torch.stack(counts)
     bm = triton_ops.blocks.GEMV_CONFIG["moe_grouped_up"][0]
     blocks = ((c + bm - 1) // bm).sum(1)
-    print(f"routing at batch {batch}: experts used per layer {c.gt(0).sum(1).float().mean():.1f} of {c.shape[1]}; "
-          f"most pairs on one expert per layer: mean {c.max(1).values.float().mean():.1f}, max {int(c.max())}; "
-          f"blocks of {bm} pairs per layer: mean {blocks.float().mean():.1f}", flush=True)
+    print(
+        f"routing at batch {batch}: experts used per layer {c.gt(0).sum(1).float().mean():.1f} of {c.shape[1]}; "
+        f"most pairs on one expert per layer: mean {c.max(1).values.float().mean():.1f}, max {int(c.max())}; "
+        f"blocks of {bm} pairs per layer: mean {blocks.float().mean():.1f}",
+        flush=True,
+    )
 
 
 def _setting(key: str) -> tuple[dict, str]:
@@ -139,9 +142,12 @@ def sweep_keys(time_step: Callable[[], float], keys: list[str]) -> dict:
             continue
         rows.sort()
         triton_ops.blocks.GEMV_CONFIG[key] = rows[0][1]
-        print(f"{key}: best {rows[0][1]} {rows[0][0]:.3f} ms; current {saved} "
-              f"{dict((c, t) for t, c in rows).get(saved, float('nan')):.3f} ms; "
-              f"next {[(c, round(t, 3)) for t, c in rows[1:5]]}", flush=True)
+        print(
+            f"{key}: best {rows[0][1]} {rows[0][0]:.3f} ms; current {saved} "
+            f"{dict((c, t) for t, c in rows).get(saved, float('nan')):.3f} ms; "
+            f"next {[(c, round(t, 3)) for t, c in rows[1:5]]}",
+            flush=True,
+        )
         results[key] = {"best": rows[0][1], "table": [(c, t) for t, c in rows]}
     return results
 
@@ -156,14 +162,25 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     setup = argparse.Namespace(
-        decode_batches=[args.batch], max_batched_tokens=16384, max_total_tokens=args.batch * (args.prompt_len + 128) + 4096, resume_histories=[],
-        prefill_lens=[256], prompt_len=args.prompt_len, decode_steps=16, new_tokens=0, reference_ops=False, no_cuda_graph=False,
-        no_overlap_schedule=False, mamba_ssm_dtype="float32", no_hf=True,
+        decode_batches=[args.batch],
+        max_batched_tokens=16384,
+        max_total_tokens=args.batch * (args.prompt_len + 128) + 4096,
+        resume_histories=[],
+        prefill_lens=[256],
+        prompt_len=args.prompt_len,
+        decode_steps=16,
+        new_tokens=0,
+        reference_ops=False,
+        no_cuda_graph=False,
+        no_overlap_schedule=False,
+        mamba_ssm_dtype="float32",
+        no_hf=True,
     )
     results = {"gpu": torch.cuda.get_device_name(), "batch": args.batch, "config": args.config}
     with tempfile.TemporaryDirectory() as tmp:
         _, eng = build_models(find_config(args.config), Path(tmp), setup)
         vocab = eng.spec.vocab_size
+
         def time_step() -> float:
             return step_ms(eng, args.batch, vocab, args.prompt_len)
 

@@ -15,9 +15,11 @@ import argparse
 import json
 import sys
 
-WEATHER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]},
-                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-           "required": ["city", "days"]}
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "days"],
+}
 TOOL = {"type": "function", "function": {"name": "get_weather", "description": "The forecast for a city.", "parameters": WEATHER}}
 QUESTION = [{"role": "user", "content": "What is the weather in Paris for 3 days?"}]
 
@@ -44,8 +46,16 @@ def langchain_checks(base_url: str, model: str) -> None:
 def litellm_checks(base_url: str, model: str) -> None:
     import litellm
 
-    kw = dict(model=f"openai/{model}", api_base=base_url, api_key="unused", messages=QUESTION, tools=[TOOL], temperature=0,
-              max_tokens=120, parallel_tool_calls=False)  # one call: a random model's list of calls may outrun max_tokens
+    kw = dict(
+        model=f"openai/{model}",
+        api_base=base_url,
+        api_key="unused",
+        messages=QUESTION,
+        tools=[TOOL],
+        temperature=0,
+        max_tokens=120,
+        parallel_tool_calls=False,
+    )  # one call: a random model's list of calls may outrun max_tokens
     for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
         r = litellm.completion(tool_choice=choice, **kw)
         calls = r.choices[0].message.tool_calls

@@ -84,8 +84,14 @@ class Tally:
 
 
 def _chat_body(conversation_id: str, text: str, stream: bool) -> dict[str, Any]:
-    return {"model": MODEL, "messages": [{"role": "user", "content": text}], "conversation_id": conversation_id,
-            "temperature": 0, "max_tokens": MAX_TOKENS, "stream": stream}
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": text}],
+        "conversation_id": conversation_id,
+        "temperature": 0,
+        "max_tokens": MAX_TOKENS,
+        "stream": stream,
+    }
 
 
 def chat_turn(http: httpx.Client, conversation_id: str, text: str) -> Answer | str:
@@ -244,7 +250,7 @@ def continues_exactly(http: httpx.Client, conversation_id: str, resume: Resume) 
     if reply["usage"]["prompt_tokens_details"]["cached_tokens"] != resume.state_len:
         return f"the next turn resumed from {reply['usage']['prompt_tokens_details']['cached_tokens']} cached tokens, not {resume.state_len}"
     full = http.post("/generate", json={"input_ids": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": MAX_TOKENS}}).json()
-    if full["output_ids"] != fill[len(prompt):] or full["text"] != reply["choices"][0]["message"]["content"]:
+    if full["output_ids"] != fill[len(prompt) :] or full["text"] != reply["choices"][0]["message"]["content"]:
         return "the reply differs from /generate over the full history"
     return None
 
@@ -258,8 +264,10 @@ def unloadable_snapshots(http: httpx.Client) -> tuple[int, list[str]]:
         if snap["quarantined"]:
             bad.append(f"{where}: quarantined ({snap['quarantine_reason']})")
             continue
-        r = http.post("/restore_snapshot", json={"conversation_id": snap["conversation_id"], "turn_number": snap["turn_number"],
-                                                  "branch_name": snap["branch_name"]})
+        r = http.post(
+            "/restore_snapshot",
+            json={"conversation_id": snap["conversation_id"], "turn_number": snap["turn_number"], "branch_name": snap["branch_name"]},
+        )
         if r.status_code != 200:
             bad.append(f"{where}: {r.status_code} {r.text[:200]}")
     return len(listed), bad
@@ -289,12 +297,15 @@ class Results:
         lines.append("unanswered attempts: " + (", ".join(f"{why}: {n}" for why, n in self.tally.unanswered.most_common()) or "none"))
         lines.append(f"snapshots listed: {self.snapshots}, not restorable: {len(self.unloadable)}")
         held = {c: r for c, r in self.resumes.items() if r is not None}
-        lines.append(f"conversations tried: {len(self.resumes)}, with no turn recorded (none of their attempts answered): "
-                     f"{len(self.resumes) - len(held)}")
+        lines.append(
+            f"conversations tried: {len(self.resumes)}, with no turn recorded (none of their attempts answered): {len(self.resumes) - len(held)}"
+        )
         lines.append(f"conversations continued: {len(held)}, exactly: {len(held) - len(self.inexact)}")
         earlier = Counter(r.why_earlier for r in held.values() if r.why_earlier)
-        lines.append("  resumed from an earlier turn's snapshot, the latest turn " +
-                     (", ".join(f"{why}: {n}" for why, n in earlier.items()) if earlier else "having one in every conversation"))
+        lines.append(
+            "  resumed from an earlier turn's snapshot, the latest turn "
+            + (", ".join(f"{why}: {n}" for why, n in earlier.items()) if earlier else "having one in every conversation")
+        )
         lines += [f"    {c}: turn {r.latest_turn} {r.why_earlier}, resumed from turn {r.from_turn}" for c, r in held.items() if r.why_earlier]
         lines += [f"  LOST {a}: {why}" for a, why in self.lost.items()] + [f"  INEXACT {c}: {why}" for c, why in self.inexact.items()]
         lines += [f"  NOT RESTORABLE {why}" for why in self.unloadable]
@@ -317,8 +328,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--kills", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0, help="seeds the kill moments")
     parser.add_argument("--checkpoint", default="nemotron", help="kind of tiny random checkpoint (tests/checkpoints.py)")
-    parser.add_argument("--work-dir", type=Path, help="keep the checkpoint, the snapshot folder and server.log (every start's output) "
-                        "here; default: a temporary folder, removed")
+    parser.add_argument(
+        "--work-dir",
+        type=Path,
+        help="keep the checkpoint, the snapshot folder and server.log (every start's output) here; default: a temporary folder, removed",
+    )
     return parser.parse_args()
 
 

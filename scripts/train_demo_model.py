@@ -152,11 +152,22 @@ def demo_config(tokenizer):
     width 256, dense MLPs: 3.9M parameters with a 4096-token vocabulary, 7.8 MB in bfloat16."""
     head_dim = 64
     return hybrid_config(
-        tokenizer, hidden_size=256, num_hidden_layers=4, layer_types=["mamba", "mamba", "attention", "mamba"], max_position_embeddings=8192,
-        num_attention_heads=4, num_key_value_heads=2, attention_multiplier=1 / math.sqrt(head_dim),
-        mamba_n_heads=8, mamba_d_head=64, mamba_d_state=64, mamba_chunk_size=64,
+        tokenizer,
+        hidden_size=256,
+        num_hidden_layers=4,
+        layer_types=["mamba", "mamba", "attention", "mamba"],
+        max_position_embeddings=8192,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attention_multiplier=1 / math.sqrt(head_dim),
+        mamba_n_heads=8,
+        mamba_d_head=64,
+        mamba_d_state=64,
+        mamba_chunk_size=64,
         # intermediate_size is read only with experts: kept equal, so that nothing sizes for its default of 11008
-        num_local_experts=0, shared_intermediate_size=448, intermediate_size=448,
+        num_local_experts=0,
+        shared_intermediate_size=448,
+        intermediate_size=448,
     )
 
 
@@ -238,13 +249,19 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import GraniteMoeHybridForCausalLM
 
     corpus = read_corpus(args.max_files)
-    print(f"corpus: {corpus.root}: {len(corpus.train)} files ({corpus.train_bytes / 1e6:.1f} MB) to train on, "
-          f"{len(corpus.heldout)} held out ({corpus.heldout_bytes / 1e6:.2f} MB)", flush=True)
+    print(
+        f"corpus: {corpus.root}: {len(corpus.train)} files ({corpus.train_bytes / 1e6:.1f} MB) to train on, "
+        f"{len(corpus.heldout)} held out ({corpus.heldout_bytes / 1e6:.2f} MB)",
+        flush=True,
+    )
     tokenizer = train_tokenizer(corpus.train, args.vocab_size)
     streams = build_streams(tokenizer, corpus)
-    print(f"tokenizer: {len(tokenizer)} tokens; {len(streams.plain):,} training tokens "
-          f"({corpus.train_bytes / len(streams.plain):.2f} bytes each), {len(streams.chat):,} in chat-rendered functions, "
-          f"{len(streams.heldout):,} held out ({time.monotonic() - start:.0f} s)", flush=True)
+    print(
+        f"tokenizer: {len(tokenizer)} tokens; {len(streams.plain):,} training tokens "
+        f"({corpus.train_bytes / len(streams.plain):.2f} bytes each), {len(streams.chat):,} in chat-rendered functions, "
+        f"{len(streams.heldout):,} held out ({time.monotonic() - start:.0f} s)",
+        flush=True,
+    )
 
     model = GraniteMoeHybridForCausalLM(demo_config(tokenizer))
     model.to(device=device)
@@ -256,8 +273,11 @@ def main(argv: list[str] | None = None) -> int:
     eval_started = time.monotonic()
     untrained = evaluate(model, streams.heldout, token_bytes, args.seq_len, args.eval_tokens, device)
     eval_seconds = time.monotonic() - eval_started
-    print(f"untrained: held-out perplexity {untrained['perplexity']:.1f} ({untrained['bits_per_byte']:.3f} bits/byte, "
-          f"{untrained['tokens']:,} tokens, {eval_seconds:.1f} s)", flush=True)
+    print(
+        f"untrained: held-out perplexity {untrained['perplexity']:.1f} ({untrained['bits_per_byte']:.3f} bits/byte, "
+        f"{untrained['tokens']:,} tokens, {eval_seconds:.1f} s)",
+        flush=True,
+    )
 
     optimizer = make_optimizer(model, args.lr, args.weight_decay, device)
     g = torch.Generator().manual_seed(args.seed)
@@ -276,13 +296,19 @@ def main(argv: list[str] | None = None) -> int:
         step += 1
         if step % 100 == 0 or step == args.steps:
             elapsed = time.monotonic() - train_started
-            print(f"step {step}: loss {batch_loss.item():.3f}, lr {optimizer.param_groups[0]['lr']:.2e}, {elapsed:.0f} s, "
-                  f"{step * args.batch_size * args.seq_len / elapsed:,.0f} tokens/s", flush=True)
+            print(
+                f"step {step}: loss {batch_loss.item():.3f}, lr {optimizer.param_groups[0]['lr']:.2e}, {elapsed:.0f} s, "
+                f"{step * args.batch_size * args.seq_len / elapsed:,.0f} tokens/s",
+                flush=True,
+            )
     train_seconds = time.monotonic() - train_started
     trained = evaluate(model, streams.heldout, token_bytes, args.seq_len, args.eval_tokens, device)
     tokens_seen = step * args.batch_size * args.seq_len
-    print(f"trained: {step} steps, {tokens_seen:,} tokens ({tokens_seen / len(streams.plain):.1f} x the plain corpus) "
-          f"in {train_seconds:.0f} s; held-out perplexity {trained['perplexity']:.2f} ({trained['bits_per_byte']:.3f} bits/byte)", flush=True)
+    print(
+        f"trained: {step} steps, {tokens_seen:,} tokens ({tokens_seen / len(streams.plain):.1f} x the plain corpus) "
+        f"in {train_seconds:.0f} s; held-out perplexity {trained['perplexity']:.2f} ({trained['bits_per_byte']:.3f} bits/byte)",
+        flush=True,
+    )
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -290,13 +316,25 @@ def main(argv: list[str] | None = None) -> int:
     model.config.dtype = args.save_dtype
     save_checkpoint(model, tokenizer, out)
     record = {
-        "corpus": {"source": "Python standard library (.py files), PSF license", "python": platform.python_version(),
-                   "train_files": len(corpus.train), "heldout_files": len(corpus.heldout),
-                   "train_bytes": corpus.train_bytes, "heldout_bytes": corpus.heldout_bytes, "heldout_rule": f"int(sha256(path in the stdlib folder)[:8 hex digits]) % {HELDOUT_ONE_IN} == 0"},
+        "corpus": {
+            "source": "Python standard library (.py files), PSF license",
+            "python": platform.python_version(),
+            "train_files": len(corpus.train),
+            "heldout_files": len(corpus.heldout),
+            "train_bytes": corpus.train_bytes,
+            "heldout_bytes": corpus.heldout_bytes,
+            "heldout_rule": f"int(sha256(path in the stdlib folder)[:8 hex digits]) % {HELDOUT_ONE_IN} == 0",
+        },
         "tokenizer": {"vocab": len(tokenizer), "train_tokens": len(streams.plain), "chat_tokens": len(streams.chat)},
         "model": {"parameters": sum(p.numel() for p in model.parameters()), "weight_bytes": weight_bytes, "dtype": args.save_dtype},
-        "training": {"steps": step, "tokens": tokens_seen, "seconds": round(train_seconds, 1), "device": str(device),
-                     "torch": torch.__version__, "args": {k: v for k, v in vars(args).items() if k != "out"}},
+        "training": {
+            "steps": step,
+            "tokens": tokens_seen,
+            "seconds": round(train_seconds, 1),
+            "device": str(device),
+            "torch": torch.__version__,
+            "args": {k: v for k, v in vars(args).items() if k != "out"},
+        },
         "heldout": {"untrained": untrained, "trained": trained},
     }
     (out / "training.json").write_text(json.dumps(record, indent=2) + "\n")

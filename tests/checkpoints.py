@@ -20,8 +20,9 @@ from engram.models.byte_tokenizer import BOS, EOS, PAD, build_byte_tokenizer
 from engram.models.embedded import randomize_decisively
 
 _MAMBA = dict(n_groups=2, state_size=12, conv_kernel=4, chunk_size=8)
-_MAMBA_PREFIXED = dict(mamba_n_groups=_MAMBA["n_groups"], mamba_d_state=_MAMBA["state_size"], mamba_d_conv=_MAMBA["conv_kernel"],
-                       mamba_chunk_size=_MAMBA["chunk_size"])  # Granite's and Falcon-H1's names
+_MAMBA_PREFIXED = dict(
+    mamba_n_groups=_MAMBA["n_groups"], mamba_d_state=_MAMBA["state_size"], mamba_d_conv=_MAMBA["conv_kernel"], mamba_chunk_size=_MAMBA["chunk_size"]
+)  # Granite's and Falcon-H1's names
 _GRANITE: dict[str, Any] = dict(
     vocab_size=272,
     hidden_size=48,
@@ -75,31 +76,60 @@ _FALCON_H1: dict[str, Any] = dict(
 _CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "mamba2": (
         "Mamba2Config",
-        dict(vocab_size=270, hidden_size=48, num_hidden_layers=3, num_heads=6, head_dim=16, expand=2,
-             tie_word_embeddings=False, **_MAMBA),
+        dict(vocab_size=270, hidden_size=48, num_hidden_layers=3, num_heads=6, head_dim=16, expand=2, tie_word_embeddings=False, **_MAMBA),
     ),
     "mamba2_tied": (
         "Mamba2Config",
-        dict(vocab_size=270, hidden_size=48, num_hidden_layers=3, num_heads=6, head_dim=16, expand=2,
-             tie_word_embeddings=True, **_MAMBA),
+        dict(vocab_size=270, hidden_size=48, num_hidden_layers=3, num_heads=6, head_dim=16, expand=2, tie_word_embeddings=True, **_MAMBA),
     ),
     "granite": ("GraniteMoeHybridConfig", _GRANITE),
     "granite_rope": ("GraniteMoeHybridConfig", dict(_GRANITE, position_embedding_type="rope")),
     "nemotron": (
         "NemotronHConfig",
-        dict(vocab_size=280, hidden_size=48, hybrid_override_pattern="M*M-E*",
-             num_attention_heads=4, num_key_value_heads=2, head_dim=12, intermediate_size=64,
-             mamba_num_heads=6, mamba_head_dim=16, expand=2, n_groups=2, ssm_state_size=12, conv_kernel=4,
-             chunk_size=8, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-             moe_shared_expert_intermediate_size=40, routed_scaling_factor=2.5, n_group=1, topk_group=1,
-             tie_word_embeddings=False),
+        dict(
+            vocab_size=280,
+            hidden_size=48,
+            hybrid_override_pattern="M*M-E*",
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=12,
+            intermediate_size=64,
+            mamba_num_heads=6,
+            mamba_head_dim=16,
+            expand=2,
+            n_groups=2,
+            ssm_state_size=12,
+            conv_kernel=4,
+            chunk_size=8,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            moe_shared_expert_intermediate_size=40,
+            routed_scaling_factor=2.5,
+            n_group=1,
+            topk_group=1,
+            tie_word_embeddings=False,
+        ),
     ),
     "bamba": (
         "BambaConfig",
-        dict(vocab_size=264, hidden_size=48, num_hidden_layers=4, attn_layer_indices=[1, 3],
-             num_attention_heads=4, num_key_value_heads=2, intermediate_size=64, mamba_n_heads=6,
-             mamba_d_head=16, mamba_expand=2, mamba_n_groups=2, mamba_d_state=12, mamba_d_conv=4,
-             mamba_chunk_size=8, tie_word_embeddings=False),
+        dict(
+            vocab_size=264,
+            hidden_size=48,
+            num_hidden_layers=4,
+            attn_layer_indices=[1, 3],
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=64,
+            mamba_n_heads=6,
+            mamba_d_head=16,
+            mamba_expand=2,
+            mamba_n_groups=2,
+            mamba_d_state=12,
+            mamba_d_conv=4,
+            mamba_chunk_size=8,
+            tie_word_embeddings=False,
+        ),
     ),
     "falcon_h1": ("FalconH1Config", _FALCON_H1),
     # tied, one KV head, no norm in the Mamba mixer (its output is y * silu(z))
@@ -109,32 +139,79 @@ _CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
 # Gated DeltaNet hybrids: value heads grouped over q/k heads (and not), GQA, MQA and MHA attention,
 # MoE with top-k > 1 (renormalized or not) beside dense MLP layers, tied and untied embeddings.
 _L, _F = "linear_attention", "full_attention"
-_CONFIGS.update({
-    "qwen3_next": (
-        "Qwen3NextConfig",
-        dict(vocab_size=276, hidden_size=48, num_hidden_layers=4, layer_types=[_L, _F, _L, _F], num_attention_heads=4,
-             num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=12,
-             linear_value_head_dim=8, linear_conv_kernel_dim=4, intermediate_size=40, num_experts=4, num_experts_per_tok=2,
-             moe_intermediate_size=24, shared_expert_intermediate_size=32, mlp_only_layers=[2], norm_topk_prob=False,
-             tie_word_embeddings=False),
-    ),
-    "qwen3_5": (
-        "Qwen3_5TextConfig",
-        dict(vocab_size=268, hidden_size=48, num_hidden_layers=4, full_attention_interval=2, num_attention_heads=6,
-             num_key_value_heads=1, head_dim=8, linear_num_key_heads=3, linear_num_value_heads=3, linear_key_head_dim=8,
-             linear_value_head_dim=12, linear_conv_kernel_dim=3, intermediate_size=64, tie_word_embeddings=True),
-    ),
-    # the multimodal checkpoint (Qwen3_5MoeForConditionalGeneration: text_config, a vision tower)
-    "qwen3_5_moe": (
-        "Qwen3_5MoeConfig",
-        dict(text_config=dict(vocab_size=272, hidden_size=64, num_hidden_layers=4, layer_types=[_L, _L, _F, _L],
-                              num_attention_heads=4, num_key_value_heads=4, head_dim=16, linear_num_key_heads=2,
-                              linear_num_value_heads=6, linear_key_head_dim=8, linear_value_head_dim=8, num_experts=6,
-                              num_experts_per_tok=3, moe_intermediate_size=16, shared_expert_intermediate_size=24),
-             vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=64),
-             tie_word_embeddings=False),
-    ),
-})
+_CONFIGS.update(
+    {
+        "qwen3_next": (
+            "Qwen3NextConfig",
+            dict(
+                vocab_size=276,
+                hidden_size=48,
+                num_hidden_layers=4,
+                layer_types=[_L, _F, _L, _F],
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=16,
+                linear_num_key_heads=2,
+                linear_num_value_heads=4,
+                linear_key_head_dim=12,
+                linear_value_head_dim=8,
+                linear_conv_kernel_dim=4,
+                intermediate_size=40,
+                num_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=24,
+                shared_expert_intermediate_size=32,
+                mlp_only_layers=[2],
+                norm_topk_prob=False,
+                tie_word_embeddings=False,
+            ),
+        ),
+        "qwen3_5": (
+            "Qwen3_5TextConfig",
+            dict(
+                vocab_size=268,
+                hidden_size=48,
+                num_hidden_layers=4,
+                full_attention_interval=2,
+                num_attention_heads=6,
+                num_key_value_heads=1,
+                head_dim=8,
+                linear_num_key_heads=3,
+                linear_num_value_heads=3,
+                linear_key_head_dim=8,
+                linear_value_head_dim=12,
+                linear_conv_kernel_dim=3,
+                intermediate_size=64,
+                tie_word_embeddings=True,
+            ),
+        ),
+        # the multimodal checkpoint (Qwen3_5MoeForConditionalGeneration: text_config, a vision tower)
+        "qwen3_5_moe": (
+            "Qwen3_5MoeConfig",
+            dict(
+                text_config=dict(
+                    vocab_size=272,
+                    hidden_size=64,
+                    num_hidden_layers=4,
+                    layer_types=[_L, _L, _F, _L],
+                    num_attention_heads=4,
+                    num_key_value_heads=4,
+                    head_dim=16,
+                    linear_num_key_heads=2,
+                    linear_num_value_heads=6,
+                    linear_key_head_dim=8,
+                    linear_value_head_dim=8,
+                    num_experts=6,
+                    num_experts_per_tok=3,
+                    moe_intermediate_size=16,
+                    shared_expert_intermediate_size=24,
+                ),
+                vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=64),
+                tie_word_embeddings=False,
+            ),
+        ),
+    }
+)
 _MODEL_CLASSES = {"qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}  # else AutoModelForCausalLM's
 GDN_KINDS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 
@@ -144,10 +221,7 @@ KINDS: tuple[str, ...] = tuple(_CONFIGS)
 def write_checkpoint(kind: str, path: str | Path, seed: int = 0, **config_overrides: Any) -> Path:
     config_class, base = _CONFIGS[kind]
     tokenizer = build_byte_tokenizer()
-    special = {
-        f"{name}_token_id": tokenizer.convert_tokens_to_ids(token)
-        for name, token in (("pad", PAD), ("bos", BOS), ("eos", EOS))
-    }
+    special = {f"{name}_token_id": tokenizer.convert_tokens_to_ids(token) for name, token in (("pad", PAD), ("bos", BOS), ("eos", EOS))}
     config = getattr(transformers, config_class)(**{**base, **special, "dtype": "float32", **config_overrides})
     assert config.get_text_config().vocab_size >= len(tokenizer)
     with torch.random.fork_rng(devices=[]):
@@ -175,14 +249,33 @@ def _center_norms(model: torch.nn.Module) -> None:
 
 
 # The demo model's training script in smoke mode: 10 files, a 512-token vocabulary, 5 steps of 2 x 64 tokens.
-DEMO_SMOKE_ARGS = ("--device", "cpu", "--minutes", "1", "--steps", "5", "--lr", "1e-2", "--warmup-steps", "1", "--max-files", "10",
-                   "--vocab-size", "512", "--seq-len", "64", "--batch-size", "2", "--eval-tokens", "256")
+DEMO_SMOKE_ARGS = (
+    "--device",
+    "cpu",
+    "--minutes",
+    "1",
+    "--steps",
+    "5",
+    "--lr",
+    "1e-2",
+    "--warmup-steps",
+    "1",
+    "--max-files",
+    "10",
+    "--vocab-size",
+    "512",
+    "--seq-len",
+    "64",
+    "--batch-size",
+    "2",
+    "--eval-tokens",
+    "256",
+)
 
 
 def train_demo_smoke(out: Path) -> str:
     """Run scripts/train_demo_model.py in smoke mode into `out`; its stdout."""
     script = Path(__file__).resolve().parents[1] / "scripts" / "train_demo_model.py"
-    done = subprocess.run([sys.executable, str(script), "--out", str(out), *DEMO_SMOKE_ARGS],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, str(script), "--out", str(out), *DEMO_SMOKE_ARGS], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout

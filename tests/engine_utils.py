@@ -57,9 +57,9 @@ def assert_greedy_matches_transformers(engine: LLMEngine, ref: torch.nn.Module, 
     engine.add_request("parity", prompt, greedy(max_tokens))
     out = run_to_end(engine)["parity"]
     with torch.no_grad():
-        ref_tokens = ref.generate(
-            torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
-        )[0, len(prompt) :].tolist()
+        ref_tokens = ref.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)[
+            0, len(prompt) :
+        ].tolist()
         ref_logits = ref(torch.tensor([prompt + out.token_ids[:-1]])).logits[0, len(prompt) - 1 :]
     assert len(logits) == max_tokens and all(step.shape[0] == 1 for step in logits)
     assert (torch.cat(logits) - ref_logits).abs().max().item() < 1e-4
@@ -78,10 +78,18 @@ def store_file(manifest_path: Path, piece: int | None = None) -> Path:
     return manifest_path.parents[2] / STORE_NAME / kind / key[:2] / f"{key}.safetensors"
 
 
-def manager_of(engine: LLMEngine, root: Path | str | None, policy: SnapshotPolicy | None = None, warm: WarmCache | None = None,
-               **fields: Any) -> ConversationManager:
+def manager_of(
+    engine: LLMEngine, root: Path | str | None, policy: SnapshotPolicy | None = None, warm: WarmCache | None = None, **fields: Any
+) -> ConversationManager:
     """A ConversationManager for `engine`'s model with snapshots under `root`; `fields` are the
     constructor's keywords (tiers, chunk_tokens, store_url, ...)."""
-    return ConversationManager(engine.spec, engine.state_dtypes, ModelIdentity.of(engine.spec, engine.model_path),
-                               tokenizer_fingerprint(engine.model_path), policy or SnapshotPolicy(), root,
-                               warm or WarmCache(64, 1 << 30), **fields)
+    return ConversationManager(
+        engine.spec,
+        engine.state_dtypes,
+        ModelIdentity.of(engine.spec, engine.model_path),
+        tokenizer_fingerprint(engine.model_path),
+        policy or SnapshotPolicy(),
+        root,
+        warm or WarmCache(64, 1 << 30),
+        **fields,
+    )

@@ -41,28 +41,48 @@ _SAMPLING = {
     "skip_special_tokens": st.none() | st.booleans(),
     "logit_bias": st.none() | st.dictionaries(_tokens.map(str), _floats, max_size=3),
 }
-_OPENAI = {**_SAMPLING, "seed": st.none() | st.integers(), "stream": st.booleans(),
-           "stream_options": st.none() | st.fixed_dictionaries({"include_usage": st.booleans()})}
+_OPENAI = {
+    **_SAMPLING,
+    "seed": st.none() | st.integers(),
+    "stream": st.booleans(),
+    "stream_options": st.none() | st.fixed_dictionaries({"include_usage": st.booleans()}),
+}
 _messages = st.lists(
-    st.fixed_dictionaries({"role": st.sampled_from(["system", "developer", "user", "assistant", "tool"]),
-                           "content": st.none() | _texts | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": _texts}), max_size=2)}),
-    min_size=1, max_size=3,
+    st.fixed_dictionaries(
+        {
+            "role": st.sampled_from(["system", "developer", "user", "assistant", "tool"]),
+            "content": st.none() | _texts | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": _texts}), max_size=2),
+        }
+    ),
+    min_size=1,
+    max_size=3,
 )
 
 
 def _chat(model: str) -> Body:
-    plain = st.fixed_dictionaries({"model": st.just(model), "messages": _messages},
-                                  optional={**_OPENAI, "max_tokens": _lengths, "n": st.integers(1, 3), "logprobs": st.booleans(),
-                                            "add_generation_prompt": st.booleans()})
-    turn = st.fixed_dictionaries({"model": st.just(model), "messages": _messages, "conversation_id": _conversations},
-                                 optional={**_OPENAI, "max_tokens": _lengths, "branch": st.none() | st.sampled_from(["main", "b"]) | _small_text,
-                                           "from_turn": _turns, "logprobs": st.booleans(), "top_logprobs": st.none() | st.integers(-1, 25)})
+    plain = st.fixed_dictionaries(
+        {"model": st.just(model), "messages": _messages},
+        optional={**_OPENAI, "max_tokens": _lengths, "n": st.integers(1, 3), "logprobs": st.booleans(), "add_generation_prompt": st.booleans()},
+    )
+    turn = st.fixed_dictionaries(
+        {"model": st.just(model), "messages": _messages, "conversation_id": _conversations},
+        optional={
+            **_OPENAI,
+            "max_tokens": _lengths,
+            "branch": st.none() | st.sampled_from(["main", "b"]) | _small_text,
+            "from_turn": _turns,
+            "logprobs": st.booleans(),
+            "top_logprobs": st.none() | st.integers(-1, 25),
+        },
+    )
     return plain | turn
 
 
 def _completion(model: str) -> Body:
-    return st.fixed_dictionaries({"model": st.just(model), "prompt": _texts | _token_lists},
-                                 optional={**_OPENAI, "max_tokens": _lengths, "n": st.integers(1, 3), "logprobs": st.none() | st.integers(-1, 25)})
+    return st.fixed_dictionaries(
+        {"model": st.just(model), "prompt": _texts | _token_lists},
+        optional={**_OPENAI, "max_tokens": _lengths, "n": st.integers(1, 3), "logprobs": st.none() | st.integers(-1, 25)},
+    )
 
 
 _native_sampling = st.fixed_dictionaries({}, optional={**_SAMPLING, "max_new_tokens": _lengths, "sampling_seed": st.none() | st.integers()})
@@ -70,8 +90,16 @@ _native_sampling = st.fixed_dictionaries({}, optional={**_SAMPLING, "max_new_tok
 
 def _generate(_: str) -> Body:
     prompt = st.fixed_dictionaries({"text": _texts}) | st.fixed_dictionaries({"input_ids": _token_lists})
-    rest = st.fixed_dictionaries({}, optional={"sampling_params": _native_sampling, "stream": st.booleans(), "return_logprob": st.booleans(),
-                                               "top_logprobs_num": st.integers(-1, 25), "rid": st.text(min_size=1, max_size=8)})
+    rest = st.fixed_dictionaries(
+        {},
+        optional={
+            "sampling_params": _native_sampling,
+            "stream": st.booleans(),
+            "return_logprob": st.booleans(),
+            "top_logprobs_num": st.integers(-1, 25),
+            "rid": st.text(min_size=1, max_size=8),
+        },
+    )
     return st.builds(lambda a, b: {**a, **b}, prompt, rest)
 
 
@@ -82,14 +110,26 @@ def _tokenize(model: str) -> Body:
 
 
 _SELECTOR = {"conversation_id": _conversations}
-_SELECTOR_OPTIONAL = {"turn_number": _turns, "branch_name": st.none() | st.sampled_from(["main", "b"]),
-                      "snapshot_id": st.none() | st.sampled_from(["1", "2", "main/000001", "b/2"])}
+_SELECTOR_OPTIONAL = {
+    "turn_number": _turns,
+    "branch_name": st.none() | st.sampled_from(["main", "b"]),
+    "snapshot_id": st.none() | st.sampled_from(["1", "2", "main/000001", "b/2"]),
+}
 
 
 def _restore(_: str) -> Body:
-    return st.fixed_dictionaries(_SELECTOR, optional={**_SELECTOR_OPTIONAL, "create_new_request": st.booleans(), "continuation_ids": st.none() | _token_lists,
-                                                        "max_new_tokens": _lengths, "sampling_params": _native_sampling,
-                                                        "stream": st.booleans(), "rid": st.text(min_size=1, max_size=8)})
+    return st.fixed_dictionaries(
+        _SELECTOR,
+        optional={
+            **_SELECTOR_OPTIONAL,
+            "create_new_request": st.booleans(),
+            "continuation_ids": st.none() | _token_lists,
+            "max_new_tokens": _lengths,
+            "sampling_params": _native_sampling,
+            "stream": st.booleans(),
+            "rid": st.text(min_size=1, max_size=8),
+        },
+    )
 
 
 def _selected(_: str) -> Body:

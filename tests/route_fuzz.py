@@ -166,15 +166,22 @@ def _send(case: Case, base_url: str, recorder: _TracebackRecorder, report: FuzzR
         report.failures.append(Failure(route, response.status_code, curl, response.text, recorder.since(seen)))
 
 
-def fuzz_operation(operation: APIOperation, kind: str, *, base_url: str, model: str, cases: int, seed: int,
-                   recorder: _TracebackRecorder, report: FuzzReport) -> None:
+def fuzz_operation(
+    operation: APIOperation, kind: str, *, base_url: str, model: str, cases: int, seed: int, recorder: _TracebackRecorder, report: FuzzReport
+) -> None:
     """Send up to `cases` cases of one kind to one operation (fewer where its inputs run out)."""
     strategy = case_strategy(operation, kind, model)
     if strategy is None:
         return
 
-    @settings(max_examples=cases, database=None, deadline=None, phases=[Phase.generate],
-              suppress_health_check=list(HealthCheck), verbosity=hypothesis.Verbosity.quiet)
+    @settings(
+        max_examples=cases,
+        database=None,
+        deadline=None,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+        verbosity=hypothesis.Verbosity.quiet,
+    )
     @hypothesis.seed(seed)
     @hypothesis.given(strategy)
     def run(case: Case) -> None:
@@ -194,18 +201,21 @@ def ensure_conversations(base_url: str, model: str, conversations: Sequence[str]
             if http.get(f"/v1/conversations/{conversation_id}").status_code == 200:
                 continue
             for text in ("one", "two"):
-                body = {"model": model, "conversation_id": conversation_id, "messages": [{"role": "user", "content": text}],
-                        "max_tokens": 2, "temperature": 0}
+                body = {
+                    "model": model,
+                    "conversation_id": conversation_id,
+                    "messages": [{"role": "user", "content": text}],
+                    "max_tokens": 2,
+                    "temperature": 0,
+                }
                 http.post("/v1/chat/completions", json=body).raise_for_status()
 
 
-def fuzz_round(base_url: str, model: str, cases_per_kind: int, seed: int, report: FuzzReport,
-               conversations: Sequence[str] = CONVERSATIONS) -> None:
+def fuzz_round(base_url: str, model: str, cases_per_kind: int, seed: int, report: FuzzReport, conversations: Sequence[str] = CONVERSATIONS) -> None:
     """One pass over every operation, each kind of case capped at `cases_per_kind`; the shared
     `conversations` exist when each operation's cases start."""
     with server_tracebacks() as recorder:
         for operation in operations(base_url):
             ensure_conversations(base_url, model, conversations)
             for kind in KINDS:
-                fuzz_operation(operation, kind, base_url=base_url, model=model, cases=cases_per_kind, seed=seed,
-                               recorder=recorder, report=report)
+                fuzz_operation(operation, kind, base_url=base_url, model=model, cases=cases_per_kind, seed=seed, recorder=recorder, report=report)

@@ -23,8 +23,9 @@ from engram.server.background import BackgroundServer
 
 
 @contextlib.contextmanager
-def running_server(model_path: str, model_name: str, engine_fields: Mapping[str, object] | None = None,
-                   **server_fields) -> Iterator[BackgroundServer]:
+def running_server(
+    model_path: str, model_name: str, engine_fields: Mapping[str, object] | None = None, **server_fields
+) -> Iterator[BackgroundServer]:
     """Prefix caching is off unless asked for: the tests' reference requests (a full prefill to
     compare a restored state with) must not be served from an earlier request's state."""
     fields = {"max_running_requests": 4, "max_total_tokens": 8192, "context_length": 1024, **(engine_fields or {})}

@@ -55,9 +55,7 @@ def test_checkpoint_loads_and_is_decisive(checkpoint):
     model.generation_config.eos_token_id = None  # always decode all the steps
     prompt = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
-        out = model.generate(
-            prompt, max_new_tokens=40, do_sample=False, output_logits=True, return_dict_in_generate=True
-        )
+        out = model.generate(prompt, max_new_tokens=40, do_sample=False, output_logits=True, return_dict_in_generate=True)
         recomputed = model(out.sequences).logits[0, prompt.shape[1] - 1 : -1]
     tokens = out.sequences[0, prompt.shape[1] :].tolist()
     step_logits = torch.cat(out.logits)

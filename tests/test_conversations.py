@@ -49,8 +49,16 @@ def take_turn(engine, manager, conv_id, new_tokens, branch="main", from_turn=Non
     plan = manager.begin(conv_id, branch, from_turn)
     prompt = plan.history_tokens + new_tokens
     before = engine.stats().prefill_tokens_computed_total
-    engine.add_request("t", prompt, greedy(max_tokens), initial_state=plan.state, capture_state=True,
-                       retain_key=retain_key(conv_id, plan.ref), resume_key=plan.resume_key, host_base=plan.host_base)
+    engine.add_request(
+        "t",
+        prompt,
+        greedy(max_tokens),
+        initial_state=plan.state,
+        capture_state=True,
+        retain_key=retain_key(conv_id, plan.ref),
+        resume_key=plan.resume_key,
+        host_base=plan.host_base,
+    )
     out = run_to_end(engine)["t"]
     computed = engine.stats().prefill_tokens_computed_total - before
     turn = manager.finish(plan, prompt, out.token_ids, [{"role": "user", "content": str(new_tokens)}], out.state)
@@ -222,7 +230,6 @@ def _rewrite_manifest(path, **changes) -> None:
     for key in [k for k, v in changes.items() if v is None]:
         del manifest[key]
     path.write_text(json.dumps(manifest))
-
 
 
 @pytest.fixture(scope="module")
@@ -404,9 +411,15 @@ def test_deleting_a_conversation_hands_its_engine_slot_back(engine, tmp_path):
 def test_idle_demotion_that_cannot_write_keeps_the_state_warm(engine, tmp_path, monkeypatch):
     now = [0.0]
     manager = ConversationManager(
-        engine.spec, engine.state_dtypes, ModelIdentity.of(engine.spec, engine.model_path), tokenizer_fingerprint(engine.model_path),
-        SnapshotPolicy(SnapshotTrigger.EVERY_N_TURNS, every_n_turns=2), tmp_path, WarmCache(8, 1 << 30),
-        TierConfig(active_timeout=10, warm_timeout=20), clock=lambda: now[0],
+        engine.spec,
+        engine.state_dtypes,
+        ModelIdentity.of(engine.spec, engine.model_path),
+        tokenizer_fingerprint(engine.model_path),
+        SnapshotPolicy(SnapshotTrigger.EVERY_N_TURNS, every_n_turns=2),
+        tmp_path,
+        WarmCache(8, 1 << 30),
+        TierConfig(active_timeout=10, warm_timeout=20),
+        clock=lambda: now[0],
     )
     take_turn(engine, manager, "w", random_prompt(4, 1), max_tokens=2)  # turn 1: no snapshot by the policy
     monkeypatch.setattr("engram.state.cold.save_turn", lambda *a, **k: (_ for _ in ()).throw(OSError(28, "disk full")))
@@ -427,9 +440,16 @@ def test_idle_demotion_does_not_write_a_state_the_health_policy_kept_off_disk(en
 
     now = [0.0]
     manager = ConversationManager(
-        engine.spec, engine.state_dtypes, ModelIdentity.of(engine.spec, engine.model_path), tokenizer_fingerprint(engine.model_path),
-        SnapshotPolicy(), tmp_path, WarmCache(8, 1 << 30), TierConfig(active_timeout=10, warm_timeout=20),
-        clock=lambda: now[0], health=AlwaysAnomalous(clock=lambda: now[0]),
+        engine.spec,
+        engine.state_dtypes,
+        ModelIdentity.of(engine.spec, engine.model_path),
+        tokenizer_fingerprint(engine.model_path),
+        SnapshotPolicy(),
+        tmp_path,
+        WarmCache(8, 1 << 30),
+        TierConfig(active_timeout=10, warm_timeout=20),
+        clock=lambda: now[0],
+        health=AlwaysAnomalous(clock=lambda: now[0]),
     )
     take_turn(engine, manager, "h", random_prompt(4, 1), max_tokens=2)
     now[0] = 100.0
@@ -485,8 +505,14 @@ def test_a_state_pushed_out_of_memory_by_pressure_is_written_first(engine, tmp_p
 def test_closing_writes_a_record_that_async_durability_failed_to_write(engine, tmp_path, monkeypatch):
     """The turn was answered and no later turn of its conversation rewrote the record: closing does."""
     manager = ConversationManager(
-        engine.spec, engine.state_dtypes, ModelIdentity.of(engine.spec, engine.model_path), tokenizer_fingerprint(engine.model_path),
-        SnapshotPolicy(), tmp_path, WarmCache(8, 1 << 30), TierConfig(durability="async"),
+        engine.spec,
+        engine.state_dtypes,
+        ModelIdentity.of(engine.spec, engine.model_path),
+        tokenizer_fingerprint(engine.model_path),
+        SnapshotPolicy(),
+        tmp_path,
+        WarmCache(8, 1 << 30),
+        TierConfig(durability="async"),
     )
     fail_record_writes(monkeypatch, errno=5)
     _, out, *_ = take_turn(engine, manager, "ur", random_prompt(5, 1), max_tokens=2)
@@ -497,11 +523,14 @@ def test_closing_writes_a_record_that_async_durability_failed_to_write(engine, t
     assert [t.turn for t in conv.turns.values()] == [1] and conv.latest("main").new_tokens[-2:] == out.token_ids
 
 
-@pytest.mark.parametrize("trigger, budget, written", [
-    (SnapshotTrigger.EVERY_N_TURNS, 30.0, [1, 2]),
-    (SnapshotTrigger.EVERY_N_TURNS, 0.0, []),  # no time for it
-    (SnapshotTrigger.MANUAL_ONLY, 30.0, []),  # the user opted out of automatic snapshots
-])
+@pytest.mark.parametrize(
+    "trigger, budget, written",
+    [
+        (SnapshotTrigger.EVERY_N_TURNS, 30.0, [1, 2]),
+        (SnapshotTrigger.EVERY_N_TURNS, 0.0, []),  # no time for it
+        (SnapshotTrigger.MANUAL_ONLY, 30.0, []),  # the user opted out of automatic snapshots
+    ],
+)
 def test_closing_writes_the_states_only_memory_holds(engine, tmp_path, trigger, budget, written):
     policy = SnapshotPolicy(trigger, every_n_turns=100)
     manager = manager_for(engine, tmp_path, policy)
@@ -518,8 +547,14 @@ def test_async_durability_keeps_a_turn_whose_record_write_failed(engine, tmp_pat
     from engram.state import records
 
     manager = ConversationManager(
-        engine.spec, engine.state_dtypes, ModelIdentity.of(engine.spec, engine.model_path), tokenizer_fingerprint(engine.model_path),
-        SnapshotPolicy(), tmp_path, WarmCache(8, 1 << 30), TierConfig(durability="async"),
+        engine.spec,
+        engine.state_dtypes,
+        ModelIdentity.of(engine.spec, engine.model_path),
+        tokenizer_fingerprint(engine.model_path),
+        SnapshotPolicy(),
+        tmp_path,
+        WarmCache(8, 1 << 30),
+        TierConfig(durability="async"),
     )
     gate = threading.Event()
     manager.writer.submit(gate.wait)  # the writer is held until both turns are recorded in memory
@@ -543,19 +578,28 @@ def test_async_durability_keeps_a_turn_whose_record_write_failed(engine, tmp_pat
     assert [t.turn for t in restarted.require("as").turns.values()] == [1, 2]
 
 
-@pytest.mark.parametrize("policy, health, written", [
-    (SnapshotPolicy(SnapshotTrigger.EVERY_N_TURNS, every_n_turns=2), None, True),  # it leaves memory: written first
-    (SnapshotPolicy(SnapshotTrigger.MANUAL_ONLY), None, False),
-    (SnapshotPolicy(), "anomalous", False),
-])
+@pytest.mark.parametrize(
+    "policy, health, written",
+    [
+        (SnapshotPolicy(SnapshotTrigger.EVERY_N_TURNS, every_n_turns=2), None, True),  # it leaves memory: written first
+        (SnapshotPolicy(SnapshotTrigger.MANUAL_ONLY), None, False),
+        (SnapshotPolicy(), "anomalous", False),
+    ],
+)
 def test_a_state_too_large_for_the_warm_budget_is_written_as_any_state_leaving_memory(engine, tmp_path, policy, health, written):
     class AlwaysAnomalous(HealthMonitor):
         def decide(self, report):
             return Decision(save=False, restore=True, quarantine=True, log=None)
 
     manager = ConversationManager(
-        engine.spec, engine.state_dtypes, ModelIdentity.of(engine.spec, engine.model_path), tokenizer_fingerprint(engine.model_path),
-        policy, tmp_path, WarmCache(8, 1), health=AlwaysAnomalous() if health else None,
+        engine.spec,
+        engine.state_dtypes,
+        ModelIdentity.of(engine.spec, engine.model_path),
+        tokenizer_fingerprint(engine.model_path),
+        policy,
+        tmp_path,
+        WarmCache(8, 1),
+        health=AlwaysAnomalous() if health else None,
     )
     take_turn(engine, manager, "big", random_prompt(4, 1), max_tokens=2)
     assert len(manager.snapshots("big")) == int(written) and len(manager.warm) == 0

@@ -16,13 +16,27 @@ MODEL = "m"
 
 def serve_args(model_path: str, snapshot_dir, *flags: str) -> list[str]:
     """`engram serve` of `model_path` as MODEL with sync durability, short contexts, quiet logs."""
-    return ["--model-path", str(model_path), "--served-model-name", MODEL, "--snapshot-dir", str(snapshot_dir),
-            "--snapshot-durability", "sync", "--max-total-tokens", "4096", "--context-length", "1024", "--log-level", "warning", *flags]
+    return [
+        "--model-path",
+        str(model_path),
+        "--served-model-name",
+        MODEL,
+        "--snapshot-dir",
+        str(snapshot_dir),
+        "--snapshot-durability",
+        "sync",
+        "--max-total-tokens",
+        "4096",
+        "--context-length",
+        "1024",
+        "--log-level",
+        "warning",
+        *flags,
+    ]
 
 
 def chat(http, conversation_id, text):
-    body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "conversation_id": conversation_id,
-            "temperature": 0, "max_tokens": 8}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "conversation_id": conversation_id, "temperature": 0, "max_tokens": 8}
     r = http.post("/v1/chat/completions", json=body)
     r.raise_for_status()
     return r.json()
@@ -67,7 +81,7 @@ def test_kill_9_mid_conversations_then_everything_answered_is_resumable(checkpoi
                 assert prompt[: len(info["fill_ids"])] == info["fill_ids"]
                 assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == info["state_len"]
                 full = http.post("/generate", json={"input_ids": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 8}}).json()
-                assert full["output_ids"] == new_info["fill_ids"][len(prompt):]
+                assert full["output_ids"] == new_info["fill_ids"][len(prompt) :]
     finally:
         server.kill()
 

@@ -27,10 +27,29 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def test_the_predecessors_accepted_flags_parse_and_map():
-    ns = parse(["--enable-snapshot-persistence", "--snapshot-dir", "./snapshots", "--mamba-scheduler-strategy", "no_buffer",
-                "--mamba-radix-cache-strategy", "extra_buffer_lazy", "--trust-remote-code", "--enable-cross-session-refs",
-                "--conversation-cold-retention", "604800", "--max-warm-conversations", "100", "--snapshot-retention-count", "10",
-                "--snapshot-health-check-interval", "0", "--snapshot-health-failure-policy", "skip_snapshot"])
+    ns = parse(
+        [
+            "--enable-snapshot-persistence",
+            "--snapshot-dir",
+            "./snapshots",
+            "--mamba-scheduler-strategy",
+            "no_buffer",
+            "--mamba-radix-cache-strategy",
+            "extra_buffer_lazy",
+            "--trust-remote-code",
+            "--enable-cross-session-refs",
+            "--conversation-cold-retention",
+            "604800",
+            "--max-warm-conversations",
+            "100",
+            "--snapshot-retention-count",
+            "10",
+            "--snapshot-health-check-interval",
+            "0",
+            "--snapshot-health-failure-policy",
+            "skip_snapshot",
+        ]
+    )
     assert (ns.snapshot_dir, ns.conversation_cold_retention, ns.snapshot_retention_count) == ("./snapshots", 604800.0, 10)
     assert ns.enable_cross_session_refs and ns.enable_prefix_caching
     from engram.args import apply_predecessor_args
@@ -61,7 +80,17 @@ def test_the_predecessors_flags_without_a_counterpart_are_refused_with_what_to_u
 
 def test_runtime_keywords_become_flags():
     assert server_argv(model_path="/m", enable_snapshot_persistence=True, enable_cuda_graph=False, api_key=["a", "b"], port=1) == [
-        "--model-path", "/m", "--enable-snapshot-persistence", "--no-enable-cuda-graph", "--api-key", "a", "--api-key", "b", "--port", "1"]
+        "--model-path",
+        "/m",
+        "--enable-snapshot-persistence",
+        "--no-enable-cuda-graph",
+        "--api-key",
+        "a",
+        "--api-key",
+        "b",
+        "--port",
+        "1",
+    ]
     with pytest.raises(TypeError, match="enable_snapshots"):
         engram.Runtime(enable_snapshots=True)
     with pytest.raises(ValueError, match="--snapshot-preload"):
@@ -99,8 +128,7 @@ def test_a_conversation_started_from_anothers_turn_continues_it_exactly(checkpoi
         assert body["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(source) - 1  # its state, not recomputed
         # the reply equals a full prefill of the same tokens
         reply = len(tokens) - body["usage"]["prompt_tokens"]
-        reference = http.post("/generate", json={"input_ids": tokens[:-reply],
-                                                 "sampling_params": {"temperature": 0, "max_new_tokens": reply}}).json()
+        reference = http.post("/generate", json={"input_ids": tokens[:-reply], "sampling_params": {"temperature": 0, "max_new_tokens": reply}}).json()
         assert reference["meta_info"]["cached_tokens"] == 0 and reference["output_ids"] == tokens[-reply:]
         # it stands on its own: deleting the source leaves it whole, and it goes on
         assert http.delete("/v1/conversations/src").status_code == 200
@@ -131,8 +159,15 @@ def test_cross_session_refs_are_owner_checked_and_can_be_turned_off(checkpoint_d
 
 def test_runtime_and_snapshot_manager_with_the_predecessors_signatures(checkpoint_dir, tmp_path):
     model = shutil.copytree(checkpoint_dir("nemotron"), tmp_path / "model")
-    with engram.Runtime(model_path=str(model), enable_snapshot_persistence=True, snapshot_dir=str(tmp_path / "snaps"),
-                        enable_prefix_caching=False, max_total_tokens=4096, context_length=1024, log_level="warning") as runtime:
+    with engram.Runtime(
+        model_path=str(model),
+        enable_snapshot_persistence=True,
+        snapshot_dir=str(tmp_path / "snaps"),
+        enable_prefix_caching=False,
+        max_total_tokens=4096,
+        context_length=1024,
+        log_level="warning",
+    ) as runtime:
         conv = runtime.endpoint.conversation("conv_123", **GREEDY)
         for text in ("Hello there, how are you?", "Tell me about state space models.", "And what about attention?"):
             conv.chat(text)
@@ -146,8 +181,14 @@ def test_runtime_and_snapshot_manager_with_the_predecessors_signatures(checkpoin
         restored = sm.restore(rid="req_123", conversation_id="conv_123", turn_number=2)
         assert restored["success"] and restored["token_count"] == info["token_count"]
         more = [65, 66, 67]
-        generated = sm.restore(conversation_id="conv_123", turn_number=2, create_new_request=True, continuation_ids=more,
-                               max_new_tokens=5, sampling_params={"temperature": 0})
+        generated = sm.restore(
+            conversation_id="conv_123",
+            turn_number=2,
+            create_new_request=True,
+            continuation_ids=more,
+            max_new_tokens=5,
+            sampling_params={"temperature": 0},
+        )
         reference = runtime.endpoint.generate(input_ids=info["fill_ids"] + more, sampling_params={"temperature": 0, "max_new_tokens": 5})
         assert generated["meta_info"]["cached_tokens"] == info["state_len"] and reference["meta_info"]["cached_tokens"] == 0
         assert generated["output_ids"] == reference["output_ids"] and generated["output_text"] == reference["text"]

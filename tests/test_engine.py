@@ -100,8 +100,11 @@ def _split_logits_tolerance(engine) -> dict:
 
 @pytest.mark.parametrize(
     "kind, suffix",
-    [("nemotron", ".k"), *(("falcon_h1", suffix) for suffix in (".k", ".ssm", ".conv")),
-     *((kind, suffix) for kind in GDN_KINDS for suffix in (".conv", ".recurrent", ".v"))],
+    [
+        ("nemotron", ".k"),
+        *(("falcon_h1", suffix) for suffix in (".k", ".ssm", ".conv")),
+        *((kind, suffix) for kind in GDN_KINDS for suffix in (".conv", ".recurrent", ".v")),
+    ],
 )
 def test_resume_without_one_state_tensor_is_refused(kind, suffix, checkpoint_dir):
     engine = make_engine(checkpoint_dir(kind))
@@ -248,8 +251,12 @@ def test_overloaded_kv_budget_preempts_and_every_request_stays_exact(checkpoint_
 
 @pytest.mark.parametrize(
     "kind, suffixes",
-    [("nemotron", (".k", ".v")), ("falcon_h1", (".k", ".v")), ("falcon_h1", (".ssm", ".conv")),
-     *((kind, suffixes) for kind in GDN_KINDS for suffixes in ((".k", ".v"), (".conv",), (".recurrent",)))],
+    [
+        ("nemotron", (".k", ".v")),
+        ("falcon_h1", (".k", ".v")),
+        ("falcon_h1", (".ssm", ".conv")),
+        *((kind, suffixes) for kind in GDN_KINDS for suffixes in ((".k", ".v"), (".conv",), (".recurrent",))),
+    ],
 )
 def test_dropping_a_part_of_a_hybrid_state_changes_the_output(kind, suffixes, checkpoint_dir):
     """What a snapshot without one part amounts to (the attention KV, a conv window or the recurrent

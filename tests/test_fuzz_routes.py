@@ -16,8 +16,15 @@ from engram.server.background import BackgroundServer
 
 CASES_PER_KIND = 10  # about 430 cases in all, ~15 s on 2 cores
 SEED = 29
-SNAPSHOT_ROUTES = {"POST /save_snapshot", "POST /get_snapshot_info", "POST /restore_snapshot", "POST /delete_snapshot",
-                   "POST /list_snapshots", "GET /v1/conversations/{conversation_id}", "DELETE /v1/conversations/{conversation_id}"}
+SNAPSHOT_ROUTES = {
+    "POST /save_snapshot",
+    "POST /get_snapshot_info",
+    "POST /restore_snapshot",
+    "POST /delete_snapshot",
+    "POST /list_snapshots",
+    "GET /v1/conversations/{conversation_id}",
+    "DELETE /v1/conversations/{conversation_id}",
+}
 
 
 def test_every_route_answers_fuzzed_requests_without_a_server_error(checkpoint_dir, tmp_path):

@@ -47,7 +47,10 @@ def test_chunk_and_steps_match_the_recurrence(length, chunk, l2_norm_qk):
     torch.testing.assert_close(final, final_ref, rtol=1e-4, atol=1e-4)
     pool, slot = torch.zeros(3, *init.shape), torch.tensor([1])
     pool[1] = init
-    steps = [gd.gated_delta_state_update(pool, slot, q[t : t + 1], k[t : t + 1], v[t : t + 1], decay[t : t + 1], beta[t : t + 1], l2_norm_qk) for t in range(length)]
+    steps = [
+        gd.gated_delta_state_update(pool, slot, q[t : t + 1], k[t : t + 1], v[t : t + 1], decay[t : t + 1], beta[t : t + 1], l2_norm_qk)
+        for t in range(length)
+    ]
     torch.testing.assert_close(torch.cat(steps), o_ref, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(pool[1], final_ref, rtol=1e-4, atol=1e-4)
     assert not pool[0].any() and not pool[2].any()
@@ -94,6 +97,8 @@ def test_matches_transformers_torch_functions(length):
     q, k, v, decay, beta, init = _inputs(length, hk=2, hv=4, dk=8, dv=6)
     o, final = gd.gated_delta_chunk(q, k, v, decay, beta, init, 64, True)
     for fn in (hf.torch_chunk_gated_delta_rule, hf.torch_recurrent_gated_delta_rule):
-        o_ref, final_ref = fn(q[None], k[None], v[None], decay[None], beta[None], initial_state=init[None], output_final_state=True, use_qk_l2norm_in_kernel=True)
+        o_ref, final_ref = fn(
+            q[None], k[None], v[None], decay[None], beta[None], initial_state=init[None], output_final_state=True, use_qk_l2norm_in_kernel=True
+        )
         torch.testing.assert_close(o, o_ref[0], rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(final, final_ref[0], rtol=1e-4, atol=1e-4)

@@ -123,7 +123,9 @@ def _conv_inputs(g, dtype, C=144, K=4, slots_total=6):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("K", [2, 3, 4])
-@pytest.mark.parametrize("slots", [[4, 0, -1, 2], [3], [5, 1, -1, 0, 2, 4], [-1 if i % 7 == 3 else (i * 5) % 41 for i in range(41)]])  # GEMV, tensor cores
+@pytest.mark.parametrize(
+    "slots", [[4, 0, -1, 2], [3], [5, 1, -1, 0, 2, 4], [-1 if i % 7 == 3 else (i * 5) % 41 for i in range(41)]]
+)  # GEMV, tensor cores
 @pytest.mark.parametrize("bias", [True, False])
 def test_linear_conv_update_in_place_by_slot(dtype, K, slots, bias):
     """Mamba2's in_proj with the conv update of its xBC columns (C = 144 of 200, starting at 10)."""
@@ -491,7 +493,12 @@ def test_add_rms_norm_linear(dtype, residual_fp32):
     # Granite's router at 1, 64 and 101 tokens (on an H200 twice the rows a program for two tokens at 64
     # and 101, the last program of 101 with one), and other shapes
     for tokens, hidden, outputs, scale in (
-        (1, 1536, 64, 1.0), (64, 1536, 64, 0.22), (101, 1536, 64, 1.0), (33, 96, 4, 0.22), (70, 200, 40, 1.0), (3, 48, 600, 1.0),
+        (1, 1536, 64, 1.0),
+        (64, 1536, 64, 0.22),
+        (101, 1536, 64, 1.0),
+        (33, 96, 4, 0.22),
+        (70, 200, 40, 1.0),
+        (3, 48, 600, 1.0),
     ):
         w, lin = _randn(hidden, g=g, dtype=dtype), _randn(outputs, hidden, g=g, dtype=dtype) * 0.2  # weights first: see PDL_LAUNCH
         x = _randn(tokens, hidden, g=g, dtype=dtype)
@@ -511,7 +518,10 @@ def _check_moe_experts(dtype, tokens, hidden, inter, experts, k, gated, shared_i
     w_out = _randn(experts, hidden, inter, g=g, dtype=dtype) * scale
     shared = None
     if shared_inter:  # an always-on expert, narrower or wider than the routed ones
-        shared = (_randn((2 if gated else 1) * shared_inter, hidden, g=g, dtype=dtype) * scale, _randn(hidden, shared_inter, g=g, dtype=dtype) * scale)
+        shared = (
+            _randn((2 if gated else 1) * shared_inter, hidden, g=g, dtype=dtype) * scale,
+            _randn(hidden, shared_inter, g=g, dtype=dtype) * scale,
+        )
     x = _randn(tokens, hidden, g=g, dtype=dtype)  # after the weights: some kernels read weights before the PDL wait
     weights, ids = moe.route_softmax_topk(_randn(tokens, experts, g=g), k)
     act = F.silu if gated else moe.relu2
@@ -572,9 +582,18 @@ def test_moe_align_blocks_cover_every_pair_once(align, tokens, skewed):
 # (tokens, experts, top-k, the op routes and sorts in one launch): the GEMV at 1 token; one launch up
 # to TOPK_ALIGN_MAX_LOGITS (7 of 64; 5 of 48, whose padding experts the masks must hide); the kernel
 # alone checked up to 128 tokens (40 and 128 of 64, 8 of 72); 129 apart
-@pytest.mark.parametrize("tokens,experts,k,fused", [
-    (1, 64, 6, False), (7, 64, 6, True), (5, 48, 8, True), (40, 64, 6, False), (128, 64, 6, False), (8, 72, 9, False), (129, 64, 6, False),
-])
+@pytest.mark.parametrize(
+    "tokens,experts,k,fused",
+    [
+        (1, 64, 6, False),
+        (7, 64, 6, True),
+        (5, 48, 8, True),
+        (40, 64, 6, False),
+        (128, 64, 6, False),
+        (8, 72, 9, False),
+        (129, 64, 6, False),
+    ],
+)
 def test_route_softmax_topk_align(tokens, experts, k, fused, monkeypatch):
     """Routing and sorting in one launch against `route_softmax_topk` and `moe_align` (exactly: the
     same ids, pairs in the same order), padding rows of NaN and -inf included; the op, through the
@@ -626,8 +645,9 @@ def _greedy_run(path: str, fast: bool, graphs: bool, dtype: str, prompts: list[l
 
 
 @needs_cuda
-@pytest.mark.parametrize("kind", ["granite", "mamba2", "nemotron", "bamba", "granite_rope", "falcon_h1", "falcon_h1_tied", "qwen3_next", "qwen3_5",
-                                  "qwen3_5_moe"])
+@pytest.mark.parametrize(
+    "kind", ["granite", "mamba2", "nemotron", "bamba", "granite_rope", "falcon_h1", "falcon_h1_tied", "qwen3_next", "qwen3_5", "qwen3_5_moe"]
+)
 def test_greedy_tokens_fast_path_equal_reference(kind, checkpoint_dir):
     from engine_utils import random_prompt
 

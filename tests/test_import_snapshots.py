@@ -44,17 +44,29 @@ def predecessor_state(model, spec, ids: list[int]) -> dict[str, torch.Tensor]:
     with torch.no_grad():
         cache = model(torch.tensor([ids]), use_cache=True).past_key_values
     layers = [cache.layers[i] for i in spec.mamba_layers]  # each one's states by number, batch first
-    return {"temporal": torch.stack([layer.recurrent_states[0][0] for layer in layers]).contiguous(),
-            "conv_layer_0": torch.stack([layer.conv_states[0][0, :, 1:] for layer in layers]).contiguous()}
+    return {
+        "temporal": torch.stack([layer.recurrent_states[0][0] for layer in layers]).contiguous(),
+        "conv_layer_0": torch.stack([layer.conv_states[0][0, :, 1:] for layer in layers]).contiguous(),
+    }
 
 
-def write_turn(folder: Path, cid: str, number: int, fill_ids: list[int] | None, state: dict | None,
-               branch: str | None = None, **fields) -> Path:
+def write_turn(folder: Path, cid: str, number: int, fill_ids: list[int] | None, state: dict | None, branch: str | None = None, **fields) -> Path:
     """One saved turn as the predecessor wrote it (its MambaSnapshotMetadata fields)."""
-    meta = {"conversation_id": cid, "turn_number": number, "timestamp": 1.7e9, "token_count": len(fill_ids or []),
-            "model_name": "ibm-granite/granite-4.0-h-tiny", "mamba_pool_idx": 1, "req_pool_idx": 0,
-            "layer_config": {"num_layers": 2, "model_type": "hybrid"}, "active_tool_context": None,
-            "branch_name": branch, "parent_snapshot": None, "fill_ids": fill_ids, **fields}
+    meta = {
+        "conversation_id": cid,
+        "turn_number": number,
+        "timestamp": 1.7e9,
+        "token_count": len(fill_ids or []),
+        "model_name": "ibm-granite/granite-4.0-h-tiny",
+        "mamba_pool_idx": 1,
+        "req_pool_idx": 0,
+        "layer_config": {"num_layers": 2, "model_type": "hybrid"},
+        "active_tool_context": None,
+        "branch_name": branch,
+        "parent_snapshot": None,
+        "fill_ids": fill_ids,
+        **fields,
+    }
     conv_dir = folder / f"conversation_{cid}"
     base = conv_dir / "branches" / branch if branch else conv_dir / f"turn_{number}"
     base.parent.mkdir(parents=True, exist_ok=True)
@@ -124,10 +136,15 @@ def test_each_file_is_imported_compared_or_refused_with_its_reason(imported):
     stateless = files["conversation_stateless/turn_0_metadata.json"]
     assert stateless["status"] == "imported" and not stateless["recorded_state"] and stateless["differs"] is None
     reasons = {name: f["reason"] for name, f in files.items() if f["status"] == "refused"}
-    assert reasons.keys() == {"conversation_shape/turn_0_metadata.json", "conversation_no-ids/turn_0_metadata.json",
-                              "conversation_torn/turn_0_metadata.json", "conversation_.hidden/turn_0_metadata.json",
-                              "conversation_link", "conversation_fork/turn_1_metadata.json",
-                              "conversation_vocab/turn_0_metadata.json"}
+    assert reasons.keys() == {
+        "conversation_shape/turn_0_metadata.json",
+        "conversation_no-ids/turn_0_metadata.json",
+        "conversation_torn/turn_0_metadata.json",
+        "conversation_.hidden/turn_0_metadata.json",
+        "conversation_link",
+        "conversation_fork/turn_1_metadata.json",
+        "conversation_vocab/turn_0_metadata.json",
+    }
     assert reasons["conversation_shape/turn_0_metadata.json"].startswith("wrong model/shape: temporal has shape (2, 4, 24, 16)")
     assert reasons["conversation_no-ids/turn_0_metadata.json"].startswith("missing token ids")
     assert reasons["conversation_torn/turn_0_metadata.json"].startswith("corrupt file")
@@ -150,18 +167,31 @@ def test_importing_again_changes_nothing(imported):
 
 
 def test_a_server_continues_each_imported_conversation_as_one_generate(imported, work):
-    server = ServerProcess(["--model-path", str(work / "granite-4.0-h-tiny"), "--snapshot-dir", str(work / STORE),
-                            "--no-enable-prefix-caching"], work / "server.log")
+    server = ServerProcess(
+        ["--model-path", str(work / "granite-4.0-h-tiny"), "--snapshot-dir", str(work / STORE), "--no-enable-prefix-caching"], work / "server.log"
+    )
     server.start()
     sampling = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
     try:
         with httpx.Client(base_url=server.url, timeout=120) as http:
             alpha = http.get("/v1/conversations/alpha").json()["branches"]
             assert (alpha["main"]["latest_turn"], alpha["what-if"]["latest_turn"]) == (2, 2)  # no turn twice
-            for cid, branch, history in (("alpha", "main", HISTORY_2), ("alpha", "what-if", BRANCH),
-                                         ("wrong", "main", WRONG), ("stateless", "main", OTHER)):
-                resumed = http.post("/restore_snapshot", json={"conversation_id": cid, "branch_name": branch, "create_new_request": True,
-                                                               "continuation_ids": CONTINUATION, "sampling_params": sampling})
+            for cid, branch, history in (
+                ("alpha", "main", HISTORY_2),
+                ("alpha", "what-if", BRANCH),
+                ("wrong", "main", WRONG),
+                ("stateless", "main", OTHER),
+            ):
+                resumed = http.post(
+                    "/restore_snapshot",
+                    json={
+                        "conversation_id": cid,
+                        "branch_name": branch,
+                        "create_new_request": True,
+                        "continuation_ids": CONTINUATION,
+                        "sampling_params": sampling,
+                    },
+                )
                 assert resumed.status_code == 200, resumed.text
                 full = http.post("/generate", json={"input_ids": history + CONTINUATION, "sampling_params": sampling}).json()
                 assert resumed.json()["output_ids"] == full["output_ids"], (cid, branch)

@@ -67,10 +67,15 @@ def test_falcon_h1_multiplier_lists_of_the_wrong_length_are_refused(tmp_path):
     bad = parse_model_spec(dict(spec.config, ssm_multipliers=[1.0, 2.0]))
     with torch.device("meta"), pytest.raises(ConfigError, match=r"ssm_multipliers must be a list of 5 numbers, got \[1.0, 2.0\]"):
         FalconH1ForCausalLM(bad)
+
+
 @pytest.mark.parametrize(
     "dropped, missing",
     [
-        ("model.layers.0.linear_attn.in_proj_ba.weight", r"layers\.0\.mixer\.in_proj\.weight \(rows 112:120\)"),  # b and a, past q, k, v (80 rows) and z (32)
+        (
+            "model.layers.0.linear_attn.in_proj_ba.weight",
+            r"layers\.0\.mixer\.in_proj\.weight \(rows 112:120\)",
+        ),  # b and a, past q, k, v (80 rows) and z (32)
         ("model.layers.1.mlp.experts.2.up_proj.weight", r"layers\.1\.mlp\.experts\.gate_up_proj \(rows 2:3\)"),  # expert 2's up half
     ],
 )

@@ -279,9 +279,23 @@ def test_plan_json_has_every_field_when_not_fitting(capsys) -> None:
     assert rc == 1
     data = json.loads(out)
     for field in (
-        "weights_bytes", "state_bytes_per_seq", "state_bytes_by_kind", "state_cache_bytes", "kv_bytes_per_token",
-        "kv_cache_bytes", "max_total_tokens", "fits", "total_memory_bytes", "budget_bytes", "scratch_bytes",
-        "shortfall_bytes", "kv_block_size", "num_kv_blocks", "context_length", "max_running_requests", "error",
+        "weights_bytes",
+        "state_bytes_per_seq",
+        "state_bytes_by_kind",
+        "state_cache_bytes",
+        "kv_bytes_per_token",
+        "kv_cache_bytes",
+        "max_total_tokens",
+        "fits",
+        "total_memory_bytes",
+        "budget_bytes",
+        "scratch_bytes",
+        "shortfall_bytes",
+        "kv_block_size",
+        "num_kv_blocks",
+        "context_length",
+        "max_running_requests",
+        "error",
     ):
         assert field in data, field
     assert data["fits"] is False and data["shortfall_bytes"] > 0
@@ -309,7 +323,9 @@ def test_plan_bad_flag(capsys) -> None:
 def test_plan_module_subprocess() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "engram.plan", "--model-path", str(NEMOTRON), "--json"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)

@@ -20,9 +20,11 @@ from engram.runtime import free_port, wait_until_healthy
 
 PAGE = Path(__file__).resolve().parents[1] / "MIGRATING.md"
 BLOCK = re.compile(r"^```(\w+)\n(.*?)^```", re.MULTILINE | re.DOTALL)
-QUICK_START = ("python -m engram.launch_server --model-path ./granite-4.0-h-tiny --enable-snapshot-persistence "
-               "--snapshot-dir ./snapshots --mamba-scheduler-strategy no_buffer --port 30000")
-CURL = "curl() { command curl -sS --fail-with-body \"$@\"; }\n"  # a 4xx or 5xx fails the block
+QUICK_START = (
+    "python -m engram.launch_server --model-path ./granite-4.0-h-tiny --enable-snapshot-persistence "
+    "--snapshot-dir ./snapshots --mamba-scheduler-strategy no_buffer --port 30000"
+)
+CURL = 'curl() { command curl -sS --fail-with-body "$@"; }\n'  # a 4xx or 5xx fails the block
 
 
 def blocks() -> list[tuple[str, str]]:

@@ -109,8 +109,9 @@ def test_a_client_that_resends_its_history_restores_its_previous_prompt(checkpoi
         assert httpx.post(srv.url + "/flush_cache").json()["success"]  # SGLang's flush empties the cache
         assert len(srv.app.state.serving.conversations.manager.prefix_cache) == 0
         assert "engram:prefix_cache_disk_hits_total" in httpx.get(srv.url + "/metrics").text
-    with running_server(path, MODEL, snapshot_dir=str(tmp_path / "short"), enable_prefix_caching=True,
-                        prefix_cache_min_tokens=prompts[-1] + 1) as srv:  # every prompt too short to be worth a capture
+    with running_server(
+        path, MODEL, snapshot_dir=str(tmp_path / "short"), enable_prefix_caching=True, prefix_cache_min_tokens=prompts[-1] + 1
+    ) as srv:  # every prompt too short to be worth a capture
         assert _resend_history_dialogue(srv)[1] == [0, 0, 0]
         assert len(srv.app.state.serving.conversations.manager.prefix_cache) == 0
     with running_server(path, MODEL, snapshot_dir=str(tmp_path / "off"), enable_prefix_caching=False) as srv:

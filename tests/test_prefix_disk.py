@@ -35,9 +35,17 @@ def engine(checkpoint_dir):
 
 def prefix_manager(engine, root, disk_bytes: int = 1 << 30) -> ConversationManager:
     return ConversationManager(
-        engine.spec, engine.state_dtypes, ModelIdentity.of(engine.spec, engine.model_path), tokenizer_fingerprint(engine.model_path),
-        SnapshotPolicy(), root, WarmCache(64, 1 << 30), chunk_tokens=CHUNK,
-        prefix_cache_bytes=1 << 30, prefix_cache_min_tokens=1, prefix_cache_disk_bytes=disk_bytes,
+        engine.spec,
+        engine.state_dtypes,
+        ModelIdentity.of(engine.spec, engine.model_path),
+        tokenizer_fingerprint(engine.model_path),
+        SnapshotPolicy(),
+        root,
+        WarmCache(64, 1 << 30),
+        chunk_tokens=CHUNK,
+        prefix_cache_bytes=1 << 30,
+        prefix_cache_min_tokens=1,
+        prefix_cache_disk_bytes=disk_bytes,
     )
 
 
@@ -156,8 +164,9 @@ def test_restart_and_kill_9_keep_the_resend_history_prefix_exact(engine, checkpo
         killer.start()
         try:
             for i in range(20):
-                httpx.post(server.url + "/generate", timeout=60,
-                           json={"input_ids": random_prompt(60 + i, 100 + i), "sampling_params": {"max_new_tokens": 2}})
+                httpx.post(
+                    server.url + "/generate", timeout=60, json={"input_ids": random_prompt(60 + i, 100 + i), "sampling_params": {"max_new_tokens": 2}}
+                )
         except httpx.HTTPError:
             pass
         killer.join()

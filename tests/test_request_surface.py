@@ -92,11 +92,24 @@ REFUSED = [
     (GENERATE, "max_tokens", 4),  # the OpenAI name at the top level of /generate
 ]
 for _route in (CHAT, COMPLETIONS):
-    REFUSED += [(_route, name, value) for name, value in (
-        ("use_beam_search", True), ("best_of", 3), ("length_penalty", 2.0), ("truncate_prompt_tokens", 4),
-        ("spaces_between_special_tokens", False), ("logits_processors", ["x"]), ("return_tokens_as_token_ids", True),
-        ("return_token_ids", True), ("priority", 1), ("cache_salt", "s"), ("kv_transfer_params", {"a": 1}),
-        ("vllm_xargs", {"a": 1}), ("mm_processor_kwargs", {"a": 1}))]
+    REFUSED += [
+        (_route, name, value)
+        for name, value in (
+            ("use_beam_search", True),
+            ("best_of", 3),
+            ("length_penalty", 2.0),
+            ("truncate_prompt_tokens", 4),
+            ("spaces_between_special_tokens", False),
+            ("logits_processors", ["x"]),
+            ("return_tokens_as_token_ids", True),
+            ("return_token_ids", True),
+            ("priority", 1),
+            ("cache_salt", "s"),
+            ("kv_transfer_params", {"a": 1}),
+            ("vllm_xargs", {"a": 1}),
+            ("mm_processor_kwargs", {"a": 1}),
+        )
+    ]
 
 
 @pytest.mark.parametrize("case", REFUSED, ids=lambda c: f"{c[0]}:{c[1]}")
@@ -115,17 +128,20 @@ def _model_optional(route: str) -> Callable[..., None]:
         body = {k: v for k, v in BASE[route].items() if k != "model"}
         got = ok(http.post(route, json=body))
         assert got["model"] == MODEL and text_of(route, got) == text_of(route, baseline(http, route))
+
     return check
 
 
 def _request_id(route: str, prefix: str) -> Callable[..., None]:
     def check(http: httpx.Client) -> None:
         assert ok(post(http, route, request_id="mine-1"))["id"] == f"{prefix}-mine-1"
+
     return check
 
 
 def _min_tokens(route: str) -> Callable[..., None]:
     """A stop token that ends the greedy output at once is held back until min_tokens."""
+
     def check(http: httpx.Client) -> None:
         stop_id = _first_token(http, route)
         if route == GENERATE:
@@ -136,6 +152,7 @@ def _min_tokens(route: str) -> Callable[..., None]:
         stopped = ok(post(http, route, stop_token_ids=[stop_id]))
         held = ok(post(http, route, stop_token_ids=[stop_id], min_tokens=5))
         assert stopped["usage"]["completion_tokens"] == 1 and held["usage"]["completion_tokens"] >= 5
+
     return check
 
 
@@ -152,6 +169,7 @@ def _allowed_token_ids(route: str) -> Callable[..., None]:
     def check(http: httpx.Client) -> None:
         got = text_of(route, ok(post(http, route, allowed_token_ids=[ord("a"), ord("b")], ignore_eos=True)))
         assert got and set(got) <= {"a", "b"}
+
     return check
 
 
@@ -161,13 +179,16 @@ def _bad_words(route: str) -> Callable[..., None]:
         word = next(c for c in free if c.isascii() and c.isalnum())
         got = text_of(route, ok(post(http, route, max_tokens=24, bad_words=[word])))
         assert word not in got and got != free
+
     return check
 
 
 def _user(route: str) -> Callable[..., None]:
     """OpenAI's end-user tag: vLLM takes it and does nothing with it; so does this server."""
+
     def check(http: httpx.Client) -> None:
         assert text_of(route, ok(post(http, route, user="u1"))) == text_of(route, baseline(http, route))
+
     return check
 
 
@@ -208,8 +229,7 @@ def _generate_batch(http: httpx.Client) -> None:
 def _generate_batch_streamed(http: httpx.Client) -> None:
     texts = ["Once upon", "A time"]
     singles = [ok(post(http, GENERATE, text=t, return_logprob=True)) for t in texts]
-    body = {**BASE[GENERATE], "text": texts, "sampling_params": {**BASE[GENERATE]["sampling_params"], "n": 2}, "stream": True,
-            "return_logprob": True}
+    body = {**BASE[GENERATE], "text": texts, "sampling_params": {**BASE[GENERATE]["sampling_params"], "n": 2}, "stream": True, "return_logprob": True}
     with http.stream("POST", GENERATE, json=body) as r:
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
     last = {e["index"]: e for e in events}  # cumulative: the last event of each holds its whole result
@@ -329,14 +349,17 @@ def test_embeddings_are_the_mean_last_hidden_state_of_transformers(http, server,
     assert [d.embedding for d in sdk.data] == [pytest.approx(d["embedding"], abs=1e-6) for d in body["data"]]
 
 
-@pytest.mark.parametrize(("body", "says"), [
-    ({"input": "a", "dimensions": 7}, "dimensions"),
-    ({"input": "a", "encoding_format": "int8"}, "encoding_format"),
-    ({"input": "a", "model": "other"}, "model"),
-    ({"input": []}, "empty"),
-    ({"input": ""}, "empty"),
-    ({"input": "a", "conversation_id": "c"}, "conversation_id"),
-])
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        ({"input": "a", "dimensions": 7}, "dimensions"),
+        ({"input": "a", "encoding_format": "int8"}, "encoding_format"),
+        ({"input": "a", "model": "other"}, "model"),
+        ({"input": []}, "empty"),
+        ({"input": ""}, "empty"),
+        ({"input": "a", "conversation_id": "c"}, "conversation_id"),
+    ],
+)
 def test_bad_embedding_requests(http, body, says):
     r = http.post("/v1/embeddings", json=body)
     assert r.status_code == (404 if says == "model" else 400), r.text

@@ -127,9 +127,19 @@ def test_tiny_temperature_or_top_p_keeps_the_most_likely_token():
 
 @pytest.mark.parametrize(
     "fields",
-    [{"repetition_penalty": float("nan")}, {"repetition_penalty": 1e-320}, {"presence_penalty": -1e308},
-     {"frequency_penalty": float("inf")}, {"temperature": float("nan")}, {"top_p": float("nan")}, {"stop": ["", "x"]},
-     {"logit_bias": {3: 101.0}}, {"logit_bias": {3: float("nan")}}, {"seed": 2**64}, {"seed": -(2**63) - 1}],
+    [
+        {"repetition_penalty": float("nan")},
+        {"repetition_penalty": 1e-320},
+        {"presence_penalty": -1e308},
+        {"frequency_penalty": float("inf")},
+        {"temperature": float("nan")},
+        {"top_p": float("nan")},
+        {"stop": ["", "x"]},
+        {"logit_bias": {3: 101.0}},
+        {"logit_bias": {3: float("nan")}},
+        {"seed": 2**64},
+        {"seed": -(2**63) - 1},
+    ],
 )
 def test_values_the_sampler_cannot_use_are_refused(fields):
     with pytest.raises(ValueError, match=next(iter(fields)) if "stop" not in fields else "stop"):
@@ -139,8 +149,11 @@ def test_values_the_sampler_cannot_use_are_refused(fields):
 def test_logit_bias_moves_only_its_rows_tokens():
     logits = _logits(3, seed=4)
     loser, winner = int(logits[1].argmin()), int(logits[1].argmax())
-    params = [SamplingParams(temperature=0), SamplingParams(temperature=0, logit_bias={loser: 100.0, winner: -100.0}),
-              SamplingParams(temperature=0.5, logit_bias={t: -100.0 for t in range(40) if t != 7})]
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0, logit_bias={loser: 100.0, winner: -100.0}),
+        SamplingParams(temperature=0.5, logit_bias={t: -100.0 for t in range(40) if t != 7}),
+    ]
     tokens = sample_batch(logits, params, lambda i: (None, None), [None] * 3, torch.Generator().manual_seed(0))
     assert tokens == [int(logits[0].argmax()), loser, 7]
     assert not params[1].has_penalties and params[1].adjusts_logits and not params[0].adjusts_logits

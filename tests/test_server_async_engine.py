@@ -146,6 +146,7 @@ def test_an_engine_that_keeps_failing_is_declared_dead(engine):
 
 def test_a_consumer_that_falls_behind_gets_the_outputs_merged(engine):
     """Outputs that queued up while the consumer was busy come as one, whose deltas are theirs."""
+
     async def slow():
         outputs = engine.generate("slow", PROMPT, greedy(48))
         outs = [await anext(outputs)]

@@ -16,9 +16,20 @@ from engram import cli, launch_server
 from engram.models.builtin import resolve_model
 from engram.models.embedded import ensure_embedded_model
 
-SERVE_FLAGS = ("--model-path", "--host", "--port", "--served-model-name", "--dtype", "--max-running-requests",
-               "--api-key", "--admin-api-key", "--log-level", "--max-num-batched-tokens", "--enable-cuda-graph",
-               "--no-enable-cuda-graph")
+SERVE_FLAGS = (
+    "--model-path",
+    "--host",
+    "--port",
+    "--served-model-name",
+    "--dtype",
+    "--max-running-requests",
+    "--api-key",
+    "--admin-api-key",
+    "--log-level",
+    "--max-num-batched-tokens",
+    "--enable-cuda-graph",
+    "--no-enable-cuda-graph",
+)
 
 
 @pytest.mark.parametrize("main", [lambda argv: cli.main(["serve", *argv]), launch_server.main], ids=["engram-serve", "launch_server"])
@@ -35,8 +46,11 @@ def served(tmp_path_factory):
     """`python -m engram serve` without --model-path, as a separate process."""
     cache = tmp_path_factory.getbasetemp() / "engram-cache"
     ensure_embedded_model(cache)  # shared with the other server tests: generated once
-    server = ServerProcess(["--max-total-tokens", "4096", "--context-length", "512", "--max-running-requests", "2", "--log-level", "warning"],
-                           tmp_path_factory.mktemp("served") / "server.log", env={"ENGRAM_CACHE_DIR": str(cache)})
+    server = ServerProcess(
+        ["--max-total-tokens", "4096", "--context-length", "512", "--max-running-requests", "2", "--log-level", "warning"],
+        tmp_path_factory.mktemp("served") / "server.log",
+        env={"ENGRAM_CACHE_DIR": str(cache)},
+    )
     server.start()
     yield server.url, server.proc
     server.kill()
@@ -79,8 +93,24 @@ def test_an_unreadable_quarantine_list_stops_the_start_with_one_line(tmp_path_fa
     """Not a traceback: one line naming the file and what to do, exit status 2."""
     cache = tmp_path_factory.getbasetemp() / "engram-cache"
     (tmp_path / "quarantine.json").write_text(content)
-    cmd = [sys.executable, "-m", "engram", "serve", "--model-path", str(ensure_embedded_model(cache)), "--port", str(free_port()),
-           "--snapshot-dir", str(tmp_path), "--max-total-tokens", "4096", "--context-length", "512", "--log-level", "warning"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "engram",
+        "serve",
+        "--model-path",
+        str(ensure_embedded_model(cache)),
+        "--port",
+        str(free_port()),
+        "--snapshot-dir",
+        str(tmp_path),
+        "--max-total-tokens",
+        "4096",
+        "--context-length",
+        "512",
+        "--log-level",
+        "warning",
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
@@ -95,15 +125,29 @@ def test_a_model_path_without_a_checkpoint_stops_the_start_with_one_line(tmp_pat
     assert "Traceback" not in done.stderr and done.stderr.strip() == f"engram serve: no config.json at {tmp_path / 'nothing'}"
 
 
-@pytest.mark.parametrize(("flags", "reason"), [
-    (["--snapshot-store", "ftp://host/x"], "the scheme is not one of"),
-    (["--snapshot-store", "s3://b/p", "--snapshot-durability", "async"], "need --snapshot-durability sync"),
-    (["--snapshot-store", "s3://b/p", "--no-enable-snapshot-persistence"], "snapshot persistence is off"),
-])
+@pytest.mark.parametrize(
+    ("flags", "reason"),
+    [
+        (["--snapshot-store", "ftp://host/x"], "the scheme is not one of"),
+        (["--snapshot-store", "s3://b/p", "--snapshot-durability", "async"], "need --snapshot-durability sync"),
+        (["--snapshot-store", "s3://b/p", "--no-enable-snapshot-persistence"], "snapshot persistence is off"),
+    ],
+)
 def test_a_snapshot_store_the_server_cannot_use_stops_the_start_with_one_line(tmp_path_factory, flags, reason):
     cache = tmp_path_factory.getbasetemp() / "engram-cache"
-    cmd = [sys.executable, "-m", "engram", "serve", "--model-path", str(ensure_embedded_model(cache)), "--port", str(free_port()),
-           "--log-level", "warning", *flags]
+    cmd = [
+        sys.executable,
+        "-m",
+        "engram",
+        "serve",
+        "--model-path",
+        str(ensure_embedded_model(cache)),
+        "--port",
+        str(free_port()),
+        "--log-level",
+        "warning",
+        *flags,
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 2, done.stderr
     lines = [line for line in done.stderr.strip().splitlines() if "Warning" not in line]

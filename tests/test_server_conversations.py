@@ -25,7 +25,10 @@ USER_TURNS = ["Hello there, how are you?", "Tell me about state space models.", 
 
 @contextlib.contextmanager
 def serving(path: str, snapshot_dir, engine_fields=None, **server_fields):
-    with running_server(path, MODEL, engine_fields, snapshot_dir=str(snapshot_dir), **server_fields) as srv, httpx.Client(base_url=srv.url, timeout=120) as http:
+    with (
+        running_server(path, MODEL, engine_fields, snapshot_dir=str(snapshot_dir), **server_fields) as srv,
+        httpx.Client(base_url=srv.url, timeout=120) as http,
+    ):
         yield srv, http
 
 
@@ -70,9 +73,11 @@ def test_three_turns_across_a_restart_equal_one_request_over_the_history(kind, c
         assert third["usage"]["prompt_tokens_details"]["cached_tokens"] == len(history) - 1
 
         # one request over the whole history
-        full = http.post("/generate", json={"input_ids": prompt3, "return_logprob": True, "top_logprobs_num": 5,
-                                            "sampling_params": {"temperature": 0, "max_new_tokens": 10}}).json()
-        assert full["output_ids"] == fill3[len(prompt3):]
+        full = http.post(
+            "/generate",
+            json={"input_ids": prompt3, "return_logprob": True, "top_logprobs_num": 5, "sampling_params": {"temperature": 0, "max_new_tokens": 10}},
+        ).json()
+        assert full["output_ids"] == fill3[len(prompt3) :]
         assert full["text"] == third["choices"][0]["message"]["content"]
         # the first new token's distribution: top-5 log-probabilities agree to 1e-4
         first_top = [t["logprob"] for t in third["choices"][0]["logprobs"]["content"][0]["top_logprobs"]]
@@ -81,10 +86,18 @@ def test_three_turns_across_a_restart_equal_one_request_over_the_history(kind, c
         assert max(abs(a - b) for a, b in zip(first_top, full_top)) < 1e-4
 
         # the same through restore-and-generate from turn 2's snapshot
-        continuation = prompt3[len(history):]
-        r = http.post("/restore_snapshot", json={"conversation_id": "conv", "turn_number": 2, "create_new_request": True,
-                                                 "continuation_ids": continuation, "max_new_tokens": 10,
-                                                 "sampling_params": {"temperature": 0}})
+        continuation = prompt3[len(history) :]
+        r = http.post(
+            "/restore_snapshot",
+            json={
+                "conversation_id": "conv",
+                "turn_number": 2,
+                "create_new_request": True,
+                "continuation_ids": continuation,
+                "max_new_tokens": 10,
+                "sampling_params": {"temperature": 0},
+            },
+        )
         assert r.status_code == 200, r.text
         restored = r.json()
         assert restored["success"] and restored["output_ids"] == full["output_ids"]
@@ -96,7 +109,7 @@ def test_the_turn_after_a_reply_ended_by_a_stop_token_continues_exactly(checkpoi
     request over the whole history, and the reply text is what the history's tokens say."""
     with serving(checkpoint_dir("nemotron"), tmp_path) as (_, http):
         probe = chat(http, "probe", USER_TURNS[0], ignore_eos=True)
-        reply = snapshot_info(http, "probe", 1)["fill_ids"][-probe["usage"]["completion_tokens"]:]
+        reply = snapshot_info(http, "probe", 1)["fill_ids"][-probe["usage"]["completion_tokens"] :]
         stop = next(t for k, t in enumerate(reply) if k >= 2 and t not in reply[:k] and chr(t).isascii() and chr(t).isalnum())
         first = chat(http, "conv", USER_TURNS[0], ignore_eos=True, stop_token_ids=[stop])
         assert first["choices"][0]["stop_reason"] == stop
@@ -107,7 +120,7 @@ def test_the_turn_after_a_reply_ended_by_a_stop_token_continues_exactly(checkpoi
         prompt = fill[: len(fill) - second["usage"]["completion_tokens"]]
         assert prompt[: len(history)] == history
         full = http.post("/generate", json={"input_ids": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 10}}).json()
-        assert full["output_ids"] == fill[len(prompt):] and full["text"] == second["choices"][0]["message"]["content"]
+        assert full["output_ids"] == fill[len(prompt) :] and full["text"] == second["choices"][0]["message"]["content"]
 
 
 def test_links_in_the_snapshot_folder_are_never_followed(checkpoint_dir, tmp_path, caplog):
@@ -133,10 +146,12 @@ def test_links_in_the_snapshot_folder_are_never_followed(checkpoint_dir, tmp_pat
         untouched = {p: p.read_bytes() if p.is_file() else None for p in outside.rglob("*")}
         body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], **GREEDY}
         for cid in ("folder", "snapshot", "record", "loaded"):
-            answers = [http.post("/v1/chat/completions", json={**body, "conversation_id": cid}),
-                       http.post("/get_snapshot_info", json={"conversation_id": cid}),
-                       http.post("/delete_snapshot", json={"conversation_id": cid}),
-                       http.delete(f"/v1/conversations/{cid}")]
+            answers = [
+                http.post("/v1/chat/completions", json={**body, "conversation_id": cid}),
+                http.post("/get_snapshot_info", json={"conversation_id": cid}),
+                http.post("/delete_snapshot", json={"conversation_id": cid}),
+                http.delete(f"/v1/conversations/{cid}"),
+            ]
             if cid != "loaded":  # its record and state are in memory: these read no file
                 answers += [http.get(f"/v1/conversations/{cid}"), http.post("/restore_snapshot", json={"conversation_id": cid})]
             for r in answers:
@@ -174,8 +189,9 @@ def test_snapshot_routes_and_client(checkpoint_dir, tmp_path):
         staged = http.post("/restore_snapshot", json={"conversation_id": "c", "rid": "again"}).json()
         assert staged["success"] and staged["state_len"] == info["state_len"]
         before = stats(srv).prefill_tokens_computed_total
-        r = http.post("/generate", json={"rid": "again", "input_ids": info["fill_ids"] + [65, 66],
-                                         "sampling_params": {"temperature": 0, "max_new_tokens": 3}}).json()
+        r = http.post(
+            "/generate", json={"rid": "again", "input_ids": info["fill_ids"] + [65, 66], "sampling_params": {"temperature": 0, "max_new_tokens": 3}}
+        ).json()
         assert r["meta_info"]["cached_tokens"] == info["state_len"]
         assert stats(srv).prefill_tokens_computed_total - before == 3
 
@@ -219,6 +235,7 @@ def test_a_forked_client_conversation_starts_from_the_turn_it_forks(checkpoint_d
 
 def test_honest_status_codes(checkpoint_dir, tmp_path):
     with serving(checkpoint_dir("nemotron"), tmp_path) as (srv, http):
+
         def post(path, body):
             r = http.post(path, json=body)
             return r.status_code, r.json()
@@ -230,20 +247,25 @@ def test_honest_status_codes(checkpoint_dir, tmp_path):
         assert post("/get_snapshot_info", {"conversation_id": "x", "snapshot_id": "main/abc"})[0] == 422
         assert post("/save_snapshot", {})[0] == 422
         assert post("/save_snapshot", {"rid": "unknown"})[0] == 404
-        code, body = post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
-                                                   "conversation_id": "bad/id"})
+        code, body = post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "conversation_id": "bad/id"})
         assert code == 422
         chat(http, "h", "hi")
-        code, body = post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
-                                                   "conversation_id": "h", "from_turn": 7})
+        code, body = post(
+            "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "conversation_id": "h", "from_turn": 7}
+        )
         assert code == 404 and "no turn 7" in body["error"]["message"]
-        code, body = post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
-                                                   "conversation_id": "h", "branch": "missing"})
+        code, body = post(
+            "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "conversation_id": "h", "branch": "missing"}
+        )
         assert code == 404 and "from_turn" in body["error"]["message"]
-        assert post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
-                                             "conversation_id": "h", "branch": ""})[0] == 422
-        for where in ({"conversation_id": "h", "branch": ".x.tmp-0123456789ab-01234567", "from_turn": 1},
-                      {"conversation_id": ".h"}):  # a leading dot is the folder's own (temp files)
+        assert (
+            post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "conversation_id": "h", "branch": ""})[0]
+            == 422
+        )
+        for where in (
+            {"conversation_id": "h", "branch": ".x.tmp-0123456789ab-01234567", "from_turn": 1},
+            {"conversation_id": ".h"},
+        ):  # a leading dot is the folder's own (temp files)
             code, body = post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], **where})
             assert code == 422 and "not beginning with '.'" in body["error"]["message"]
         # A selector never falls back to another branch than the one it names.
@@ -253,15 +275,26 @@ def test_honest_status_codes(checkpoint_dir, tmp_path):
         assert post("/get_snapshot_info", {"conversation_id": "h", "snapshot_id": "main/\u00b2"})[0] == 422
         assert post("/get_snapshot_info", {"conversation_id": "h", "snapshot_id": "main/1"})[0] == 200  # still there
         # A first turn that fails makes no conversation.
-        assert post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
-                                             "conversation_id": "ghost", "max_tokens": 5000})[0] == 400
+        assert (
+            post(
+                "/v1/chat/completions",
+                {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "conversation_id": "ghost", "max_tokens": 5000},
+            )[0]
+            == 400
+        )
         assert http.get("/v1/conversations/ghost").status_code == 404
 
 
 def test_busy_conversation_gets_409(checkpoint_dir, tmp_path):
     with serving(checkpoint_dir("nemotron"), tmp_path) as (srv, http):
-        body = {"model": MODEL, "messages": [{"role": "user", "content": "long"}], "conversation_id": "busy",
-                "temperature": 0, "max_tokens": 600, "ignore_eos": True}
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "long"}],
+            "conversation_id": "busy",
+            "temperature": 0,
+            "max_tokens": 600,
+            "ignore_eos": True,
+        }
         worker = threading.Thread(target=lambda: http.post("/v1/chat/completions", json=body))
         worker.start()
         try:
@@ -323,8 +356,15 @@ def test_a_request_cancelled_while_its_turn_is_planned_leaves_the_conversation_f
     from engram.state.store import WarmCache
 
     engine = make_engine(checkpoint_dir("mamba2"))
-    manager = ConversationManager(engine.spec, engine.state_dtypes, ModelIdentity.of(engine.spec, engine.model_path),
-                                  tokenizer_fingerprint(engine.model_path), SnapshotPolicy(), None, WarmCache(4, 1 << 30))
+    manager = ConversationManager(
+        engine.spec,
+        engine.state_dtypes,
+        ModelIdentity.of(engine.spec, engine.model_path),
+        tokenizer_fingerprint(engine.model_path),
+        SnapshotPolicy(),
+        None,
+        WarmCache(4, 1 << 30),
+    )
     plan_turn = manager.begin
     manager.begin = lambda *args: (time.sleep(0.3), plan_turn(*args))[1]
     turns = ConversationTurns(manager, engine.tokenizer)
@@ -356,23 +396,30 @@ def test_a_reply_cut_short_is_closed_as_the_template_closes_it(reply_ids):
     plan = SimpleNamespace(history_messages=[user, reply], history_tokens=history_tokens, history_ends_with_reply=True)
     new = [{"role": "user", "content": "next"}]
     prompt = ConversationTurns(manager=None, tokenizer=tokenizer).prompt(plan, new)
-    rest = tokenizer.apply_chat_template([user, reply, *new], add_generation_prompt=True, tokenize=False)[len(head) + len(reply["content"]):]
+    rest = tokenizer.apply_chat_template([user, reply, *new], add_generation_prompt=True, tokenize=False)[len(head) + len(reply["content"]) :]
     assert prompt == history_tokens + tokenizer.encode(rest, add_special_tokens=False)
 
 
 # Templates that put text after the end token (ChatML-like, as Granite's "<|end_of_text|>\n") or
 # before it (Nemotron-like, trimming the content), on the byte tokenizer's special tokens.
-TEMPLATE_AFTER_END = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
-TEMPLATE_BEFORE_END = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] | trim }}\n<|end|>\n{% endfor %}"
-                       "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+TEMPLATE_AFTER_END = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+TEMPLATE_BEFORE_END = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] | trim }}\n<|end|>\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 
 
-@pytest.mark.parametrize("template, generated, fed", [
-    (TEMPLATE_AFTER_END, b"Hi", "<|end|>\n"),  # cut by max_tokens: the whole closing
-    (TEMPLATE_AFTER_END, b"Hi<|end|>", "\n"),  # stopped at EOS: only what follows it
-    (TEMPLATE_BEFORE_END, b"Hi\n", "<|end|>\n"),  # the newline the template adds, generated
-    (TEMPLATE_BEFORE_END, b"Hi<|end|>", "\n"),  # the model ended its turn without the newline
-], ids=["after-cut", "after-eos", "before-newline", "before-eos"])
+@pytest.mark.parametrize(
+    "template, generated, fed",
+    [
+        (TEMPLATE_AFTER_END, b"Hi", "<|end|>\n"),  # cut by max_tokens: the whole closing
+        (TEMPLATE_AFTER_END, b"Hi<|end|>", "\n"),  # stopped at EOS: only what follows it
+        (TEMPLATE_BEFORE_END, b"Hi\n", "<|end|>\n"),  # the newline the template adds, generated
+        (TEMPLATE_BEFORE_END, b"Hi<|end|>", "\n"),  # the model ended its turn without the newline
+    ],
+    ids=["after-cut", "after-eos", "before-newline", "before-eos"],
+)
 def test_the_closing_the_model_generated_is_not_fed_again(template, generated, fed):
     from types import SimpleNamespace
 
@@ -389,7 +436,7 @@ def test_the_closing_the_model_generated_is_not_fed_again(template, generated, f
     new = [{"role": "user", "content": "next"}]
     prompt = ConversationTurns(manager=None, tokenizer=tokenizer).prompt(plan, new)
     fresh = tokenizer.apply_chat_template([user, reply, *new], add_generation_prompt=True, tokenize=False)
-    rest = fresh[len(tokenizer.apply_chat_template([user, reply], tokenize=False)):]
+    rest = fresh[len(tokenizer.apply_chat_template([user, reply], tokenize=False)) :]
     assert prompt == history_tokens + tokenizer.encode(fed + rest, add_special_tokens=False)
 
 
@@ -413,19 +460,28 @@ def test_a_storage_failure_is_a_503_that_names_no_path_and_the_turn_is_undone(ch
         assert chat(http, "disk", "more")["turn"] == 2
 
 
-TEMPLATE_DEFAULT_SYSTEM = ("{% if messages[0]['role'] != 'system' %}<|system|>You are helpful.<|end|>{% endif %}"
-                           "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
-                           "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-TEMPLATE_ALTERNATING = ("{% for m in messages if m['role'] != 'system' %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
-                        "{{ raise_exception('roles must alternate user/assistant') }}{% endif %}{% endfor %}"
-                        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>\n{% endfor %}"
-                        "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-TEMPLATE_NUMBERED = ("{% for m in messages %}<|{{ m['role'] }}|>{{ loop.index }}. {{ m['content'] }}<|end|>{% endfor %}"
-                     "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+TEMPLATE_DEFAULT_SYSTEM = (
+    "{% if messages[0]['role'] != 'system' %}<|system|>You are helpful.<|end|>{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+TEMPLATE_ALTERNATING = (
+    "{% for m in messages if m['role'] != 'system' %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('roles must alternate user/assistant') }}{% endif %}{% endfor %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+TEMPLATE_NUMBERED = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ loop.index }}. {{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 
 
-@pytest.mark.parametrize("template", [None, TEMPLATE_AFTER_END, TEMPLATE_BEFORE_END, TEMPLATE_DEFAULT_SYSTEM, TEMPLATE_ALTERNATING, TEMPLATE_NUMBERED],
-                         ids=["byte", "after-end", "before-end", "default-system", "alternating", "numbered"])
+@pytest.mark.parametrize(
+    "template",
+    [None, TEMPLATE_AFTER_END, TEMPLATE_BEFORE_END, TEMPLATE_DEFAULT_SYSTEM, TEMPLATE_ALTERNATING, TEMPLATE_NUMBERED],
+    ids=["byte", "after-end", "before-end", "default-system", "alternating", "numbered"],
+)
 @pytest.mark.parametrize("system", [True, False], ids=["system", "no-system"])
 @pytest.mark.parametrize("cut", [False, True], ids=["closed", "cut"])
 def test_a_turn_renders_only_the_tail_and_equals_the_whole_rendering(template, system, cut):
@@ -449,8 +505,9 @@ def test_a_turn_renders_only_the_tail_and_equals_the_whole_rendering(template, s
         history += [{"role": "user", "content": f"question {i}?"}, {"role": "assistant", "content": f"answer {i}"}]
         closed = render(history, tokenize=False)
         text = render(history[:-1], add_generation_prompt=True, tokenize=False) + history[-1]["content"] if cut else closed
-        plan = SimpleNamespace(history_messages=list(history), history_tokens=tokenizer.encode(text, add_special_tokens=False),
-                               history_ends_with_reply=True)
+        plan = SimpleNamespace(
+            history_messages=list(history), history_tokens=tokenizer.encode(text, add_special_tokens=False), history_ends_with_reply=True
+        )
         new = [{"role": "user", "content": f"next {i}"}]
         rendered_lengths.clear()
         prompt = turns.prompt(plan, new)
@@ -469,7 +526,7 @@ def stream_chat(http, conversation_id, text):
     with http.stream("POST", "/v1/chat/completions", json=body) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
-                events.append(json.loads(line[len("data: "):]))
+                events.append(json.loads(line[len("data: ") :]))
                 if any(c.get("finish_reason") for c in events[-1].get("choices", [])):
                     return events, http.get(f"/v1/conversations/{conversation_id}").json()
     return events, record
@@ -516,8 +573,15 @@ def conversation_manager(engine, root):
     from engram.state.identity import ModelIdentity, tokenizer_fingerprint
     from engram.state.store import WarmCache
 
-    return ConversationManager(engine.spec, engine.state_dtypes, ModelIdentity.of(engine.spec, engine.model_path),
-                               tokenizer_fingerprint(engine.model_path), SnapshotPolicy(), root, WarmCache(4, 1 << 30))
+    return ConversationManager(
+        engine.spec,
+        engine.state_dtypes,
+        ModelIdentity.of(engine.spec, engine.model_path),
+        tokenizer_fingerprint(engine.model_path),
+        SnapshotPolicy(),
+        root,
+        WarmCache(4, 1 << 30),
+    )
 
 
 def test_recording_a_finished_turn_outlives_the_cancellation_of_its_request(checkpoint_dir, tmp_path):
@@ -634,7 +698,7 @@ def test_a_conversation_exported_and_imported_elsewhere_continues_exactly(checkp
         fill3 = snapshot_info(http, "moved", 3)["fill_ids"]
         prompt3 = fill3[: len(fill3) - third["usage"]["completion_tokens"]]
         full = http.post("/generate", json={"input_ids": prompt3, "sampling_params": {"temperature": 0, "max_new_tokens": 10}}).json()
-        assert prompt3[: len(history)] == history and full["output_ids"] == fill3[len(prompt3):]
+        assert prompt3[: len(history)] == history and full["output_ids"] == fill3[len(prompt3) :]
 
 
 def test_a_turn_preempted_over_http_while_its_last_token_is_in_flight_is_recorded(checkpoint_dir, tmp_path):
@@ -650,8 +714,10 @@ def test_a_turn_preempted_over_http_while_its_last_token_is_in_flight_is_recorde
 
     path = checkpoint_dir("nemotron")
     engine_args = EngineArgs(model_path=str(path), max_running_requests=2, max_total_tokens=23 * 16, kv_block_size=16, context_length=368)
-    with BackgroundServer(build_app(engine_args, ServerArgs(served_model_name=MODEL, snapshot_dir=str(tmp_path)))) as srv, \
-            httpx.Client(base_url=srv.url, timeout=120) as http:
+    with (
+        BackgroundServer(build_app(engine_args, ServerArgs(served_model_name=MODEL, snapshot_dir=str(tmp_path)))) as srv,
+        httpx.Client(base_url=srv.url, timeout=120) as http,
+    ):
         text = "x" * 30
         prompt = http.post("/tokenize", json={"messages": [{"role": "user", "content": text}], "add_generation_prompt": True}).json()
         text += "x" * (40 - prompt["count"])  # the turn's prompt: 40 tokens, 3 pages
@@ -674,11 +740,17 @@ def test_a_turn_preempted_over_http_while_its_last_token_is_in_flight_is_recorde
         threads = [send("choices", "/v1/completions", {"model": MODEL, "prompt": [1], "n": 2, "max_tokens": 170, **sampling})]
         while engine.stats().state_slots_used < 2:
             time.sleep(0.005)
-        threads.append(send("other", "/generate", {"input_ids": [3 + i % 250 for i in range(320)],
-                                                   "sampling_params": {"max_new_tokens": 4, **sampling}}))
+        threads.append(
+            send("other", "/generate", {"input_ids": [3 + i % 250 for i in range(320)], "sampling_params": {"max_new_tokens": 4, **sampling}})
+        )
         waiting(1)
-        threads.append(send("turn", "/v1/chat/completions", {"model": MODEL, "conversation_id": "pre", "max_tokens": 1,
-                                                              "messages": [{"role": "user", "content": text}], **sampling}))
+        threads.append(
+            send(
+                "turn",
+                "/v1/chat/completions",
+                {"model": MODEL, "conversation_id": "pre", "max_tokens": 1, "messages": [{"role": "user", "content": text}], **sampling},
+            )
+        )
         waiting(2)
         for thread in threads:
             thread.join()
@@ -692,7 +764,7 @@ def test_a_turn_preempted_over_http_while_its_last_token_is_in_flight_is_recorde
         fill = snapshot_info(http, "pre", 2)["fill_ids"]
         prompt_ids = fill[: len(fill) - reply["usage"]["completion_tokens"]]
         full = http.post("/generate", json={"input_ids": prompt_ids, "sampling_params": {"temperature": 0, "max_new_tokens": 10}}).json()
-        assert full["output_ids"] == fill[len(prompt_ids):] and full["text"] == reply["choices"][0]["message"]["content"]
+        assert full["output_ids"] == fill[len(prompt_ids) :] and full["text"] == reply["choices"][0]["message"]["content"]
 
 
 def test_a_slot_the_engine_reclaims_leaves_the_active_tier_at_once(checkpoint_dir, tmp_path):

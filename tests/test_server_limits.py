@@ -45,19 +45,26 @@ def tokenizer_calls(server, monkeypatch):
 def test_a_body_over_the_limit_is_413_before_it_is_parsed(server, tokenizer_calls):
     body = b'{"text": "' + b"a" * MAX_BYTES + b'"}'
     declared = httpx.post(server.url + "/generate", content=body, headers={"content-type": "application/json"})
-    streamed = httpx.post(server.url + "/generate", content=iter([body[:1000], body[1000:]]),  # chunked: no Content-Length
-                          headers={"content-type": "application/json"})
+    streamed = httpx.post(
+        server.url + "/generate",
+        content=iter([body[:1000], body[1000:]]),  # chunked: no Content-Length
+        headers={"content-type": "application/json"},
+    )
     for r in (declared, streamed):
         assert r.status_code == 413, r.text
         assert "--max-request-bytes" in r.json()["error"]["message"] and str(MAX_BYTES) in r.json()["error"]["message"]
     assert tokenizer_calls[0] == []
-    small = httpx.post(server.url + "/generate", content=iter([b'{"text": "hi", ', b'"sampling_params": {"max_new_tokens": 1}}']),
-                       headers={"content-type": "application/json"})
+    small = httpx.post(
+        server.url + "/generate",
+        content=iter([b'{"text": "hi", ', b'"sampling_params": {"max_new_tokens": 1}}']),
+        headers={"content-type": "application/json"},
+    )
     assert small.status_code == 200, small.text
 
 
-@pytest.mark.parametrize(("route", "field"), [("/generate", "text"), ("/v1/completions", "prompt"), ("/v1/chat/completions", "messages"),
-                                              ("/tokenize", "prompt")])
+@pytest.mark.parametrize(
+    ("route", "field"), [("/generate", "text"), ("/v1/completions", "prompt"), ("/v1/chat/completions", "messages"), ("/tokenize", "prompt")]
+)
 def test_a_prompt_longer_than_the_context_can_hold_is_refused_untokenized(server, tokenizer_calls, route, field):
     limit = server.app.state.serving.max_prompt_chars
     text = "a" * (limit + 1)
@@ -87,8 +94,9 @@ def test_health_answers_while_a_big_prompt_is_tokenized(server, tokenizer_calls,
     body = bodies(text)[route]
     answer: list[httpx.Response] = []
     gate.clear()
-    big = threading.Thread(target=lambda: answer.append(httpx.post(server.url + route.replace("conversation", "/v1/chat/completions"),
-                                                                   json=body, timeout=60)))
+    big = threading.Thread(
+        target=lambda: answer.append(httpx.post(server.url + route.replace("conversation", "/v1/chat/completions"), json=body, timeout=60))
+    )
     big.start()
     try:
         assert entered.wait(30)

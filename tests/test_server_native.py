@@ -43,7 +43,7 @@ def wait_until_idle(server, timeout: float = 10.0) -> None:
 
 
 def sse_events(response: httpx.Response) -> list:
-    events = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+    events = [line[len("data: ") :] for line in response.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     return [json.loads(e) for e in events[:-1]]
 
@@ -70,8 +70,12 @@ def test_generate_input_ids_matches_text(http):
 
 
 def test_generate_logprobs(http):
-    body = {"text": "abc", "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True},
-            "return_logprob": True, "top_logprobs_num": 2}
+    body = {
+        "text": "abc",
+        "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True},
+        "return_logprob": True,
+        "top_logprobs_num": 2,
+    }
     out = http.post("/generate", json=body).json()
     meta = out["meta_info"]
     assert [tok for _, tok, _ in meta["output_token_logprobs"]] == out["output_ids"]
@@ -157,9 +161,19 @@ def test_abort_request_by_rid(http, server):
 def test_metrics(http):
     http.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
     text = http.get("/metrics").text
-    for family in ("num_running_reqs", "num_queue_reqs", "prompt_tokens_total", "generation_tokens_total",
-                   "cached_tokens_total", "prefill_throughput", "gen_throughput", "state_slots_used",
-                   "state_pool_usage", "kv_blocks_used", "kv_pool_usage"):
+    for family in (
+        "num_running_reqs",
+        "num_queue_reqs",
+        "prompt_tokens_total",
+        "generation_tokens_total",
+        "cached_tokens_total",
+        "prefill_throughput",
+        "gen_throughput",
+        "state_slots_used",
+        "state_pool_usage",
+        "kv_blocks_used",
+        "kv_pool_usage",
+    ):
         assert f'\nengram:{family}{{model_name="{MODEL}"}} ' in text, family
     for histogram in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"):
         assert f'\nengram:{histogram}_count{{model_name="{MODEL}"}} ' in text, histogram
@@ -244,8 +258,7 @@ def test_non_streaming_disconnect_aborts(server):
 
 
 def test_concurrent_requests(http, server):
-    bodies = [{"text": f"prompt {i}", "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}}
-              for i in range(6)]
+    bodies = [{"text": f"prompt {i}", "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}} for i in range(6)]
     alone = [http.post("/generate", json=b).json()["text"] for b in bodies]
     results: list = [None] * len(bodies)
 

@@ -41,8 +41,7 @@ def test_models(client, server):
 
 
 def test_chat(client, tokenizer):
-    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0,
-                                       extra_body={"ignore_eos": True})
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
     choice = r.choices[0]
     assert r.object == "chat.completion" and r.model == MODEL and r.id.startswith("chatcmpl-")
     assert choice.message.role == "assistant" and choice.message.content
@@ -51,8 +50,7 @@ def test_chat(client, tokenizer):
     assert r.usage.completion_tokens == 12
     assert r.usage.total_tokens == r.usage.prompt_tokens + 12
     assert r.usage.prompt_tokens_details.cached_tokens == 0
-    newer = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_completion_tokens=3, temperature=0,
-                                           extra_body={"ignore_eos": True})
+    newer = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_completion_tokens=3, temperature=0, extra_body={"ignore_eos": True})
     assert newer.usage.completion_tokens == 3
 
 
@@ -73,8 +71,9 @@ def test_chat_greedy_is_deterministic_and_streaming_matches(client):
 
 
 def test_chat_logprobs(client):
-    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0,
-                                       logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    r = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True}
+    )
     content = r.choices[0].logprobs.content
     assert len(content) == r.usage.completion_tokens == 6
     for entry in content:
@@ -82,8 +81,9 @@ def test_chat_logprobs(client):
         tops = [t.logprob for t in entry.top_logprobs]
         assert tops == sorted(tops, reverse=True)
         assert entry.logprob == pytest.approx(tops[0])  # greedy picks the best token
-    stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0, stream=True,
-                                            logprobs=True, extra_body={"ignore_eos": True})
+    stream = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0, stream=True, logprobs=True, extra_body={"ignore_eos": True}
+    )
     streamed = [e.logprob for c in stream if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
     assert streamed == pytest.approx([e.logprob for e in content], abs=1e-5)
     plain = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
@@ -107,8 +107,7 @@ def test_stop_string_and_seed(client):
     streamed = "".join(c.choices[0].text for c in client.completions.create(**kw, stop=[spanning], stream=True))
     assert streamed == full[: cut - 1]
 
-    sampled = [client.completions.create(model=MODEL, prompt="The cat", max_tokens=16, temperature=1.0, seed=7).choices[0].text
-               for _ in range(2)]
+    sampled = [client.completions.create(model=MODEL, prompt="The cat", max_tokens=16, temperature=1.0, seed=7).choices[0].text for _ in range(2)]
     assert sampled[0] == sampled[1]
 
 
@@ -118,8 +117,9 @@ def test_stop_token_and_eos_text_are_left_out_unless_include_stop_str_in_output(
     ids are the same either way."""
     kw = {"model": MODEL, "prompt": "The cat", "temperature": 0}
     eos_free = {"ignore_eos": True}
-    ids = httpx.post(server.url + "/generate", json={"text": "The cat", "sampling_params": {"max_new_tokens": 24, "temperature": 0,
-                                                                                            **eos_free}}).json()["output_ids"]
+    ids = httpx.post(
+        server.url + "/generate", json={"text": "The cat", "sampling_params": {"max_new_tokens": 24, "temperature": 0, **eos_free}}
+    ).json()["output_ids"]
     i = next(i for i in range(2, len(ids)) if ids[i] not in ids[:i] and chr(ids[i]).isascii() and chr(ids[i]).isalnum())  # a letter, first here
     before, through = (client.completions.create(**kw, max_tokens=n, extra_body=eos_free).choices[0].text for n in (i, i + 1))
     assert through != before
@@ -134,14 +134,15 @@ def test_stop_token_and_eos_text_are_left_out_unless_include_stop_str_in_output(
     full = client.completions.create(**kw, max_tokens=24, extra_body=eos_free).choices[0].text
     stop = full[8:10]
     for stream in (False, True):
-        made = client.completions.create(**kw, max_tokens=24, stop=[stop], stream=stream,
-                                         extra_body={**eos_free, "include_stop_str_in_output": True})
+        made = client.completions.create(**kw, max_tokens=24, stop=[stop], stream=stream, extra_body={**eos_free, "include_stop_str_in_output": True})
         text = "".join(c.choices[0].text for c in made) if stream else made.choices[0].text
         assert text == full[: full.index(stop) + len(stop)]
 
     eos = {str(tokenizer.eos_token_id): 100}
-    for fields, text in (({"skip_special_tokens": False}, ""), ({"skip_special_tokens": False, "include_stop_str_in_output": True},
-                                                                 tokenizer.eos_token)):
+    for fields, text in (
+        ({"skip_special_tokens": False}, ""),
+        ({"skip_special_tokens": False, "include_stop_str_in_output": True}, tokenizer.eos_token),
+    ):
         forced = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3, logit_bias=eos, extra_body=fields)
         assert forced.choices[0].message.content == text and forced.choices[0].finish_reason == "stop"
     native = {"text": "The cat", "sampling_params": {"max_new_tokens": 24, "temperature": 0, "stop_token_ids": [ids[i]], **eos_free}}
@@ -152,8 +153,7 @@ def test_stop_token_and_eos_text_are_left_out_unless_include_stop_str_in_output(
 
 
 def test_completions(client):
-    r = client.completions.create(model=MODEL, prompt="abc", max_tokens=8, temperature=0, logprobs=2,
-                                  extra_body={"ignore_eos": True})
+    r = client.completions.create(model=MODEL, prompt="abc", max_tokens=8, temperature=0, logprobs=2, extra_body={"ignore_eos": True})
     choice = r.choices[0]
     assert r.object == "text_completion" and r.id.startswith("cmpl-")
     assert r.usage.prompt_tokens == 3 and r.usage.completion_tokens == 8 and r.usage.total_tokens == 11
@@ -162,8 +162,9 @@ def test_completions(client):
     assert all(len(top) <= 2 for top in choice.logprobs.top_logprobs)
     assert choice.logprobs.text_offset[0] == 0
 
-    stream = client.completions.create(model=MODEL, prompt="abc", max_tokens=8, temperature=0, stream=True,
-                                       stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    stream = client.completions.create(
+        model=MODEL, prompt="abc", max_tokens=8, temperature=0, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True}
+    )
     chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
     assert chunks[-1].usage.completion_tokens == 8
@@ -181,8 +182,9 @@ def test_logit_bias_forces_a_token_and_ignored_tools_are_allowed(client, tokeniz
     assert client.completions.create(**kw).choices[0].text != "z" * 6
     assert client.completions.create(logit_bias={str(z): 100}, **kw).choices[0].text == "z" * 6
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
-    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, tools=tools, tool_choice="none",
-                                       response_format={"type": "text"})
+    r = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=2, tools=tools, tool_choice="none", response_format={"type": "text"}
+    )
     assert r.choices[0].finish_reason in ("stop", "length")
 
 
@@ -232,11 +234,13 @@ def test_tokenize_and_detokenize(client, server, tokenizer):
     continued = client.chat.completions.create(model=MODEL, messages=partial, max_tokens=1, extra_body=options).usage.prompt_tokens
     assert post("/tokenize", {"messages": partial, **options}).json()["count"] == continued
     assert continued < post("/tokenize", {"messages": partial, "add_generation_prompt": False}).json()["count"]
-    for route, body, status, says in (("/detokenize", {"tokens": [99999]}, 400, "outside the vocabulary"),
-                                      ("/tokenize", {"prompt": "a", "messages": MESSAGES}, 400, "exactly one"),
-                                      ("/tokenize", {"messages": MESSAGES, "continue_final_message": True}, 400, "add_generation_prompt=false"),
-                                      ("/tokenize", {"messages": MESSAGES, "chat_template_kwargs": {"tools": []}}, 400, "may not set tools"),
-                                      ("/tokenize", {"model": "other", "prompt": "a"}, 404, "does not exist")):
+    for route, body, status, says in (
+        ("/detokenize", {"tokens": [99999]}, 400, "outside the vocabulary"),
+        ("/tokenize", {"prompt": "a", "messages": MESSAGES}, 400, "exactly one"),
+        ("/tokenize", {"messages": MESSAGES, "continue_final_message": True}, 400, "add_generation_prompt=false"),
+        ("/tokenize", {"messages": MESSAGES, "chat_template_kwargs": {"tools": []}}, 400, "may not set tools"),
+        ("/tokenize", {"model": "other", "prompt": "a"}, 404, "does not exist"),
+    ):
         bad = post(route, body)
         assert bad.status_code == status and says in bad.json()["error"]["message"], bad.text
 
@@ -288,10 +292,12 @@ def test_client_errors(client):
         ("/v1/completions", {"model": MODEL, "prompt": "a", "logprobs": 50}, "logprobs"),
         ("/v1/completions", {"model": MODEL, "prompt": "a", "stream": "yes"}, "stream"),
         ("/v1/completions", {"model": MODEL, "prompt": "a" * 1100, "max_tokens": 1}, "context length"),
-        ("/v1/chat/completions", '{"model": "tiny-hybrid", "messages": [{"role": "user", "content": "a"}], "repetition_penalty": NaN}',
-         "repetition_penalty"),
-        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}], "presence_penalty": -1e308},
-         "presence_penalty"),
+        (
+            "/v1/chat/completions",
+            '{"model": "tiny-hybrid", "messages": [{"role": "user", "content": "a"}], "repetition_penalty": NaN}',
+            "repetition_penalty",
+        ),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}], "presence_penalty": -1e308}, "presence_penalty"),
         ("/v1/chat/completions", '{"model": "tiny-hybrid", "messages": [{"role": "user", "content": "\\ud800"}]}', "not valid Unicode"),
         ("/v1/completions", '{"model": "tiny-hybrid", "prompt": "\\udc00"}', "not valid Unicode"),
         ("/v1/completions", {"model": MODEL, "prompt": "a", "stop": [""]}, "stop"),
@@ -299,24 +305,47 @@ def test_client_errors(client):
         ("/v1/completions", {"model": MODEL, "prompt": "a", "logit_bias": {"99999": 1}}, "logit_bias token ids outside the vocabulary"),
         ("/v1/completions", {"model": MODEL, "prompt": "a", "logit_bias": {"x": 1}}, "logit_bias"),
         ("/generate", {"text": "a", "sampling_params": {"logit_bias": {"-1": 1}}}, "outside the vocabulary"),
-        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}],
-                                  "tools": [{"type": "function", "function": {"name": "f"}}]}, '"auto" tool choice needs a server started'),
-        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}], "tool_choice": "required"},
-         "tool_choice: a tool choice other than 'none' needs tools"),
-        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}],
-                                  "functions": [{"name": "f"}], "function_call": "auto"}, "--enable-auto-tool-choice"),
-        ("/v1/completions", {"model": MODEL, "prompt": "a", "min_tokens": 4, "use_beam_search": True},
-         "use_beam_search: not supported"),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function", "function": {"name": "f"}}]},
+            '"auto" tool choice needs a server started',
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": "a"}], "tool_choice": "required"},
+            "tool_choice: a tool choice other than 'none' needs tools",
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": "a"}], "functions": [{"name": "f"}], "function_call": "auto"},
+            "--enable-auto-tool-choice",
+        ),
+        ("/v1/completions", {"model": MODEL, "prompt": "a", "min_tokens": 4, "use_beam_search": True}, "use_beam_search: not supported"),
         ("/v1/completions", {"model": MODEL, "prompt": "a", "best_of": 3}, "best_of: not supported"),
-        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}], "continue_final_message": True},
-         "continue_final_message needs add_generation_prompt=false"),
-        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}], "conversation_id": "c",
-                                  "add_generation_prompt": False}, "a conversation turn renders its own template"),
-        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}],
-                                  "chat_template_kwargs": {"tokenize": True, "chat_template": "{{ 1/0 }}"}},
-         "chat_template_kwargs may not set chat_template, tokenize"),
-        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}], "conversation_id": "c", "n": 2},
-         "n must be 1 with a conversation_id"),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": "a"}], "continue_final_message": True},
+            "continue_final_message needs add_generation_prompt=false",
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": "a"}], "conversation_id": "c", "add_generation_prompt": False},
+            "a conversation turn renders its own template",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "a"}],
+                "chat_template_kwargs": {"tokenize": True, "chat_template": "{{ 1/0 }}"},
+            },
+            "chat_template_kwargs may not set chat_template, tokenize",
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": "a"}], "conversation_id": "c", "n": 2},
+            "n must be 1 with a conversation_id",
+        ),
     ],
 )
 def test_bad_requests_are_4xx_with_a_message(server, route, body, says):

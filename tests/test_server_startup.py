@@ -51,9 +51,23 @@ def test_the_banner_names_what_the_server_runs_with(checkpoint_dir, tmp_path):
     args = ServerArgs(served_model_name=MODEL, snapshot_dir=str(tmp_path), snapshot_trigger_policy="every_n_turns")
     app = build_app(EngineArgs(model_path=path, max_total_tokens=4096, context_length=512, max_running_requests=3), args)
     text = banner(app.state.serving, args, "http://127.0.0.1:1234")
-    for expected in (path, "GraniteMoeHybridForCausalLM", "float32", "cpu", "torch-reference", "CUDA graphs off",
-                     "x 3 running", "KV 4,096 tokens", "context length 512", "max running requests 3",
-                     str(tmp_path), "every_n_turns", "durability sync", "WARM host memory", "http://127.0.0.1:1234"):
+    for expected in (
+        path,
+        "GraniteMoeHybridForCausalLM",
+        "float32",
+        "cpu",
+        "torch-reference",
+        "CUDA graphs off",
+        "x 3 running",
+        "KV 4,096 tokens",
+        "context length 512",
+        "max running requests 3",
+        str(tmp_path),
+        "every_n_turns",
+        "durability sync",
+        "WARM host memory",
+        "http://127.0.0.1:1234",
+    ):
         assert expected in text, expected
 
 
@@ -70,8 +84,12 @@ def test_every_series_has_the_model_name_and_restored_tokens_are_counted(checkpo
         after = http.get("/metrics").text
     samples = [line for line in after.splitlines() if line and not line.startswith("#")]
     assert samples and all(f'model_name="{MODEL}"' in line for line in samples), [s for s in samples if "model_name" not in s][:3]
-    restored = _series(after, "engram:prompt_tokens_by_source_total", source="restored") - _series(before, "engram:prompt_tokens_by_source_total", source="restored")
-    computed = _series(after, "engram:prompt_tokens_by_source_total", source="computed") - _series(before, "engram:prompt_tokens_by_source_total", source="computed")
+    restored = _series(after, "engram:prompt_tokens_by_source_total", source="restored") - _series(
+        before, "engram:prompt_tokens_by_source_total", source="restored"
+    )
+    computed = _series(after, "engram:prompt_tokens_by_source_total", source="computed") - _series(
+        before, "engram:prompt_tokens_by_source_total", source="computed"
+    )
     assert restored > 0 and computed > 0  # the second turn restored the first's state, computed its own tokens
     for name in ("engram:num_preemptions_total", "engram:graph_captures_total", "engram:compilations_after_ready_total"):
         assert _series(after, name) == 0, name

@@ -14,10 +14,15 @@ from server_utils import openai_client, running_server
 
 MODEL = "m"
 MESSAGES = [{"role": "user", "content": "Describe a user as JSON."}]
-SCHEMA = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 1, "maximum": 99},
-                                           "role": {"enum": ["admin", "guest"]}, "tags": {"type": "array", "items": {"enum": ["a", "b"]},
-                                                                                          "maxItems": 2}},
-          "required": ["id", "role", "tags"]}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 1, "maximum": 99},
+        "role": {"enum": ["admin", "guest"]},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2},
+    },
+    "required": ["id", "role", "tags"],
+}
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +35,13 @@ def http(checkpoint_dir, tmp_path_factory):
 def test_response_format_json_schema_with_n_choices(http):
     client = openai_client(str(http.base_url))
     r = client.chat.completions.create(
-        model=MODEL, messages=MESSAGES, max_tokens=200, n=3, seed=7,
-        response_format={"type": "json_schema", "json_schema": {"name": "user", "schema": SCHEMA, "strict": True}})
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=200,
+        n=3,
+        seed=7,
+        response_format={"type": "json_schema", "json_schema": {"name": "user", "schema": SCHEMA, "strict": True}},
+    )
     assert len(r.choices) == 3 and r.usage.prompt_tokens_details.cached_tokens == 0  # a short prompt: no shared prefill
     for choice in r.choices:
         assert choice.finish_reason == "stop"
@@ -40,8 +50,13 @@ def test_response_format_json_schema_with_n_choices(http):
 
 def test_a_streamed_constrained_answer_is_the_same_answer(http):
     client = openai_client(str(http.base_url))
-    kw = dict(model=MODEL, messages=MESSAGES, max_tokens=200, temperature=0,
-              extra_body={"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}})
+    kw = dict(
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=200,
+        temperature=0,
+        extra_body={"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}},
+    )
     whole = client.chat.completions.create(**kw).choices[0].message.content
     chunks = list(client.chat.completions.create(**kw, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole
@@ -82,8 +97,10 @@ def test_completions_follow_every_form_of_constraint(http, fields, matches):
 @pytest.mark.parametrize(
     ("params", "matches"),
     [
-        ({"json_schema": json.dumps({"type": "object", "properties": {"k": {"enum": ["v", "w"]}}, "required": ["k"]})},
-         r"\{\s*\"k\"\s*:\s*\"[vw]\"\s*\}"),
+        (
+            {"json_schema": json.dumps({"type": "object", "properties": {"k": {"enum": ["v", "w"]}}, "required": ["k"]})},
+            r"\{\s*\"k\"\s*:\s*\"[vw]\"\s*\}",
+        ),
         ({"regex": "[0-9]{3}"}, r"[0-9]{3}"),
         ({"ebnf": 'root ::= "yes" | "no"'}, r"yes|no"),
     ],
@@ -101,13 +118,25 @@ CHAT = {"model": MODEL, "messages": MESSAGES}
 @pytest.mark.parametrize(
     ("route", "body", "param", "says"),
     [
-        ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
-         "response_format.json_schema.schema", 'Unsupported type "nope"'),
-        ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}},
-                                  "n": 2}, "response_format.json_schema.schema", 'Unsupported type "nope"'),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+            "response_format.json_schema.schema",
+            'Unsupported type "nope"',
+        ),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}, "n": 2},
+            "response_format.json_schema.schema",
+            'Unsupported type "nope"',
+        ),
         ("/v1/completions", {"model": MODEL, "prompt": "a", "guided_regex": "a(b"}, "guided_regex", "parenthesis is not closed"),
-        ("/v1/completions", {"model": MODEL, "prompt": "a", "structured_outputs": {"grammar": "root ::= nothing"}},
-         "structured_outputs.grammar", 'Rule "nothing" is not defined'),
+        (
+            "/v1/completions",
+            {"model": MODEL, "prompt": "a", "structured_outputs": {"grammar": "root ::= nothing"}},
+            "structured_outputs.grammar",
+            'Rule "nothing" is not defined',
+        ),
         ("/v1/completions", {"model": MODEL, "prompt": "a", "guided_json": "{oops"}, "guided_json", "not valid JSON"),
         ("/generate", {"text": "a", "sampling_params": {"ebnf": "root ::= ("}}, "sampling_params.ebnf", "EBNF parser error"),
         ("/generate", {"text": "a", "sampling_params": {"json_schema": '{"type": "nope"}'}}, "sampling_params.json_schema", "nope"),
@@ -123,22 +152,36 @@ def test_a_bad_constraint_is_a_400_naming_its_field(http, route, body, param, sa
 @pytest.mark.parametrize(
     ("route", "body", "says"),
     [
-        ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}, "guided_regex": "a"},
-         "at most one output constraint; got response_format, guided_regex"),
-        ("/v1/completions", {"model": MODEL, "prompt": "a", "structured_outputs": {"regex": "a", "choice": ["b"]}},
-         "structured_outputs: give exactly one of json, regex, choice, grammar, json_object (got regex, choice)"),
-        ("/v1/completions", {"model": MODEL, "prompt": "a", "structured_outputs": {"choice": ["b"]}, "ebnf": 'root ::= "a"'},
-         "got structured_outputs.choice, ebnf"),
-        ("/v1/completions", {"model": MODEL, "prompt": "a", "structured_outputs": {"regex": "a", "whitespace_pattern": " "}},
-         "structured_outputs.whitespace_pattern"),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "response_format": {"type": "json_object"}, "guided_regex": "a"},
+            "at most one output constraint; got response_format, guided_regex",
+        ),
+        (
+            "/v1/completions",
+            {"model": MODEL, "prompt": "a", "structured_outputs": {"regex": "a", "choice": ["b"]}},
+            "structured_outputs: give exactly one of json, regex, choice, grammar, json_object (got regex, choice)",
+        ),
+        (
+            "/v1/completions",
+            {"model": MODEL, "prompt": "a", "structured_outputs": {"choice": ["b"]}, "ebnf": 'root ::= "a"'},
+            "got structured_outputs.choice, ebnf",
+        ),
+        (
+            "/v1/completions",
+            {"model": MODEL, "prompt": "a", "structured_outputs": {"regex": "a", "whitespace_pattern": " "}},
+            "structured_outputs.whitespace_pattern",
+        ),
         ("/v1/completions", {"model": MODEL, "prompt": "a", "guided_choice": []}, "guided_choice: the list of choices is empty"),
         ("/v1/completions", {"model": MODEL, "prompt": "a", "guided_regex": 5}, "guided_regex"),
         ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema"}}, "json_schema is given with type 'json_schema'"),
-        ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
-         "response_format.json_schema.schema"),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "response_format.json_schema.schema",
+        ),
         ("/v1/chat/completions", {**CHAT, "json_schema": {"type": "object"}}, "json_schema: send response_format"),
-        ("/generate", {"text": "a", "sampling_params": {"regex": "a", "ebnf": 'root ::= "a"'}},
-         "got sampling_params.regex, sampling_params.ebnf"),
+        ("/generate", {"text": "a", "sampling_params": {"regex": "a", "ebnf": 'root ::= "a"'}}, "got sampling_params.regex, sampling_params.ebnf"),
     ],
 )
 def test_conflicting_or_malformed_constraints_are_400s(http, route, body, says):
@@ -149,17 +192,27 @@ def test_conflicting_or_malformed_constraints_are_400s(http, route, body, says):
 
 def test_a_constrained_turn_resumes_exactly(http):
     """The next turn equals /generate over the whole history, the constrained reply included."""
-    first = http.post("/v1/chat/completions", json={**CHAT, "conversation_id": "c", "temperature": 0, "max_tokens": 200,
-                                                    "structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}})
+    first = http.post(
+        "/v1/chat/completions",
+        json={
+            **CHAT,
+            "conversation_id": "c",
+            "temperature": 0,
+            "max_tokens": 200,
+            "structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True},
+        },
+    )
     assert first.status_code == 200, first.text
     jsonschema.validate(json.loads(first.json()["choices"][0]["message"]["content"]), SCHEMA)
-    second = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "And another?"}],
-                                                     "conversation_id": "c", "temperature": 0, "max_tokens": 12})
+    second = http.post(
+        "/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "And another?"}], "conversation_id": "c", "temperature": 0, "max_tokens": 12},
+    )
     assert second.status_code == 200, second.text
     reply = second.json()["usage"]["completion_tokens"]
     info = http.post("/get_snapshot_info", json={"conversation_id": "c", "turn_number": 2}).json()
     prompt = info["fill_ids"][: len(info["fill_ids"]) - reply]
     assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     full = http.post("/generate", json={"input_ids": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 12}}).json()
-    assert full["output_ids"] == info["fill_ids"][len(prompt):]
+    assert full["output_ids"] == info["fill_ids"][len(prompt) :]
     assert full["text"] == second.json()["choices"][0]["message"]["content"]

@@ -31,8 +31,7 @@ def serving(path, snapshot_dir, **fields):
 
 
 def chat(http, key, conversation_id, text="hello", expect=200):
-    body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "conversation_id": conversation_id,
-            "temperature": 0, "max_tokens": 3}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "conversation_id": conversation_id, "temperature": 0, "max_tokens": 3}
     r = http.post("/v1/chat/completions", json=body, headers=bearer(key))
     assert r.status_code == expect, r.text
     return r.json()
@@ -47,14 +46,22 @@ def listed(http, key, **params):
 def test_a_tenant_reaches_only_its_own_conversations(checkpoint_dir, tmp_path):
     keys_file = tmp_path / "keys"
     keys_file.write_text("# tenants\ncarol: carol-secret\n")
-    with serving(checkpoint_dir("nemotron"), tmp_path / "snaps", api_key=[ALICE, BOB], api_keys_file=str(keys_file),
-                 admin_api_key=ADMIN) as (srv, http):
+    with serving(checkpoint_dir("nemotron"), tmp_path / "snaps", api_key=[ALICE, BOB], api_keys_file=str(keys_file), admin_api_key=ADMIN) as (
+        srv,
+        http,
+    ):
         chat(http, ALICE, "a1")
         chat(http, "carol-secret", "c1")
         missing = http.get("/v1/conversations/nope", headers=bearer(BOB)).json()["error"]["message"].replace("nope", "a1")
-        for method, path, body in [("POST", "/v1/chat/completions", {"model": MODEL, "conversation_id": "a1", "max_tokens": 2,
-                                                                     "messages": [{"role": "user", "content": "mine now"}]}),
-                                   ("GET", "/v1/conversations/a1", None), ("DELETE", "/v1/conversations/a1", None)]:
+        for method, path, body in [
+            (
+                "POST",
+                "/v1/chat/completions",
+                {"model": MODEL, "conversation_id": "a1", "max_tokens": 2, "messages": [{"role": "user", "content": "mine now"}]},
+            ),
+            ("GET", "/v1/conversations/a1", None),
+            ("DELETE", "/v1/conversations/a1", None),
+        ]:
             r = http.request(method, path, json=body, headers=bearer(BOB))
             assert r.status_code == 404 and r.json()["error"]["message"] == missing, (path, r.text)  # as if missing
         assert http.post("/list_snapshots", json={}, headers=bearer(BOB)).status_code == 401  # admin routes: admin key
@@ -71,8 +78,9 @@ def test_a_tenant_reaches_only_its_own_conversations(checkpoint_dir, tmp_path):
 
         # /v1/state/stats names other tenants' conversations to admins only
         srv.app.state.serving.conversations.manager.quarantine.add("a1", "main/000001", "test")
-        quarantined = {key: [q["conversation_id"] for q in http.get("/v1/state/stats", headers=bearer(key)).json()["quarantined"]]
-                       for key in (ALICE, BOB, ADMIN)}
+        quarantined = {
+            key: [q["conversation_id"] for q in http.get("/v1/state/stats", headers=bearer(key)).json()["quarantined"]] for key in (ALICE, BOB, ADMIN)
+        }
         assert quarantined == {ALICE: ["a1"], BOB: [], ADMIN: ["a1"]}
 
         assert http.delete("/v1/conversations/a1", headers=bearer(ALICE)).status_code == 200
@@ -131,8 +139,7 @@ def test_a_tenants_request_ids_are_its_own(checkpoint_dir, tmp_path):
     by rid or all; a rid another tenant's running request carries is free (not "already in use")."""
     with serving(checkpoint_dir("nemotron"), tmp_path, api_key=[ALICE, BOB]) as (srv, http):
         engine = srv.app.state.serving.engine.engine
-        long = {"input_ids": [5, 6, 7], "rid": "x", "stream": True,
-                "sampling_params": {"max_new_tokens": 900, "temperature": 0, "ignore_eos": True}}
+        long = {"input_ids": [5, 6, 7], "rid": "x", "stream": True, "sampling_params": {"max_new_tokens": 900, "temperature": 0, "ignore_eos": True}}
         with http.stream("POST", "/generate", json=long, headers=bearer(ALICE)) as alice:
             events = (json.loads(line[6:]) for line in alice.iter_lines() if line.startswith("data: {"))
             assert next(events)["meta_info"]["finish_reason"] is None  # running
@@ -160,12 +167,15 @@ def test_conversations_made_without_keys_are_seen_only_by_the_admin_key(checkpoi
         assert got["owner"] is None and got["branches"]["main"]["latest_turn"] == 1
 
 
-@pytest.mark.parametrize("text, says", [
-    ("s3cr3t\n", "line 1"),
-    ("a: s3cr3t\nb: s3cr3t\n", "line 2: its key is given twice"),
-    ("a: s3cr3t\na: j\n", "line 2: the name 'a' is given twice"),
-    ("\nbad name: s3cr3t\n", "line 2"),
-])
+@pytest.mark.parametrize(
+    "text, says",
+    [
+        ("s3cr3t\n", "line 1"),
+        ("a: s3cr3t\nb: s3cr3t\n", "line 2: its key is given twice"),
+        ("a: s3cr3t\na: j\n", "line 2: the name 'a' is given twice"),
+        ("\nbad name: s3cr3t\n", "line 2"),
+    ],
+)
 def test_a_malformed_keys_file_is_refused_naming_the_line(tmp_path, text, says):
     (tmp_path / "keys").write_text(text)
     with pytest.raises(ValueError, match=says) as e:

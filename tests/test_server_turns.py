@@ -22,8 +22,14 @@ def serving(path, snapshot_dir, **fields):
 
 
 def turn(http, conversation_id, text, key=None, expect=200, **fields):
-    body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "conversation_id": conversation_id,
-            "temperature": 0, "max_tokens": 8, **fields}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": text}],
+        "conversation_id": conversation_id,
+        "temperature": 0,
+        "max_tokens": 8,
+        **fields,
+    }
     r = http.post("/v1/chat/completions", json=body, headers={"Idempotency-Key": key} if key else {})
     assert r.status_code == expect, r.text
     return r.json()
@@ -63,8 +69,9 @@ def test_a_retried_turn_is_answered_once_also_after_a_restart(checkpoint_dir, tm
         assert turn(http, "c", "x", key="k-3", turn_id="k-4", expect=400)["error"]["param"] == "turn_id"
         assert turn(http, "c", "x", key="a b", expect=400)["error"]["param"] == "Idempotency-Key"
         assert turn(http, "c", "x", turn_id="a b", expect=400)["error"]["param"] == "turn_id"  # the body form, the same rule
-        r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]},
-                      headers={"Idempotency-Key": "k-5"})
+        r = http.post(
+            "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]}, headers={"Idempotency-Key": "k-5"}
+        )
         assert r.status_code == 400 and "conversation_id" in r.json()["error"]["message"]
         assert latest(http, "c") == 2
 
@@ -137,7 +144,7 @@ def test_max_tokens_0_appends_without_generating_and_the_next_turn_continues_exa
         assert prompt2 == tokens_of(http, [doc, question], True)  # as if the whole conversation were sent at once
         assert computed == len(prompt2) - len(fill1) and second["usage"]["prompt_tokens_details"]["cached_tokens"] == len(fill1)
         full = http.post("/generate", json={"input_ids": prompt2, "sampling_params": {"temperature": 0, "max_new_tokens": 8}}).json()
-        assert full["output_ids"] == fill2[len(prompt2):]
+        assert full["output_ids"] == fill2[len(prompt2) :]
 
         # appended after a reply: the reply is closed as the template closes it, then the messages follow
         turn(http, "d", "Another document.", max_tokens=0)
@@ -148,7 +155,7 @@ def test_max_tokens_0_appends_without_generating_and_the_next_turn_continues_exa
         prompt4 = fill4[: len(fill4) - fourth["usage"]["completion_tokens"]]
         assert prompt4[: len(fill3)] == fill3
         full = http.post("/generate", json={"input_ids": prompt4, "sampling_params": {"temperature": 0, "max_new_tokens": 8}}).json()
-        assert full["output_ids"] == fill4[len(prompt4):]
+        assert full["output_ids"] == fill4[len(prompt4) :]
         roles = [m["role"] for m in http.get("/v1/conversations/d").json()["branches"]["main"]["messages"]]
         assert roles == ["user", "user", "assistant", "user", "user", "assistant"]
 

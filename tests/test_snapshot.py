@@ -57,10 +57,7 @@ def random_state(n_tokens: int = 10, state_len: int | None = None, seed: int = 0
     g = torch.Generator().manual_seed(seed)
     state_len = n_tokens - 1 if state_len is None else state_len
     tokens = torch.randint(0, SPEC.vocab_size, (n_tokens,), generator=g).tolist()
-    tensors = {
-        name: torch.randn(shape, generator=g).to(dtype)
-        for name, (shape, dtype) in expected_tensors(spec, DTYPES, state_len).items()
-    }
+    tensors = {name: torch.randn(shape, generator=g).to(dtype) for name, (shape, dtype) in expected_tensors(spec, DTYPES, state_len).items()}
     return SequenceState(tokens, state_len, tensors)
 
 
@@ -188,9 +185,7 @@ def test_load_refuses_a_file_without_manifest(tmp_path):
         load(path)
 
 
-@pytest.mark.parametrize(
-    "keep", [lambda n: 4, lambda n: 20, lambda n: n // 2, lambda n: n - 1], ids=["length", "header", "half", "last-byte"]
-)
+@pytest.mark.parametrize("keep", [lambda n: 4, lambda n: 20, lambda n: n // 2, lambda n: n - 1], ids=["length", "header", "half", "last-byte"])
 def test_load_refuses_a_truncated_file(tmp_path, keep):
     path = save(tmp_path)
     data = path.read_bytes()
@@ -275,8 +270,24 @@ def test_save_refuses_an_incomplete_or_invalid_state(tmp_path):
 
 # -- ids ----------------------------------------------------------------------------------------
 
-BAD_IDS = ["../x", "", "a" * 129, "a/b", ".", "..", "a b", "é", "a\0b", "x\n", None, 7, "quarantine.json", "conversation.json",
-           ".x.tmp-0123456789ab-01234567", ".hidden"]  # a leading dot: the namespace of the folder's own temp files
+BAD_IDS = [
+    "../x",
+    "",
+    "a" * 129,
+    "a/b",
+    ".",
+    "..",
+    "a b",
+    "é",
+    "a\0b",
+    "x\n",
+    None,
+    7,
+    "quarantine.json",
+    "conversation.json",
+    ".x.tmp-0123456789ab-01234567",
+    ".hidden",
+]  # a leading dot: the namespace of the folder's own temp files
 
 
 @pytest.mark.parametrize("bad", BAD_IDS)

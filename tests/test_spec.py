@@ -74,6 +74,8 @@ def test_a_layer_of_two_mixers_keeps_the_state_of_both():
     assert state_pool.of(1, "ssm").shape == (2, *both.mamba.ssm_state_shape) and sorted(kv_pool.k) == [0, 1]
     with pytest.raises(ConfigError, match=r"layer 0's mixers mamba\+mamba declare the same state twice"):
         dataclasses.replace(one_each, layer_mixers=((LayerKind.MAMBA, LayerKind.MAMBA),) * n)
+
+
 def test_gated_deltanet_hybrids_parse_to_the_published_shapes():
     """Qwen3-Next's hub config (layers by full_attention_interval) and Qwen3.5's multimodal one (the
     text model under text_config, layers listed): every 4th layer attention, the GDN state and the
@@ -120,9 +122,16 @@ def test_old_and_new_layer_type_spellings_are_the_same_model():
 
 @pytest.mark.parametrize(
     "name,field",
-    [("granite-4.0-h-tiny", "mamba_d_state"), ("granite-4.0-h-tiny", "mamba_n_heads"),
-     ("nemotron-3-nano-30b-a3b", "ssm_state_size"), ("mamba-codestral-7b", "head_dim"), ("mamba-codestral-7b", "conv_kernel"),
-     ("falcon-h1-7b-instruct", "mamba_d_ssm"), ("falcon-h1-7b-instruct", "mamba_d_state"), ("falcon-h1-7b-instruct", "mamba_d_conv")],
+    [
+        ("granite-4.0-h-tiny", "mamba_d_state"),
+        ("granite-4.0-h-tiny", "mamba_n_heads"),
+        ("nemotron-3-nano-30b-a3b", "ssm_state_size"),
+        ("mamba-codestral-7b", "head_dim"),
+        ("mamba-codestral-7b", "conv_kernel"),
+        ("falcon-h1-7b-instruct", "mamba_d_ssm"),
+        ("falcon-h1-7b-instruct", "mamba_d_state"),
+        ("falcon-h1-7b-instruct", "mamba_d_conv"),
+    ],
 )
 def test_a_recurrent_layer_missing_a_dimension_is_refused_naming_the_field(name, field):
     missing = config(name)
@@ -171,6 +180,8 @@ def test_offline_llm_api(checkpoint_dir):
     assert [len(o.token_ids) for o in outs] == [5, 5]
     assert all(o.finish_reason.value == "length" and isinstance(o.text, str) for o in outs)
     # a string prompt is the tokenizer's encoding of it
-    again = llm.generate({"prompt_token_ids": llm.get_tokenizer().encode("Hello", add_special_tokens=False)},
-                         SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    again = llm.generate(
+        {"prompt_token_ids": llm.get_tokenizer().encode("Hello", add_special_tokens=False)},
+        SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
+    )
     assert again[0].token_ids == outs[0].token_ids

@@ -175,8 +175,7 @@ def test_sampled_distribution_matches_the_target(checkpoint_dir, hf_model):
     path = checkpoint_dir("mamba2")
     ref = hf_model(path)
     prompt, n = [5, 6, 7, 8, 9, 5, 6], 1200
-    engine = make_engine(path, speculative_config=json.dumps({"method": "ngram", "num_speculative_tokens": 2}),
-                         max_running_requests=16, seed=3)
+    engine = make_engine(path, speculative_config=json.dumps({"method": "ngram", "num_speculative_tokens": 2}), max_running_requests=16, seed=3)
     engine.speculator.drafter = ReferenceDrafter(ref)
     params = SamplingParams(max_tokens=3, temperature=1.0, top_k=3, ignore_eos=True)
     outs = generate(engine, [prompt] * n, params)
@@ -228,15 +227,18 @@ def test_ngram_drafter_proposes_what_followed_the_latest_match():
     assert NgramDrafter(min_n=2, max_n=2).propose([1, 2, 3, 1], 2) == []  # a 1-gram match is too short
 
 
-@pytest.mark.parametrize(("raw", "says"), [
-    ("{", "not JSON"),
-    ('{"method": "mtp", "num_speculative_tokens": 1}', "MTP layers"),
-    ('{"method": "eagle", "num_speculative_tokens": 1}', "method must be one of"),
-    ('{"method": "ngram"}', "num_speculative_tokens is required"),
-    ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens must be a positive integer"),
-    ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}', "prompt_lookup_min"),
-    ('{"method": "ngram", "num_speculative_tokens": 2, "draft_model": "x"}', "unknown field"),
-])
+@pytest.mark.parametrize(
+    ("raw", "says"),
+    [
+        ("{", "not JSON"),
+        ('{"method": "mtp", "num_speculative_tokens": 1}', "MTP layers"),
+        ('{"method": "eagle", "num_speculative_tokens": 1}', "method must be one of"),
+        ('{"method": "ngram"}', "num_speculative_tokens is required"),
+        ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens must be a positive integer"),
+        ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}', "prompt_lookup_min"),
+        ('{"method": "ngram", "num_speculative_tokens": 2, "draft_model": "x"}', "unknown field"),
+    ],
+)
 def test_a_bad_speculative_config_names_the_field(raw, says):
     with pytest.raises(ValueError, match=says):
         SpeculativeConfig.parse(raw)

@@ -18,14 +18,19 @@ TURNS = ["abcabcabcabc abc", "xyz xyz xyz abcabc", "once more: abcabc"]
 @contextlib.contextmanager
 def serving(path, snapshot_dir, spec: bool, **fields):
     engine = {"speculative_config": NGRAM} if spec else {}
-    with running_server(path, MODEL, engine, snapshot_dir=str(snapshot_dir), **fields) as srv, \
-            httpx.Client(base_url=srv.url, timeout=120) as http:
+    with running_server(path, MODEL, engine, snapshot_dir=str(snapshot_dir), **fields) as srv, httpx.Client(base_url=srv.url, timeout=120) as http:
         yield http
 
 
 def turn(http, text):
-    body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "conversation_id": "c",
-            "temperature": 0, "max_tokens": 24, "ignore_eos": True}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": text}],
+        "conversation_id": "c",
+        "temperature": 0,
+        "max_tokens": 24,
+        "ignore_eos": True,
+    }
     r = http.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["message"]["content"], r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
@@ -54,8 +59,9 @@ def test_turns_across_a_restart_and_prefix_hits_answer_as_without_speculation(ch
     assert [first, second] == plain_completions and cached > 0  # the second started from the first's prompt state
     drafts = metric_value(metrics, "engram:spec_decode_num_draft_tokens_total", model_name=MODEL)
     accepted = metric_value(metrics, "engram:spec_decode_num_accepted_tokens_total", model_name=MODEL)
-    per_position = [metric_value(metrics, "engram:spec_decode_num_accepted_tokens_per_pos_total", model_name=MODEL, position=str(i))
-                    for i in range(3)]
+    per_position = [
+        metric_value(metrics, "engram:spec_decode_num_accepted_tokens_per_pos_total", model_name=MODEL, position=str(i)) for i in range(3)
+    ]
     assert drafts > 0 and 0 < accepted <= drafts and sum(per_position) == accepted
 
     with serving(path, tmp_path / "spec", spec=True, **cache) as http:  # a restart: the third turn resumes the stored state
@@ -65,8 +71,20 @@ def test_turns_across_a_restart_and_prefix_hits_answer_as_without_speculation(ch
 
 
 def test_a_bad_speculative_config_stops_the_start_with_one_line(tmp_path, checkpoint_dir):
-    cmd = [sys.executable, "-m", "engram", "serve", "--model-path", checkpoint_dir("mamba2"), "--port", str(free_port()),
-           "--snapshot-dir", str(tmp_path), "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}']
+    cmd = [
+        sys.executable,
+        "-m",
+        "engram",
+        "serve",
+        "--model-path",
+        checkpoint_dir("mamba2"),
+        "--port",
+        str(free_port()),
+        "--snapshot-dir",
+        str(tmp_path),
+        "--speculative-config",
+        '{"method": "mtp", "num_speculative_tokens": 2}',
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()

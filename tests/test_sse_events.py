@@ -7,8 +7,22 @@ import pytest
 from engram.server.protocol import ChatChunkChoice, ChatCompletionChunk, CompletionChoice, CompletionResponse, DeltaMessage
 from engram.server.streaming import TEXT_MARK, TextEvents, sse, text_event
 
-TEXTS = ["a", " the", '"quoted"', "back\\slash", "tab\tnew\nline\r", "\x00\x01\x1f\x7f", "é", "日本語", "🙂", "\u2028\u2029",
-         "\ufeff", "</script>", TEXT_MARK, "{}[],:"]
+TEXTS = [
+    "a",
+    " the",
+    '"quoted"',
+    "back\\slash",
+    "tab\tnew\nline\r",
+    "\x00\x01\x1f\x7f",
+    "é",
+    "日本語",
+    "🙂",
+    "\u2028\u2029",
+    "\ufeff",
+    "</script>",
+    TEXT_MARK,
+    "{}[],:",
+]
 
 
 def completion(model: str):
@@ -16,8 +30,15 @@ def completion(model: str):
 
 
 def chat(model: str):
-    return lambda text: ChatCompletionChunk(id="chatcmpl-1", created=7, model=model, conversation_id="c", turn=2, epoch="e",
-                                            choices=[ChatChunkChoice(index=0, delta=DeltaMessage(content=text))])
+    return lambda text: ChatCompletionChunk(
+        id="chatcmpl-1",
+        created=7,
+        model=model,
+        conversation_id="c",
+        turn=2,
+        epoch="e",
+        choices=[ChatChunkChoice(index=0, delta=DeltaMessage(content=text))],
+    )
 
 
 @pytest.mark.parametrize("build", [completion("m"), chat("m")], ids=["completion", "chat"])

@@ -30,8 +30,14 @@ def engine(checkpoint_dir):
 
 def store_manager(engine, root, policy=SnapshotPolicy()) -> ConversationManager:
     return ConversationManager(
-        engine.spec, engine.state_dtypes, ModelIdentity.of(engine.spec, engine.model_path), tokenizer_fingerprint(engine.model_path),
-        policy, root, WarmCache(64, 1 << 30), chunk_tokens=CHUNK,
+        engine.spec,
+        engine.state_dtypes,
+        ModelIdentity.of(engine.spec, engine.model_path),
+        tokenizer_fingerprint(engine.model_path),
+        policy,
+        root,
+        WarmCache(64, 1 << 30),
+        chunk_tokens=CHUNK,
     )
 
 
@@ -169,8 +175,9 @@ def test_a_v1_snapshot_still_loads_and_the_next_turn_writes_v2(engine, tmp_path)
     take_turn(engine, manager, "v1", random_prompt(20, 700), max_tokens=3)
     state = manager.warm.peek("v1", "main/000001")
     (tmp_path / "v1" / "main" / "000001.json").unlink()
-    save_snapshot(tmp_path, state, SnapshotMeta(conversation_id="v1", turn=1), engine.spec, engine.state_dtypes,
-                  manager.model, manager.tokenizer_sha256)
+    save_snapshot(
+        tmp_path, state, SnapshotMeta(conversation_id="v1", turn=1), engine.spec, engine.state_dtypes, manager.model, manager.tokenizer_sha256
+    )
     restarted = store_manager(engine, tmp_path)
     conv = restarted.require("v1")
     history, new = conv.tokens(conv.latest("main")), random_prompt(6, 701)
@@ -212,8 +219,7 @@ def test_kill_9_during_writes_and_sweeps_leaves_every_listed_turn_loadable(engin
     from pathlib import Path
 
     tests = str(Path(__file__).parent)
-    script = _KILLED_WRITER.format(paths=[tests, str(Path(tests).parent / "src")], model=str(engine.model_path),
-                                   root=str(tmp_path), seed=seed)
+    script = _KILLED_WRITER.format(paths=[tests, str(Path(tests).parent / "src")], model=str(engine.model_path), root=str(tmp_path), seed=seed)
     rng = random.Random(seed)
     for _ in range(3):
         child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)

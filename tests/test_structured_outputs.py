@@ -18,31 +18,68 @@ from engram.engine.request import FinishReason, SamplingParams, StructuredOutput
 # Short keys and bounded values: each output is some 15-40 tokens of the byte-level vocabulary.
 WORD = {"type": "string", "pattern": "^[a-z]{1,4}$"}
 SCHEMAS = [
-    {"type": "object", "properties": {"n": {"type": "string", "maxLength": 4}, "a": {"type": "integer", "minimum": 0, "maximum": 120}},
-     "required": ["n", "a"], "additionalProperties": False},
+    {
+        "type": "object",
+        "properties": {"n": {"type": "string", "maxLength": 4}, "a": {"type": "integer", "minimum": 0, "maximum": 120}},
+        "required": ["n", "a"],
+        "additionalProperties": False,
+    },
     {"type": "object", "properties": {"c": {"enum": ["red", "blue"]}, "ok": {"type": "boolean"}}, "required": ["c", "ok"]},
     {"type": "object", "properties": {"t": {"type": "array", "items": WORD, "minItems": 1, "maxItems": 2}}, "required": ["t"]},
-    {"type": "object", "properties": {"u": {"type": "object", "properties": {"id": {"type": "integer", "minimum": 1, "maximum": 99},
-                                                                              "r": {"enum": ["admin", "guest"]}},
-                                            "required": ["id", "r"]}},
-     "required": ["u"]},
-    {"type": "array", "items": {"type": "object", "properties": {"k": {"const": "v"}, "n": {"type": "integer", "minimum": -9, "maximum": 9}},
-                                "required": ["k", "n"]}, "minItems": 1, "maxItems": 2},
-    {"type": "object", "properties": {"id": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{2}$"},
-                                      "l": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 5}, {"enum": ["max"]}]}},
-     "required": ["id", "l"]},
-    {"type": "object", "properties": {"p": {"type": "array", "prefixItems": [{"type": "integer", "minimum": 0, "maximum": 9}] * 2,
-                                            "items": False},
-                                      "s": {"type": ["string", "null"], "maxLength": 3}},
-     "required": ["p", "s"]},
-    {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "object", "properties": {"c": WORD},
-                                                                                   "required": ["c"]}},
-                                            "required": ["b"]}},
-     "required": ["a"]},
+    {
+        "type": "object",
+        "properties": {
+            "u": {
+                "type": "object",
+                "properties": {"id": {"type": "integer", "minimum": 1, "maximum": 99}, "r": {"enum": ["admin", "guest"]}},
+                "required": ["id", "r"],
+            }
+        },
+        "required": ["u"],
+    },
+    {
+        "type": "array",
+        "items": {
+            "type": "object",
+            "properties": {"k": {"const": "v"}, "n": {"type": "integer", "minimum": -9, "maximum": 9}},
+            "required": ["k", "n"],
+        },
+        "minItems": 1,
+        "maxItems": 2,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "id": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{2}$"},
+            "l": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 5}, {"enum": ["max"]}]},
+        },
+        "required": ["id", "l"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "p": {"type": "array", "prefixItems": [{"type": "integer", "minimum": 0, "maximum": 9}] * 2, "items": False},
+            "s": {"type": ["string", "null"], "maxLength": 3},
+        },
+        "required": ["p", "s"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "a": {"type": "object", "properties": {"b": {"type": "object", "properties": {"c": WORD}, "required": ["c"]}}, "required": ["b"]}
+        },
+        "required": ["a"],
+    },
 ]
 # (temperature, top_k, top_p, repetition_penalty, frequency_penalty): filters and penalties act after the mask
-SAMPLINGS = [(0.0, -1, 1.0, 1.0, 0.0), (1.0, -1, 1.0, 1.0, 0.0), (0.7, 20, 1.0, 1.0, 0.0), (1.3, -1, 0.9, 1.0, 0.0),
-             (1.0, -1, 1.0, 1.3, 0.0), (0.9, 50, 0.95, 1.0, 0.5)]
+SAMPLINGS = [
+    (0.0, -1, 1.0, 1.0, 0.0),
+    (1.0, -1, 1.0, 1.0, 0.0),
+    (0.7, 20, 1.0, 1.0, 0.0),
+    (1.3, -1, 0.9, 1.0, 0.0),
+    (1.0, -1, 1.0, 1.3, 0.0),
+    (0.9, 50, 0.95, 1.0, 0.5),
+]
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +88,7 @@ def engine(checkpoint_dir):
 
 
 def constrained(max_tokens: int, seed: int | None = None, temperature: float = 1.0, **structured) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed,
-                          structured_outputs=StructuredOutputsParams(**structured))
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed, structured_outputs=StructuredOutputsParams(**structured))
 
 
 def test_200_schema_constrained_requests_parse_and_validate(engine):
@@ -66,8 +102,13 @@ def test_200_schema_constrained_requests_parse_and_validate(engine):
         schema = SCHEMAS[i % len(SCHEMAS)] if compact else SCHEMAS[1]
         temperature, top_k, top_p, repetition, frequency = SAMPLINGS[i % len(SAMPLINGS)] if compact else SAMPLINGS[1]
         params = SamplingParams(
-            max_tokens=80 if compact else 400, temperature=temperature, top_k=top_k, top_p=top_p,
-            repetition_penalty=repetition, frequency_penalty=frequency, seed=i if i % 3 else None,
+            max_tokens=80 if compact else 400,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            repetition_penalty=repetition,
+            frequency_penalty=frequency,
+            seed=i if i % 3 else None,
             structured_outputs=StructuredOutputsParams(json=schema if i % 2 else json.dumps(schema), disable_any_whitespace=compact),
         )
         requests[f"s{i}"] = schema
@@ -140,8 +181,9 @@ def test_a_grammar_that_allows_all_text_changes_no_greedy_output(engine):
     prompts = [engine.tokenizer.encode(text) for text in ("hello", "The quick brown fox", "abc", "0123", "{")]
 
     def greedy(**structured) -> SamplingParams:
-        return SamplingParams(max_tokens=24, temperature=0.0, logit_bias=bias,
-                              structured_outputs=StructuredOutputsParams(**structured) if structured else None)
+        return SamplingParams(
+            max_tokens=24, temperature=0.0, logit_bias=bias, structured_outputs=StructuredOutputsParams(**structured) if structured else None
+        )
 
     for i, prompt in enumerate(prompts):
         engine.add_request(f"plain{i}", prompt, greedy())
@@ -216,8 +258,7 @@ def test_a_preempted_constrained_request_keeps_its_grammar(checkpoint_dir):
     engine = make_engine(checkpoint_dir("granite"), max_running_requests=4, max_total_tokens=160, kv_block_size=16)
     schema = SCHEMAS[3]
     for i in range(4):
-        engine.add_request(f"p{i}", engine.tokenizer.encode("go" * 10),
-                           constrained(100, seed=i, json=schema, disable_any_whitespace=True))
+        engine.add_request(f"p{i}", engine.tokenizer.encode("go" * 10), constrained(100, seed=i, json=schema, disable_any_whitespace=True))
     outputs = run_to_end(engine)
     assert engine.scheduler.num_preemptions > 0
     for out in outputs.values():

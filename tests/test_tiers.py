@@ -28,8 +28,16 @@ def engine(checkpoint_dir):
 
 def manager_for(engine, root, clock, policy=SnapshotPolicy(), tiers=TierConfig(active_timeout=10, warm_timeout=100), warm=(64, 1 << 30), health=None):
     return ConversationManager(
-        engine.spec, engine.state_dtypes, ModelIdentity.of(engine.spec, engine.model_path), tokenizer_fingerprint(engine.model_path),
-        policy, root, WarmCache(*warm), tiers, clock=clock, health=health,
+        engine.spec,
+        engine.state_dtypes,
+        ModelIdentity.of(engine.spec, engine.model_path),
+        tokenizer_fingerprint(engine.model_path),
+        policy,
+        root,
+        WarmCache(*warm),
+        tiers,
+        clock=clock,
+        health=health,
     )
 
 
@@ -37,8 +45,9 @@ def turn(engine, manager, conv_id, new, max_tokens=6, state_edit=None):
     plan = manager.begin(conv_id)
     prompt = plan.history_tokens + new
     kwargs = {"retain_key": retain_key(conv_id, plan.ref)} if manager.tiers.enabled else {}
-    engine.add_request("t", prompt, greedy(max_tokens), initial_state=plan.state, capture_state=True, resume_key=plan.resume_key,
-                       host_base=plan.host_base, **kwargs)
+    engine.add_request(
+        "t", prompt, greedy(max_tokens), initial_state=plan.state, capture_state=True, resume_key=plan.resume_key, host_base=plan.host_base, **kwargs
+    )
     out = run_to_end(engine)["t"]
     state = state_edit(out.state) if state_edit else out.state
     manager.finish(plan, prompt, out.token_ids, [{"role": "user", "content": "x"}], state)
@@ -299,8 +308,16 @@ def counting_loads(manager) -> list[str]:
 def finish_turn(engine, manager, plan, new, **engine_kwargs):
     """Run the turn `plan` starts with `new` tokens in the engine, handing the engine's slot handle to the manager."""
     prompt = plan.history_tokens + new
-    engine.add_request("t", prompt, greedy(4), initial_state=plan.state, capture_state=True, resume_key=plan.resume_key,
-                       retain_key=retain_key(plan.conversation_id, plan.ref), **engine_kwargs)
+    engine.add_request(
+        "t",
+        prompt,
+        greedy(4),
+        initial_state=plan.state,
+        capture_state=True,
+        resume_key=plan.resume_key,
+        retain_key=retain_key(plan.conversation_id, plan.ref),
+        **engine_kwargs,
+    )
     out = run_to_end(engine)["t"]
     manager.finish(plan, prompt, out.token_ids, [{"role": "user", "content": "x"}], out.state, retained=out.retained)
     return out
@@ -335,7 +352,6 @@ def test_a_resumed_turn_whose_slot_is_retained_reads_nothing_and_falls_back_only
     out = finish_turn(engine, m, plan, new)
     assert out.token_ids == full(engine, before + new, max_tokens=4) and out.num_cached_tokens == len(before) - 1
     assert m.state_stats()["hits"] == {"active": 1, "warm": 0, "cold": 1}
-
 
 
 def test_the_server_fetches_the_fallback_state_only_once_adoption_failed(engine, tmp_path):

@@ -17,36 +17,71 @@ from engram.server.reasoning_parsers import REASONING_PARSERS
 from engram.server.tool_parsers import TOOL_PARSERS, NamedToolParser, RequiredToolParser
 from engram.server.tools import NamedToolChoice, ToolDefinition
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}, "units": {"enum": ["c", "f"]}}}}}
-TOOLS = [WEATHER, {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}}}}]
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}, "units": {"enum": ["c", "f"]}}},
+    },
+}
+TOOLS = [
+    WEATHER,
+    {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}}}},
+]
 
 # (parser, recorded reply, expected content, expected [(name, arguments)])
 RECORDED = [
-    ("hermes", 'I will look it up.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>',
-     "I will look it up.", [("get_weather", {"city": "Paris", "days": 3})]),
-    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich \\"old\\" town", "days": 1}}\n</tool_call>\n'
-               '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>',
-     "", [("get_weather", {"city": 'Zürich "old" town', "days": 1}), ("get_time", {"zone": "CET"})]),
+    (
+        "hermes",
+        'I will look it up.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>',
+        "I will look it up.",
+        [("get_weather", {"city": "Paris", "days": 3})],
+    ),
+    (
+        "hermes",
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich \\"old\\" town", "days": 1}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>',
+        "",
+        [("get_weather", {"city": 'Zürich "old" town', "days": 1}), ("get_time", {"zone": "CET"})],
+    ),
     ("qwen", "It is sunny in Paris today.", "It is sunny in Paris today.", []),
     ("qwen", '<tool_call>\n{"arguments": {"zone": "UTC"}, "name": "get_time"}\n</tool_call>', "", [("get_time", {"zone": "UTC"})]),
-    ("qwen3_coder", "Let me check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n"
-                    "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>",
-     "Let me check.", [("get_weather", {"city": "New York", "days": 2})]),
-    ("qwen3_coder", "<tool_call>\n<function=get_time>\n<parameter=zone>\n0800\n</parameter>\n</function>\n</tool_call>\n"
-                    "<tool_call>\n<function=get_weather>\n</function>\n</tool_call>",
-     "", [("get_time", {"zone": "0800"}), ("get_weather", {})]),
-    ("granite", '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Boston", "units": "f"}}, '
-                '{"name": "get_time", "arguments": {"zone": "EST"}}]',
-     "", [("get_weather", {"city": "Boston", "units": "f"}), ("get_time", {"zone": "EST"})]),
+    (
+        "qwen3_coder",
+        "Let me check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n"
+        "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>",
+        "Let me check.",
+        [("get_weather", {"city": "New York", "days": 2})],
+    ),
+    (
+        "qwen3_coder",
+        "<tool_call>\n<function=get_time>\n<parameter=zone>\n0800\n</parameter>\n</function>\n</tool_call>\n"
+        "<tool_call>\n<function=get_weather>\n</function>\n</tool_call>",
+        "",
+        [("get_time", {"zone": "0800"}), ("get_weather", {})],
+    ),
+    (
+        "granite",
+        '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Boston", "units": "f"}}, {"name": "get_time", "arguments": {"zone": "EST"}}]',
+        "",
+        [("get_weather", {"city": "Boston", "units": "f"}), ("get_time", {"zone": "EST"})],
+    ),
     ("granite", "No tools needed: 4.", "No tools needed: 4.", []),
     ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Lima", "days": 7}}', "", [("get_weather", {"city": "Lima", "days": 7})]),
-    ("llama3_json", '<|python_tag|>{"name": "get_time", "parameters": {"zone": "PET"}}; {"name": "get_weather", "parameters": {}}',
-     "", [("get_time", {"zone": "PET"}), ("get_weather", {})]),
+    (
+        "llama3_json",
+        '<|python_tag|>{"name": "get_time", "parameters": {"zone": "PET"}}; {"name": "get_weather", "parameters": {}}',
+        "",
+        [("get_time", {"zone": "PET"}), ("get_weather", {})],
+    ),
     ("llama3_json", "The answer is {probably} 4.", "The answer is {probably} 4.", []),
     ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo"}}]', "", [("get_weather", {"city": "Oslo"})]),
-    ("mistral", 'Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Rome", "days": 2}[TOOL_CALLS]get_time[ARGS]{"zone": "CET"}',
-     "Sure.", [("get_weather", {"city": "Rome", "days": 2}), ("get_time", {"zone": "CET"})]),
+    (
+        "mistral",
+        'Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Rome", "days": 2}[TOOL_CALLS]get_time[ARGS]{"zone": "CET"}',
+        "Sure.",
+        [("get_weather", {"city": "Rome", "days": 2}), ("get_time", {"zone": "CET"})],
+    ),
 ]
 
 
@@ -124,8 +159,9 @@ def test_forced_choices_read_their_schema_bound_replies():
     named = ReplyFormat(tools=NamedToolParser("get_time"))
     assert [(c.name, c.arguments) for c in named.read('{"zone": "UTC"}').calls] == [("get_time", '{"zone": "UTC"}')]
     for fmt, reply in ((required, text), (named, '{"zone": "UTC"}')):
-        assert [(c["name"], c["arguments"]) for c in streamed(fmt, reply, 1)["calls"].values()] == \
-            [(c.name, c.arguments) for c in fmt.read(reply).calls]
+        assert [(c["name"], c["arguments"]) for c in streamed(fmt, reply, 1)["calls"].values()] == [
+            (c.name, c.arguments) for c in fmt.read(reply).calls
+        ]
 
 
 REASONING = [

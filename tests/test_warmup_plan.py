@@ -15,8 +15,15 @@ MAX_RUNNING = 100  # not a graph bucket: the batches past 96 have a bucket of th
 @pytest.fixture(scope="module")
 def engine(checkpoint_dir):
     context = warmup.LONG_CONTEXT_KEYS + 4096
-    return LLMEngine(EngineArgs(model_path=checkpoint_dir("granite"), max_running_requests=MAX_RUNNING, max_num_batched_tokens=512,
-                                context_length=context, max_total_tokens=4 * context))
+    return LLMEngine(
+        EngineArgs(
+            model_path=checkpoint_dir("granite"),
+            max_running_requests=MAX_RUNNING,
+            max_num_batched_tokens=512,
+            context_length=context,
+            max_total_tokens=4 * context,
+        )
+    )
 
 
 def classes(sizes) -> set:

@@ -57,7 +57,8 @@ def run(ns: argparse.Namespace) -> None:
     prefill_s, total_s = run_batch("bench")
     decode_s = max(total_s - prefill_s, 1e-9)
     print(f"model {engine.model_path} ({engine.spec.architecture}), {engine.dtype}, {engine.device}")
-    print(f"batch {ns.batch} x {ns.prompt_len} prompt tokens: prefill {prefill_s * 1000:.1f} ms "
-          f"({ns.batch * ns.prompt_len / prefill_s:,.0f} tok/s)")
-    print(f"decode {ns.output_len - 1} steps: {decode_s * 1000:.1f} ms "
-          f"({ns.batch * (ns.output_len - 1) / decode_s:,.0f} tok/s, {decode_s / max(ns.output_len - 1, 1) * 1000:.2f} ms/step)")
+    print(f"batch {ns.batch} x {ns.prompt_len} prompt tokens: prefill {prefill_s * 1000:.1f} ms ({ns.batch * ns.prompt_len / prefill_s:,.0f} tok/s)")
+    print(
+        f"decode {ns.output_len - 1} steps: {decode_s * 1000:.1f} ms "
+        f"({ns.batch * (ns.output_len - 1) / decode_s:,.0f} tok/s, {decode_s / max(ns.output_len - 1, 1) * 1000:.2f} ms/step)"
+    )

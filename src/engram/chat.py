@@ -51,8 +51,15 @@ def run(ns: argparse.Namespace) -> None:
                 continue
             if not line:
                 continue
-            body = {"model": model, "messages": pending + [{"role": "user", "content": line}], "conversation_id": conversation_id,
-                    "max_tokens": ns.max_tokens, "temperature": ns.temperature, "stream": True, "stream_options": {"include_usage": True}}
+            body = {
+                "model": model,
+                "messages": pending + [{"role": "user", "content": line}],
+                "conversation_id": conversation_id,
+                "max_tokens": ns.max_tokens,
+                "temperature": ns.temperature,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
             try:
                 if _stream_reply(client, body):
                     pending = []  # the server holds them now
@@ -99,7 +106,7 @@ def _events(response: httpx.Response) -> Iterator[dict]:
     for line in response.iter_lines():
         if not line.startswith("data:"):
             continue
-        data = line[len("data:"):].strip()
+        data = line[len("data:") :].strip()
         if data == "[DONE]":
             return
         event = json.loads(data)

@@ -12,8 +12,7 @@ COMMANDS = (
     ("plan", "print the memory budget of a configuration", plan.add_plan_arguments, plan.run_plan),
     ("bench", "measure offline prefill and decode throughput", bench.add_bench_args, bench.run),
     ("chat", "chat in the terminal with a running server", chat.add_chat_args, chat.run),
-    ("import-snapshots", "import the SGLang-based predecessor's snapshot folder (offline)", import_snapshots.add_import_args,
-     import_snapshots.run),
+    ("import-snapshots", "import the SGLang-based predecessor's snapshot folder (offline)", import_snapshots.add_import_args, import_snapshots.run),
 )
 
 

@@ -1,9 +1,9 @@
 """Python client for an Engram server: chat by conversation, and the snapshot routes.
 
-    client = EngramClient("http://127.0.0.1:30000")
-    conv = client.conversation()
-    conv.chat("Hello")          # sends only the new message; the server keeps the state
-    SnapshotManager(client).list_conversation(conv.conversation_id)
+client = EngramClient("http://127.0.0.1:30000")
+conv = client.conversation()
+conv.chat("Hello")          # sends only the new message; the server keeps the state
+SnapshotManager(client).list_conversation(conv.conversation_id)
 """
 
 from __future__ import annotations
@@ -126,7 +126,9 @@ class SnapshotManager:
     def get_info(self, conversation_id: str, turn_number: int | None = None, branch_name: str | None = None) -> dict:
         return self._post("/get_snapshot_info", conversation_id=conversation_id, turn_number=turn_number, branch_name=branch_name)
 
-    def save(self, conversation_id: str | None = None, rid: str | None = None, turn_number: int | None = None, branch_name: str | None = None) -> dict:
+    def save(
+        self, conversation_id: str | None = None, rid: str | None = None, turn_number: int | None = None, branch_name: str | None = None
+    ) -> dict:
         return self._post("/save_snapshot", conversation_id=conversation_id, rid=rid, turn_number=turn_number, branch_name=branch_name)
 
     def restore(
@@ -160,8 +162,7 @@ class SnapshotManager:
     def delete(self, conversation_id: str, turn_number: int | None = None, branch_name: str | None = None) -> bool:
         """True if the snapshot was deleted, False if there was none (as the predecessor answered)."""
         try:
-            return self._post("/delete_snapshot", conversation_id=conversation_id, turn_number=turn_number,
-                              branch_name=branch_name)["success"]
+            return self._post("/delete_snapshot", conversation_id=conversation_id, turn_number=turn_number, branch_name=branch_name)["success"]
         except SnapshotNotFoundError:
             return False
 
@@ -171,8 +172,16 @@ class Conversation:
     idempotency key: a turn whose answer was lost (a timeout, a dropped connection) or that is
     still in flight is sent again up to `retries` times, and the server answers it once."""
 
-    def __init__(self, client: EngramClient, conversation_id: str | None = None, branch: str = "main", *,
-                 retries: int = 2, retry_wait: float = 0.5, **defaults: Any):
+    def __init__(
+        self,
+        client: EngramClient,
+        conversation_id: str | None = None,
+        branch: str = "main",
+        *,
+        retries: int = 2,
+        retry_wait: float = 0.5,
+        **defaults: Any,
+    ):
         self.client = client
         self.conversation_id = conversation_id or f"conv-{uuid.uuid4().hex[:16]}"
         self.branch = branch
@@ -208,8 +217,7 @@ class Conversation:
 
     def fork(self, branch: str, from_turn: int) -> Conversation:
         """A handle on a new branch that will start from `from_turn` of this one."""
-        forked = Conversation(self.client, self.conversation_id, branch, retries=self.retries, retry_wait=self.retry_wait,
-                              **self.defaults)
+        forked = Conversation(self.client, self.conversation_id, branch, retries=self.retries, retry_wait=self.retry_wait, **self.defaults)
         forked.turn = from_turn
         forked._fork_from = from_turn
         return forked

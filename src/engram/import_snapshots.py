@@ -82,16 +82,22 @@ class ImportReport:
         return sum(bool(f.differs) for f in self.files)
 
     def summary(self) -> str:
-        return (f"{self.count('imported')} imported ({self.differing} of them differ from the recorded state), "
-                f"{self.count('unchanged')} unchanged, {self.count('refused')} refused")
+        return (
+            f"{self.count('imported')} imported ({self.differing} of them differ from the recorded state), "
+            f"{self.count('unchanged')} unchanged, {self.count('refused')} refused"
+        )
 
     def to_json(self) -> dict:
-        return {**dataclasses.asdict(self), "imported": self.count("imported"), "unchanged": self.count("unchanged"),
-                "refused": self.count("refused"), "differing": self.differing}
+        return {
+            **dataclasses.asdict(self),
+            "imported": self.count("imported"),
+            "unchanged": self.count("unchanged"),
+            "refused": self.count("refused"),
+            "differing": self.differing,
+        }
 
 
-def import_snapshots(source: str | Path, engine: LLMEngine, manager: ConversationManager,
-                     tolerance: float = DEFAULT_TOLERANCE) -> ImportReport:
+def import_snapshots(source: str | Path, engine: LLMEngine, manager: ConversationManager, tolerance: float = DEFAULT_TOLERANCE) -> ImportReport:
     """Import every turn file under `source` into `manager`'s conversations, computing states with
     `engine` (whose model the files must be of); what was imported, unchanged or refused, per file."""
     root = Path(source)
@@ -105,17 +111,26 @@ def import_snapshots(source: str | Path, engine: LLMEngine, manager: Conversatio
         try:
             report.files.append(_import_turn(turn, engine, manager, tolerance, lambda: f"import-{next(requests)}"))
         except RefusedFile as e:
-            report.files.append(FileReport(turn.label, "refused", str(e), turn.conversation_id, turn.branch or "main",
-                                           predecessor_turn=turn.turn_number))
+            report.files.append(
+                FileReport(turn.label, "refused", str(e), turn.conversation_id, turn.branch or "main", predecessor_turn=turn.turn_number)
+            )
     report.files.sort(key=lambda f: f.file)
     return report
 
 
-def _import_turn(found: PredecessorTurn, engine: LLMEngine, manager: ConversationManager, tolerance: float,
-                 request_id: Callable[[], str]) -> FileReport:
+def _import_turn(
+    found: PredecessorTurn, engine: LLMEngine, manager: ConversationManager, tolerance: float, request_id: Callable[[], str]
+) -> FileReport:
     cid, branch, tokens = found.conversation_id, found.branch or "main", found.fill_ids
-    report = FileReport(found.label, "imported", conversation_id=cid, branch=branch, predecessor_turn=found.turn_number,
-                        tokens=len(tokens), recorded_state=found.state_path is not None)
+    report = FileReport(
+        found.label,
+        "imported",
+        conversation_id=cid,
+        branch=branch,
+        predecessor_turn=found.turn_number,
+        tokens=len(tokens),
+        recorded_state=found.state_path is not None,
+    )
     try:
         conv = manager.get(cid)
         done = _holding(conv, branch, tokens) if conv is not None else None
@@ -180,9 +195,13 @@ def _recompute(engine: LLMEngine, tokens: list[int], initial: SequenceState | No
 def add_import_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("source", metavar="DIR", help="the predecessor's snapshot folder (its --snapshot-dir)")
     parser.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH ('-': standard output)")
-    parser.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
-                        help="largest difference, relative to each tensor's largest magnitude, at which a recorded state "
-                             f"still matches the recomputed one (default {DEFAULT_TOLERANCE})")
+    parser.add_argument(
+        "--tolerance",
+        type=float,
+        default=DEFAULT_TOLERANCE,
+        help="largest difference, relative to each tensor's largest magnitude, at which a recorded state "
+        f"still matches the recomputed one (default {DEFAULT_TOLERANCE})",
+    )
     add_dataclass_args(parser, EngineArgs)
     add_dataclass_args(parser, ServerArgs)
 
@@ -196,8 +215,9 @@ def run(ns: argparse.Namespace) -> int:
     if engine_args.model_path is None:
         raise SystemExit("engram import-snapshots: --model-path is required (the model the snapshots were made with)")
     # Every imported turn is written to disk before the command ends, whatever the server's policy.
-    server_args = dataclasses.replace(from_namespace(ServerArgs, ns), enable_snapshot_persistence=True,
-                                      snapshot_trigger_policy="every_turn", snapshot_durability="sync")
+    server_args = dataclasses.replace(
+        from_namespace(ServerArgs, ns), enable_snapshot_persistence=True, snapshot_trigger_policy="every_turn", snapshot_durability="sync"
+    )
     engine = LLMEngine(engine_args)
     manager = build_manager(engine, server_args)
     try:

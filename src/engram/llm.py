@@ -31,9 +31,7 @@ class LLM:
             raise ValueError("this checkpoint has no tokenizer: pass {'prompt_token_ids': [...]}")
         return self.engine.tokenizer.encode(prompt, add_special_tokens=False)
 
-    def generate(
-        self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None
-    ) -> list[RequestOutput]:
+    def generate(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the order of the prompts."""
         batch = _as_batch(prompts)
         params = sampling_params or SamplingParams()

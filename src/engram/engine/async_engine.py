@@ -114,9 +114,7 @@ class AsyncEngine:
 
     # -- API (event loop side) -------------------------------------------------------------
 
-    async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, **kwargs: Any
-    ) -> RequestOutputs:
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, **kwargs: Any) -> RequestOutputs:
         """Yield the request's outputs until it finishes. Bad input raises ValueError on the
         first iteration; a consumer that stops early aborts the request."""
         stream = _Stream(asyncio.get_running_loop())
@@ -140,6 +138,7 @@ class AsyncEngine:
 
     async def abort_all(self, prefix: str = "") -> None:
         """Abort every running request (whose id starts with `prefix`)."""
+
         def abort_matching() -> None:
             for request_id in list(self._streams):
                 if request_id.startswith(prefix):

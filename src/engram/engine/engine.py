@@ -50,6 +50,7 @@ logger = logging.getLogger(__name__)
 # (128 MiB at a 128k vocabulary in float32) bound the memory, whatever the prefill chunk.
 PROMPT_LOGITS_ROWS = 256
 
+
 @dataclass
 class EngineStats:
     num_running: int
@@ -140,21 +141,27 @@ class LLMEngine:
         except BaseException:
             self.close()  # the other ranks' processes do not outlive a failed start
             raise
-        self.scheduler = Scheduler(self.state_pool, self.kv_pool, args.max_running_requests, args.max_num_batched_tokens,
-                                   args.enable_mixed_chunk)
+        self.scheduler = Scheduler(self.state_pool, self.kv_pool, args.max_running_requests, args.max_num_batched_tokens, args.enable_mixed_chunk)
         self.copier = HostCopier(self.device)
         self.runner = ModelRunner(
-            self.model, self.state_pool, self.kv_pool, self.device,
-            enable_cuda_graph=args.enable_cuda_graph and self.tp_leader is None, max_context_length=self.max_context_length,
+            self.model,
+            self.state_pool,
+            self.kv_pool,
+            self.device,
+            enable_cuda_graph=args.enable_cuda_graph and self.tp_leader is None,
+            max_context_length=self.max_context_length,
             batch_sink=self.tp_leader.forward if self.tp_leader is not None else None,
         )
         if args.speculative_config is not None and self.spec.gated_deltanet_layers:
             # a verify step keeps every position's state by mixer kind (ops/verify.py): Mamba2's only so far
-            raise SpeculativeConfigError(f"--speculative-config: speculative decoding does not support the gated DeltaNet "
-                                         f"layers of {self.spec.architecture} yet; leave the flag out")
+            raise SpeculativeConfigError(
+                f"--speculative-config: speculative decoding does not support the gated DeltaNet "
+                f"layers of {self.spec.architecture} yet; leave the flag out"
+            )
         self.speculator = (
             Speculator(SpeculativeConfig.parse(args.speculative_config), self.state_pool, self.kv_pool, self.max_context_length)
-            if args.speculative_config is not None else None
+            if args.speculative_config is not None
+            else None
         )
         # a speculative step's drafter reads the tokens of the step before: none may be in flight
         self._overlap = args.enable_overlap_schedule and self.speculator is None
@@ -203,8 +210,10 @@ class LLMEngine:
         """This rank's state and KV pools; under tensor parallelism, rank 0's, leading the others'."""
         args, spec, dtypes = self.args, self.shard_spec, self.state_dtypes
         if self.tp_leader is None:
-            return (StatePool(spec, args.max_running_requests, dtypes, self.device),
-                    KVPool(spec, self.plan.num_kv_blocks, args.kv_block_size, dtypes.kv, self.device))
+            return (
+                StatePool(spec, args.max_running_requests, dtypes, self.device),
+                KVPool(spec, self.plan.num_kv_blocks, args.kv_block_size, dtypes.kv, self.device),
+            )
         leader = self.tp_leader
         own = rank_state(args, self.spec, leader.tp, self.device, self.model)
         leader.start(own, args.max_running_requests, self.plan.num_kv_blocks)
@@ -272,8 +281,9 @@ class LLMEngine:
         restored = kept.state_len if kept is not None else (initial_state.state_len if initial_state is not None else 0)
         self.check_request(prompt, params, restored)
         if (embed or params.prompt_logprobs is not None) and restored:
-            raise ValueError(f"{'an embedding' if embed else 'prompt_logprobs'} needs every prompt token computed: "
-                             f"{restored} of them come from a stored state")
+            raise ValueError(
+                f"{'an embedding' if embed else 'prompt_logprobs'} needs every prompt token computed: {restored} of them come from a stored state"
+            )
         bad_words = bad_words_token_ids(self.tokenizer, params.bad_words) if params.bad_words else []
         if host_base is not None:
             self._check_host_base(host_base, prompt, kept.state_len if kept is not None else None)
@@ -312,9 +322,7 @@ class LLMEngine:
         if len(prompt_token_ids) >= limit:
             raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; the context length is {limit}")
         if params.max_tokens is not None and len(prompt_token_ids) + params.max_tokens > limit:
-            raise ValueError(
-                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context length {limit}"
-            )
+            raise ValueError(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context length {limit}")
 
     @property
     def grammars(self) -> Grammars:
@@ -604,8 +612,15 @@ class LLMEngine:
                 )
             if seq.prompt_recurrent is not None:  # the prompt's KV is still in its pages, unchanged
                 seq.prompt_state = capture_state(
-                    self.state_pool, self.kv_pool, self.copier, seq.slot, seq.blocks, seq.prompt_token_ids, seq.num_prompt_tokens,
-                    seq.host_base, recurrent=seq.prompt_recurrent,
+                    self.state_pool,
+                    self.kv_pool,
+                    self.copier,
+                    seq.slot,
+                    seq.blocks,
+                    seq.prompt_token_ids,
+                    seq.num_prompt_tokens,
+                    seq.host_base,
+                    recurrent=seq.prompt_recurrent,
                 )
             if seq.capture_state or seq.prompt_recurrent is not None:
                 self._counters["captures"] += 1
@@ -677,11 +692,11 @@ class LLMEngine:
             "model": f"{self.model_path} ({self.spec.architecture}, {self.spec.model_type})",
             "dtype": f"{memory_planner.dtype_name(self.dtype)} (conv state {p.conv_state_dtype}, SSM state {p.ssm_state_dtype}, KV {p.kv_cache_dtype})",
             "device": f"{self.device}; kernels {self._kernels.name} (fast ops {'on' if self.args.enable_fast_ops else 'off'}), "
-                      f"CUDA graphs {'on' if self.runner.graphs_on else 'off'}, overlap schedule {'on' if self.args.enable_overlap_schedule else 'off'}",
+            f"CUDA graphs {'on' if self.runner.graphs_on else 'off'}, overlap schedule {'on' if self.args.enable_overlap_schedule else 'off'}",
             "memory": f"weights {fmt(p.weights_bytes)}, state {fmt(p.state_bytes_per_seq)} x {p.max_running_requests} running = "
-                      f"{fmt(p.state_cache_bytes)}, KV {p.max_total_tokens:,} tokens = {fmt(p.kv_cache_bytes)} (budget {fmt(p.budget_bytes)})",
+            f"{fmt(p.state_cache_bytes)}, KV {p.max_total_tokens:,} tokens = {fmt(p.kv_cache_bytes)} (budget {fmt(p.budget_bytes)})",
             "limits": f"context length {self.max_context_length:,}, max running requests {self.args.max_running_requests}, "
-                      f"{self.args.max_num_batched_tokens} tokens per step",
+            f"{self.args.max_num_batched_tokens} tokens per step",
         }
 
     def _compile_work(self) -> int:
@@ -717,8 +732,12 @@ class LLMEngine:
         if self.speculator is None:
             return {}
         st = self.speculator.stats
-        return {"spec_drafts_total": st.drafts, "spec_draft_tokens_total": st.draft_tokens, "spec_accepted_tokens_total": st.accepted_tokens,
-                "spec_accepted_per_position": tuple(st.accepted_per_position)}
+        return {
+            "spec_drafts_total": st.drafts,
+            "spec_draft_tokens_total": st.draft_tokens,
+            "spec_accepted_tokens_total": st.accepted_tokens,
+            "spec_accepted_per_position": tuple(st.accepted_per_position),
+        }
 
     def flush_cache(self) -> bool:
         """Free every retained slot (the ACTIVE tier); refused while requests are running."""

@@ -40,8 +40,9 @@ def tokenizer_info(tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -
     info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
     special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
     vocab = [b"" if i in special else token for i, token in enumerate(info.decoded_vocab)]
-    return xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids),
-                             add_prefix_space=info.add_prefix_space)
+    return xgr.TokenizerInfo(
+        vocab, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids), add_prefix_space=info.add_prefix_space
+    )
 
 
 def choice_grammar(choices: list[str]) -> str:
@@ -57,8 +58,9 @@ class Grammars:
             raise GrammarError("structured outputs need the model's tokenizer; this model folder has none")
         self.vocab_size = vocab_size
         threads = min(8, os.cpu_count() or 1)
-        self._compiler = xgr.GrammarCompiler(tokenizer_info(tokenizer, vocab_size, stop_token_ids), max_threads=threads,
-                                             cache_limit_bytes=CACHE_LIMIT_BYTES)
+        self._compiler = xgr.GrammarCompiler(
+            tokenizer_info(tokenizer, vocab_size, stop_token_ids), max_threads=threads, cache_limit_bytes=CACHE_LIMIT_BYTES
+        )
         self._batch = xgr.BatchGrammarMatcher(threads)
         self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)  # engine thread only; grown as batches need
 

@@ -119,8 +119,11 @@ def _safetensors_numel(files: list[Path], skip: set[str], ignored: tuple[str, ..
     for file in files:
         with file.open("rb") as f:
             header = json.loads(safetensors_header(f))
-        total += sum(math.prod(t["shape"]) for name, t in header.items()
-                     if name != "__metadata__" and name not in skip and not any(re.search(p, name) for p in ignored))
+        total += sum(
+            math.prod(t["shape"])
+            for name, t in header.items()
+            if name != "__metadata__" and name not in skip and not any(re.search(p, name) for p in ignored)
+        )
     return total
 
 
@@ -161,8 +164,7 @@ def weights_bytes_per_rank(total: int, spec: ModelSpec, size: int) -> int:
     if size == 1:
         return total
     whole, share = (
-        sum(p.numel() for p in empty_model(spec, torch.float32, torch.device("meta"), tp).parameters())
-        for tp in (None, TensorParallel(0, size))
+        sum(p.numel() for p in empty_model(spec, torch.float32, torch.device("meta"), tp).parameters()) for tp in (None, TensorParallel(0, size))
     )
     return math.ceil(total * share / whole)
 
@@ -369,9 +371,7 @@ def plan_memory(
     )
 
 
-def plan_for_args(
-    spec: ModelSpec, args: EngineArgs, *, model_dtype: torch.dtype, total_memory_bytes: int, weights_bytes: int
-) -> MemoryPlan:
+def plan_for_args(spec: ModelSpec, args: EngineArgs, *, model_dtype: torch.dtype, total_memory_bytes: int, weights_bytes: int) -> MemoryPlan:
     """`plan_memory` for an engine configuration: the same figures at startup and in `engram plan`."""
     dtypes = state_dtypes(spec, model_dtype, args.mamba_ssm_dtype, args.kv_cache_dtype)
     return plan_memory(

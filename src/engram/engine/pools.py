@@ -61,8 +61,7 @@ class StatePool:
     def __init__(self, spec: ModelSpec, num_slots: int, dtypes: StateDtypes, device: torch.device):
         self.num_slots = num_slots
         self.tensors: dict[str, torch.Tensor] = {
-            name: torch.zeros(num_slots, *shape, dtype=dtype, device=device)
-            for name, (shape, dtype) in recurrent_tensors(spec, dtypes).items()
+            name: torch.zeros(num_slots, *shape, dtype=dtype, device=device) for name, (shape, dtype) in recurrent_tensors(spec, dtypes).items()
         }
         self._free = list(range(num_slots - 1, -1, -1))
         self.pending = PendingCopies()

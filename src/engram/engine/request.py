@@ -35,8 +35,9 @@ class StructuredOutputsParams:
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
         given += ["json_object"] if self.json_object else []
         if len(given) != 1:
-            raise ValueError(f"{self.source}: give exactly one of json, regex, choice, grammar, json_object"
-                             + (f" (got {', '.join(given)})" if given else ""))
+            raise ValueError(
+                f"{self.source}: give exactly one of json, regex, choice, grammar, json_object" + (f" (got {', '.join(given)})" if given else "")
+            )
         if self.choice is not None and not self.choice:
             raise ValueError(f"{self.source}: the list of choices is empty")
 
@@ -178,5 +179,4 @@ class RequestOutput:
 def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
     """One output standing for two consecutive ones of a request: `later`, with both deltas."""
     logprobs = None if earlier.logprobs is None and later.logprobs is None else [*(earlier.logprobs or []), *(later.logprobs or [])]
-    return replace(later, new_token_ids=earlier.new_token_ids + later.new_token_ids, new_text=earlier.new_text + later.new_text,
-                   logprobs=logprobs)
+    return replace(later, new_token_ids=earlier.new_token_ids + later.new_token_ids, new_text=earlier.new_text + later.new_text, logprobs=logprobs)

@@ -32,9 +32,7 @@ def token_mask(token_ids: list[int], size: int, device: torch.device) -> torch.T
     return token_counts(token_ids, size, device) > 0
 
 
-def adjust_logits(
-    logits: torch.Tensor, params: SamplingParams, prompt_mask: torch.Tensor | None, output_counts: torch.Tensor | None
-) -> torch.Tensor:
+def adjust_logits(logits: torch.Tensor, params: SamplingParams, prompt_mask: torch.Tensor | None, output_counts: torch.Tensor | None) -> torch.Tensor:
     """The logit bias, then vLLM's penalties: repetition over prompt and output, frequency and
     presence over the output. `prompt_mask` ([V] bool, `token_mask` of the prompt; None: an empty
     prompt) is made once per request and `output_counts` ([V], `token_counts` of the output so far;
@@ -60,6 +58,7 @@ def adjust_logits(
 def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Temperature, then top-k, min-p and top-p masks (masked entries become -inf), row i of
     `logits` [R, V] with params[i] (sampling rows: temperature > 0)."""
+
     def column(values: list[float]) -> torch.Tensor:
         return torch.tensor(values, dtype=logits.dtype, device=logits.device)[:, None]
 

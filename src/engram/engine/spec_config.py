@@ -39,8 +39,10 @@ class SpeculativeConfig:
         if method not in _METHODS:
             raise SpeculativeConfigError(f"--speculative-config: method must be one of {list(_METHODS)}, got {method!r}")
         if method == "mtp":
-            raise SpeculativeConfigError("--speculative-config: method 'mtp' needs a checkpoint with MTP layers (mtp.* weights); "
-                             "no supported architecture has them yet: use method 'ngram'")
+            raise SpeculativeConfigError(
+                "--speculative-config: method 'mtp' needs a checkpoint with MTP layers (mtp.* weights); "
+                "no supported architecture has them yet: use method 'ngram'"
+            )
         k = _int(raw, "num_speculative_tokens", required=True)
         # As vLLM: one bound given stands for both; neither: 5.
         lookup_max = _int(raw, "prompt_lookup_max") or _int(raw, "prompt_lookup_min") or _DEFAULT_LOOKUP

@@ -162,13 +162,19 @@ def warmup_stages(engine: LLMEngine) -> list[WarmupStage]:
     greedy = SAMPLER_PATHS[0]
     return [
         WarmupStage(f"CUDA graphs ({len(buckets)} buckets)", lambda: _capture_all(engine, buckets)),
-        WarmupStage(f"prefills ({len(plan.prefill_lengths)} lengths, one at a time)",
-                    lambda: [_run(engine, [(_prompt(engine, n), greedy)]) for n in plan.prefill_lengths]),
+        WarmupStage(
+            f"prefills ({len(plan.prefill_lengths)} lengths, one at a time)",
+            lambda: [_run(engine, [(_prompt(engine, n), greedy)]) for n in plan.prefill_lengths],
+        ),
         WarmupStage("prefills and decodes together", lambda: _run(engine, [(_prompt(engine, n), greedy) for n in plan.prefill_lengths])),
-        WarmupStage(f"prefills on a {LONG_CONTEXT_KEYS}-token context ({len(plan.long_context_lengths)} lengths)",
-                    lambda: _prefills_on_context(engine, LONG_CONTEXT_KEYS, plan.long_context_lengths)),
-        WarmupStage(f"prompts completing together ({len(plan.row_counts)} batch sizes)",
-                    lambda: [_run(engine, [(_prompt(engine, 2), greedy)] * rows) for rows in plan.row_counts]),
+        WarmupStage(
+            f"prefills on a {LONG_CONTEXT_KEYS}-token context ({len(plan.long_context_lengths)} lengths)",
+            lambda: _prefills_on_context(engine, LONG_CONTEXT_KEYS, plan.long_context_lengths),
+        ),
+        WarmupStage(
+            f"prompts completing together ({len(plan.row_counts)} batch sizes)",
+            lambda: [_run(engine, [(_prompt(engine, 2), greedy)] * rows) for rows in plan.row_counts],
+        ),
         WarmupStage("sampler paths", lambda: _run(engine, [(_prompt(engine, 5 + i), p) for i, p in enumerate(SAMPLER_PATHS)])),
     ]
 

@@ -73,6 +73,7 @@ class GatedDeltaNet(nn.Module):
         else:
             o = k.gated_delta_varlen(q, key, v, g, beta, batch.seq_lens, state_pool, slots, s.chunk_size, True, None, batch.cu_seqlens)
         # each head's values normalized, then gated (Falcon-H1's norm-before-gate with one head a group)
-        o = k.norm_then_gate(o.to(hidden.dtype).reshape(-1, s.head_v_dim), z.reshape(-1, s.head_v_dim), self.norm.weight, s.norm_eps,
-                             s.head_v_dim, hidden.dtype)
+        o = k.norm_then_gate(
+            o.to(hidden.dtype).reshape(-1, s.head_v_dim), z.reshape(-1, s.head_v_dim), self.norm.weight, s.norm_eps, s.head_v_dim, hidden.dtype
+        )
         return self.out_proj(o.reshape(-1, s.value_dim))

@@ -94,18 +94,44 @@ class Mamba2Mixer(nn.Module):
         B, C = B.reshape(-1, groups, n), C.reshape(-1, groups, n)
         if batch.is_decode and s.gate_norm == GateNorm.AFTER_GATE:
             out = k.ssd_state_update_norm_linear(
-                ssm_pool, slots, x, dt, self.dt_bias, s.time_step_limit, self.A_log, B, C, self.D, gate, self.norm.weight,
-                s.norm_eps, s.intermediate_size // groups, self.out_proj.weight, self.out_proj.bias,
+                ssm_pool,
+                slots,
+                x,
+                dt,
+                self.dt_bias,
+                s.time_step_limit,
+                self.A_log,
+                B,
+                C,
+                self.D,
+                gate,
+                self.norm.weight,
+                s.norm_eps,
+                s.intermediate_size // groups,
+                self.out_proj.weight,
+                self.out_proj.bias,
             )
             return out if self.tp is None else self.tp.all_reduce(out)
         if batch.is_decode:
             y = k.ssd_state_update(ssm_pool, slots, x, dt, self.dt_bias, s.time_step_limit, self.A_log, B, C, self.D)
         elif batch.verify is not None:
-            y = k.ssd_verify(x, dt, self.dt_bias, s.time_step_limit, self.A_log, B, C, self.D, batch.seq_lens, ssm_pool, slots,
-                             batch.verify.ssm[self.layer_index])
+            y = k.ssd_verify(
+                x, dt, self.dt_bias, s.time_step_limit, self.A_log, B, C, self.D, batch.seq_lens, ssm_pool, slots, batch.verify.ssm[self.layer_index]
+            )
         else:
             y = k.ssd_varlen(
-                x, dt, self.dt_bias, s.time_step_limit, self.A_log, B, C, self.D, s.chunk_size, batch.seq_lens, ssm_pool, slots,
+                x,
+                dt,
+                self.dt_bias,
+                s.time_step_limit,
+                self.A_log,
+                B,
+                C,
+                self.D,
+                s.chunk_size,
+                batch.seq_lens,
+                ssm_pool,
+                slots,
                 batch.cu_seqlens,
             )
         out = self.out_proj(self._gate(y.reshape(-1, s.intermediate_size), gate, hidden.dtype))

@@ -20,9 +20,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return kernels().rms_norm(x, self.scale(), self.eps, self.weight_in_fp32)
 
-    def add_and_norm(
-        self, x: torch.Tensor, residual: torch.Tensor | None, residual_scale: float = 1.0
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor | None, residual_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual connection before this norm, fused with it: (norm(stream), stream) for
         stream = residual + x * residual_scale. With no residual yet, x itself starts the stream."""
         if residual is None:

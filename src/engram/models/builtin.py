@@ -30,8 +30,7 @@ def resolve_model(model_path: str | None) -> ResolvedModel:
     if name == "demo":
         if not (DEMO_MODEL_DIR / "model.safetensors").is_file():
             raise ConfigError(
-                f"the demo model's weights are not in {DEMO_MODEL_DIR}: write them with "
-                f"`python scripts/train_demo_model.py --out {DEMO_MODEL_DIR}`"
+                f"the demo model's weights are not in {DEMO_MODEL_DIR}: write them with `python scripts/train_demo_model.py --out {DEMO_MODEL_DIR}`"
             )
         return ResolvedModel(str(DEMO_MODEL_DIR), DEMO_MODEL_NAME)
     return ResolvedModel(name, None)

@@ -30,20 +30,19 @@ TOOLS_SECTION = (
     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
     "{% for tool in tools %}{{ '\n' }}{{ tool | tojson }}{% endfor %}{{ '\n' }}</tools>\n\n"
     "For each function call, return a json object with function name and arguments within <tool_call></tool_call> "
-    "XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|end|>"
+    'XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|end|>'
     "{% endif %}"
 )
 TOOL_CALLS = (
     "{% for call in m['tool_calls'] or [] %}"
     "{% set f = call['function'] if call['function'] is defined else call %}"
     "{% if not loop.first or m['content'] %}{{ '\n' }}{% endif %}"
-    "<tool_call>\n{\"name\": {{ f['name'] | tojson }}, \"arguments\": "
+    '<tool_call>\n{"name": {{ f[\'name\'] | tojson }}, "arguments": '
     "{% if f['arguments'] is string %}{{ f['arguments'] }}{% else %}{{ f['arguments'] | tojson }}{% endif %}}\n</tool_call>"
     "{% endfor %}"
 )
 CHAT_TEMPLATE = (
-    TOOLS_SECTION
-    + "{% for m in messages %}"
+    TOOLS_SECTION + "{% for m in messages %}"
     "{% if m['role'] not in ['system', 'user', 'assistant', 'tool'] %}"
     "{{ raise_exception('unknown chat role: ' ~ m['role']) }}"
     "{% endif %}"
@@ -51,9 +50,7 @@ CHAT_TEMPLATE = (
     "<|{{ m['role'] }}|>"
     "{% if m['content'] is string %}{{ m['content'] }}"
     "{% elif m['content'] %}{% for part in m['content'] %}{{ part['text'] }}{% endfor %}"
-    "{% endif %}"
-    + TOOL_CALLS
-    + "<|end|>"
+    "{% endif %}" + TOOL_CALLS + "<|end|>"
     "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"

@@ -87,9 +87,16 @@ def hybrid_config(tokenizer: PreTrainedTokenizerFast, **fields: Any) -> GraniteM
     with a 4-wide conv; `fields` for the rest."""
     from transformers import GraniteMoeHybridConfig
 
-    defaults: dict[str, Any] = dict(vocab_size=-(-len(tokenizer) // 8) * 8, tie_word_embeddings=True, mamba_n_groups=1, mamba_d_conv=4,
-                                    mamba_expand=2, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-                                    eos_token_id=tokenizer.eos_token_id)
+    defaults: dict[str, Any] = dict(
+        vocab_size=-(-len(tokenizer) // 8) * 8,
+        tie_word_embeddings=True,
+        mamba_n_groups=1,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     return GraniteMoeHybridConfig(**{**defaults, **fields})
 
 

@@ -65,6 +65,8 @@ class GateNorm(str, Enum):
     AFTER_GATE = "after_gate"  # rms_norm(y * silu(z)): Mamba2, Granite, Bamba, Nemotron-H
     BEFORE_GATE = "before_gate"  # rms_norm(y) * silu(z): Falcon-H1 with mamba_norm_before_gate
     NONE = "none"  # y * silu(z), no norm: Falcon-H1 without mamba_rms_norm
+
+
 def _conv_and_scan(conv_kernel: int, conv_dim: int, scan: str, scan_shape: tuple[int, ...]) -> tuple[StateTensor, ...]:
     """What Mamba2 and gated DeltaNet keep: a causal conv's last `conv_kernel - 1` inputs and a scan's state."""
     return (
@@ -308,10 +310,7 @@ def _mamba2_head_dim(cfg: dict, arch: str, heads_field: str, head_dim_field: str
 def _check_mamba_width(spec: MambaSpec, cfg: dict, arch: str, expand_field: str) -> None:
     expand = cfg.get(expand_field)
     if expand is not None and int(expand * cfg["hidden_size"]) != spec.intermediate_size:
-        raise ConfigError(
-            f"{arch}: {expand_field} * hidden_size ({int(expand * cfg['hidden_size'])}) != "
-            f"heads * head_dim ({spec.intermediate_size})"
-        )
+        raise ConfigError(f"{arch}: {expand_field} * hidden_size ({int(expand * cfg['hidden_size'])}) != heads * head_dim ({spec.intermediate_size})")
     _check_mamba_groups(spec, arch)
 
 
@@ -491,7 +490,9 @@ def _parse_qwen_gdn(cfg: dict, arch: str) -> tuple[Layers, GatedDeltaNetSpec | N
         head_dim = _positive_int(cfg, "head_dim", arch)
         rotary_dim, theta = _rope(cfg, head_dim, float(cfg.get("partial_rotary_factor", 0.25)))
         attention = replace(
-            _attention(cfg, arch, None, rotary_dim, theta, head_dim, bool(cfg.get("attention_bias", False))), output_gate=True, qk_norm=True,
+            _attention(cfg, arch, None, rotary_dim, theta, head_dim, bool(cfg.get("attention_bias", False))),
+            output_gate=True,
+            qk_norm=True,
             norm_eps=eps,
         )
     return _one_mixer_each(kinds), gdn, attention

@@ -12,9 +12,7 @@ import torch
 import torch.nn.functional as F
 
 
-def causal_conv1d(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence. Returns (silu(conv(x)) [L, C], new conv state [K-1, C])."""
     window = torch.cat([conv_state.to(x.dtype), x], dim=0)  # [K-1+L, C]
     y = F.conv1d(window.t()[None], weight[:, None, :], bias, groups=weight.shape[0])[0].t()

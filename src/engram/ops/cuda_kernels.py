@@ -88,8 +88,15 @@ def ssd_varlen_fla(x, dt, dt_bias, dt_limit, A_log, B, C, D, chunk_size, seq_len
     cu, cu_cpu = _fla_cu_seqlens(seq_lens, cu_seqlens, x.device)
     initial = ssm_pool[slots].to(torch.float32).transpose(-1, -2).contiguous()  # [S, H, N, P]
     o, final = _chunk_simple_gla(
-        q[None], k[None], v[None], g=g[None], scale=1.0, initial_state=initial, output_final_state=True,
-        cu_seqlens=cu, cu_seqlens_cpu=cu_cpu,
+        q[None],
+        k[None],
+        v[None],
+        g=g[None],
+        scale=1.0,
+        initial_state=initial,
+        output_final_state=True,
+        cu_seqlens=cu,
+        cu_seqlens_cpu=cu_cpu,
     )
     ssm_pool[slots] = final.transpose(-1, -2).to(ssm_pool.dtype)
     return o[0].float() + x.float() * D.float()[:, None]
@@ -112,9 +119,17 @@ def gated_delta_varlen(q, k, v, g, beta, seq_lens, state_pool, slots, chunk_size
         cu_seqlens = common.cu_seqlens_of(seq_lens, q.device)
     cu_cpu = torch.tensor([0, *torch.tensor(seq_lens).cumsum(0).tolist()], dtype=torch.int64)
     o, final = _chunk_gdr(
-        q[None], k[None], v[None].to(q.dtype), g=g[None].float(), beta=beta[None].to(q.dtype), scale=scale,
-        initial_state=state_pool[slots].float(), output_final_state=True, use_qk_l2norm_in_kernel=l2_norm_qk,
-        cu_seqlens=cu_seqlens.to(torch.int64), cu_seqlens_cpu=cu_cpu,
+        q[None],
+        k[None],
+        v[None].to(q.dtype),
+        g=g[None].float(),
+        beta=beta[None].to(q.dtype),
+        scale=scale,
+        initial_state=state_pool[slots].float(),
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=l2_norm_qk,
+        cu_seqlens=cu_seqlens.to(torch.int64),
+        cu_seqlens_cpu=cu_cpu,
     )
     state_pool[slots] = final.to(state_pool.dtype)
     return o[0].float()

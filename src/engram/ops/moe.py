@@ -22,8 +22,14 @@ def route_softmax_all_topk(router_logits: torch.Tensor, top_k: int, renormalize:
 
 
 def softmax_topk_experts(
-    x: torch.Tensor, router_logits: torch.Tensor, top_k: int, w_in: torch.Tensor, w_out: torch.Tensor,
-    act: Callable[[torch.Tensor], torch.Tensor], gated: bool, shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+    x: torch.Tensor,
+    router_logits: torch.Tensor,
+    top_k: int,
+    w_in: torch.Tensor,
+    w_out: torch.Tensor,
+    act: Callable[[torch.Tensor], torch.Tensor],
+    gated: bool,
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Granite's routing (`route_softmax_topk`) and `moe_experts` as one op, so that a fast path can
     route and sort the routed pairs in one launch."""
@@ -59,9 +65,7 @@ def relu2(x: torch.Tensor) -> torch.Tensor:
     return F.relu(x).square()
 
 
-def expert_mlp(
-    x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor], gated: bool
-) -> torch.Tensor:
+def expert_mlp(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor], gated: bool) -> torch.Tensor:
     """One expert: w_out act(w_in x), or w_out (act(gate) * up) with [gate | up] = w_in x."""
     h = F.linear(x, w_in)
     if gated:

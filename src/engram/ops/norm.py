@@ -54,9 +54,7 @@ def gated_rms_norm(
     return out if out_dtype is None else out.to(out_dtype)
 
 
-def norm_then_gate(
-    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int, out_dtype: torch.dtype
-) -> torch.Tensor:
+def norm_then_gate(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int, out_dtype: torch.dtype) -> torch.Tensor:
     """Falcon-H1's output norm with norm_before_gate: weight * RMS-normalized x (within groups of
     `group_size` channels), times silu(gate), in float32, cast to `out_dtype`."""
     h = x.float()

@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 
 
-def argmax(logits: torch.Tensor, out: torch.Tensor | None = None, host_out: torch.Tensor | None = None, turn: torch.Tensor | None = None) -> torch.Tensor:
+def argmax(
+    logits: torch.Tensor, out: torch.Tensor | None = None, host_out: torch.Tensor | None = None, turn: torch.Tensor | None = None
+) -> torch.Tensor:
     """Each row's index of its largest logit, [R] int64 (the first among equal ones). With
     `host_out` (int64 [2, >= R], in host memory) and a decode graph's `turn` (ops/staging.py), the
     ids also go to host_out[turn[1]]."""

@@ -121,9 +121,7 @@ def ssd_sequential(
     return torch.stack(ys), state[0]
 
 
-def discretize(
-    dt: torch.Tensor, dt_bias: torch.Tensor, dt_limit: tuple[float, float], A_log: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+def discretize(dt: torch.Tensor, dt_bias: torch.Tensor, dt_limit: tuple[float, float], A_log: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Raw dt [T, H] (from the input projection) -> (softplus(dt + bias) clamped, A = -exp(A_log)), float32."""
     dt = F.softplus(dt.float() + dt_bias.float()).clamp(*dt_limit)
     return dt, -torch.exp(A_log.float())
@@ -150,9 +148,21 @@ def ssd_state_update(
 
 
 def ssd_state_update_norm_linear(
-    ssm_pool: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, dt_bias: torch.Tensor,
-    dt_limit: tuple[float, float], A_log: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor,
-    gate: torch.Tensor, norm_weight: torch.Tensor, eps: float, group_size: int, weight: torch.Tensor,
+    ssm_pool: torch.Tensor,
+    slots: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    dt_bias: torch.Tensor,
+    dt_limit: tuple[float, float],
+    A_log: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    gate: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    group_size: int,
+    weight: torch.Tensor,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Mamba2's decode output as one op: the state update, the gated RMS norm of y with gate [S, H * P]

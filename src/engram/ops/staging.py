@@ -19,7 +19,9 @@ HEADER_WORDS = 2
 TOKEN_ROW = 5
 
 
-def take_decode_inputs(staged: torch.Tensor, inputs: torch.Tensor, turn: torch.Tensor, sampled: torch.Tensor, input_ids: torch.Tensor, columns: int) -> None:
+def take_decode_inputs(
+    staged: torch.Tensor, inputs: torch.Tensor, turn: torch.Tensor, sampled: torch.Tensor, input_ids: torch.Tensor, columns: int
+) -> None:
     """A replay's first op: the words of staged[turn[0] % 2] (int32 [2, HEADER_WORDS + W], W even)
     into inputs[:n] (the words after n are left unspecified), and each of the b = len(input_ids)
     rows' token into input_ids, from `sampled` or as sent; turn[0] goes up by one, turn[1] is this

@@ -34,8 +34,13 @@ def padded_rows(seq_lens: list[int], device: torch.device) -> tuple[torch.Tensor
 
 
 def causal_conv1d_verify(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_pool: torch.Tensor, slots: torch.Tensor,
-    seq_lens: list[int], windows: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_pool: torch.Tensor,
+    slots: torch.Tensor,
+    seq_lens: list[int],
+    windows: torch.Tensor,
 ) -> torch.Tensor:
     """Flat batch x [T, C] split by seq_lens; conv_pool[slots] read, not written. Fills windows
     [S, K-1 + L, C] and returns silu(conv(x)) [T, C], position by position as a decode step does."""
@@ -48,8 +53,17 @@ def causal_conv1d_verify(
 
 
 def ssd_verify(
-    x: torch.Tensor, dt: torch.Tensor, dt_bias: torch.Tensor, dt_limit: tuple[float, float], A_log: torch.Tensor,
-    B: torch.Tensor, C: torch.Tensor, D: torch.Tensor, seq_lens: list[int], ssm_pool: torch.Tensor, slots: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    dt_bias: torch.Tensor,
+    dt_limit: tuple[float, float],
+    A_log: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    seq_lens: list[int],
+    ssm_pool: torch.Tensor,
+    slots: torch.Tensor,
     states: torch.Tensor,
 ) -> torch.Tensor:
     """Flat batch (x [T, H, P], raw dt [T, H]) from ssm_pool[slots], which is read, not written.
@@ -69,8 +83,13 @@ def ssd_verify(
 
 
 def commit_verified(
-    conv_pool: torch.Tensor, ssm_pool: torch.Tensor, slots: torch.Tensor, windows: torch.Tensor, states: torch.Tensor,
-    rows: torch.Tensor, fed: torch.Tensor,
+    conv_pool: torch.Tensor,
+    ssm_pool: torch.Tensor,
+    slots: torch.Tensor,
+    windows: torch.Tensor,
+    states: torch.Tensor,
+    rows: torch.Tensor,
+    fed: torch.Tensor,
 ) -> None:
     """For each i: the state after fed[i] >= 1 tokens of verify row rows[i] into pool slot slots[i]."""
     k1 = conv_pool.shape[1]

@@ -75,7 +75,14 @@ def create_app(engine: AsyncEngine, args: ServerArgs) -> FastAPI:
     app.state.serving = Serving(engine, args.served_model_name or engine.engine.model_path.name, turns, replies)
     app.state.server_args = args
     install_error_handlers(app)
-    for router in (openai_routes.router, embedding_routes.router, native_routes.router, snapshot_routes.router, transfer_routes.router, *admin_routers):
+    for router in (
+        openai_routes.router,
+        embedding_routes.router,
+        native_routes.router,
+        snapshot_routes.router,
+        transfer_routes.router,
+        *admin_routers,
+    ):
         app.include_router(router)
     app.add_middleware(BodyLimitMiddleware, max_bytes=args.max_request_bytes, larger={IMPORT_PATH: args.max_import_bytes})
     app.add_middleware(AuthMiddleware, keys=keys)  # outermost: first

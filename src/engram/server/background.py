@@ -1,7 +1,7 @@
 """A uvicorn server on a background thread, for tests, notebooks and benchmarks.
 
-    with BackgroundServer(app) as server:
-        httpx.get(server.url + "/health")
+with BackgroundServer(app) as server:
+    httpx.get(server.url + "/health")
 """
 
 from __future__ import annotations

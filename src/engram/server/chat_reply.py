@@ -77,12 +77,12 @@ class ReplyReader:
         reasoning, content = self.fmt.reasoning.split(text, final) if self.fmt.reasoning is not None else ("", text)
         delta = ReplyDelta()
         if reasoning.startswith(self.reasoning):
-            delta.reasoning, self.reasoning = reasoning[len(self.reasoning):], reasoning
+            delta.reasoning, self.reasoning = reasoning[len(self.reasoning) :], reasoning
         if self.tools is not None:
             tools = self.tools.feed(content, final)
             delta.content, delta.calls = tools.content, tools.calls
         elif content.startswith(self.content):
-            delta.content = content[len(self.content):]
+            delta.content = content[len(self.content) :]
         self.content += delta.content
         return delta
 
@@ -110,8 +110,9 @@ class ReplyParsers:
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"--reasoning-parser: {self.reasoning_parser!r} is not one of {', '.join(REASONING_PARSERS)}")
 
-    def format(self, tools: list[ToolDefinition], tool_choice: ToolChoice, template_kwargs: dict[str, Any],
-               parallel_tool_calls: bool = True) -> ReplyFormat:
+    def format(
+        self, tools: list[ToolDefinition], tool_choice: ToolChoice, template_kwargs: dict[str, Any], parallel_tool_calls: bool = True
+    ) -> ReplyFormat:
         """The reply format of a request. A forced choice's reply is all call (no reasoning to split off)."""
         definitions = [t.model_dump() for t in tools]
         if isinstance(tool_choice, NamedToolChoice):
@@ -122,6 +123,7 @@ class ReplyParsers:
         if tool_choice == "none":
             return ReplyFormat(reasoning=reasoning)
         if not self.enable_auto_tool_choice or self.tool_call_parser is None:
-            raise APIError(400, '"auto" tool choice needs a server started with --enable-auto-tool-choice and --tool-call-parser',
-                           param="tool_choice")
+            raise APIError(
+                400, '"auto" tool choice needs a server started with --enable-auto-tool-choice and --tool-call-parser', param="tool_choice"
+            )
         return ReplyFormat(reasoning, TOOL_PARSERS[self.tool_call_parser](definitions), None if parallel_tool_calls else 1)

@@ -62,8 +62,10 @@ def build_manager(engine: LLMEngine, args: ServerArgs) -> ConversationManager:
     if args.snapshot_store is not None and not args.enable_snapshot_persistence:
         raise StoreConfigError(f"--snapshot-store {args.snapshot_store}: snapshot persistence is off (--no-enable-snapshot-persistence)")
     if store_url is not None and args.snapshot_durability != "sync":
-        raise StoreConfigError(f"--snapshot-store {store_url}: replicas sharing a store need --snapshot-durability sync "
-                               "(a turn answered before its record is written could be refused by another replica's)")
+        raise StoreConfigError(
+            f"--snapshot-store {store_url}: replicas sharing a store need --snapshot-durability sync "
+            "(a turn answered before its record is written could be refused by another replica's)"
+        )
     if args.enable_snapshot_persistence:
         root = Path(args.snapshot_dir) if args.snapshot_dir else default_cache_dir() / "snapshots"
         if args.snapshot_store is not None and store_url is None:
@@ -105,8 +107,12 @@ def new_messages(history: list[dict], messages: list[dict]) -> list[dict]:
     if same == len(history) < len(messages):
         return messages[same:]
     how = "and add nothing" if same == len(messages) else f"but message {same} differs from it"
-    raise APIError(400, f"the messages repeat the first {same} of the conversation's {len(history)} stored messages {how}: "
-                        "send only the new messages, or the whole stored history followed by them", param="messages")
+    raise APIError(
+        400,
+        f"the messages repeat the first {same} of the conversation's {len(history)} stored messages {how}: "
+        "send only the new messages, or the whole stored history followed by them",
+        param="messages",
+    )
 
 
 async def run_maintenance(manager: ConversationManager, engine: AsyncEngine, period: float = MAINTENANCE_PERIOD_S) -> None:
@@ -143,11 +149,15 @@ class ConversationTurns:
         conversation it reserved is released then."""
         branch = branch if branch is not None else "main"
         if from_conversation is not None and not self.cross_session_refs:
-            raise APIError(400, "from_conversation needs a server started with --enable-cross-session-refs",
-                           param="from_conversation", code="cross_session_refs_disabled")
-        work = asyncio.ensure_future(asyncio.to_thread(
-            self.manager.begin, conversation_id, branch, from_turn, tenant, idempotency_key, expected_turn, from_conversation
-        ))
+            raise APIError(
+                400,
+                "from_conversation needs a server started with --enable-cross-session-refs",
+                param="from_conversation",
+                code="cross_session_refs_disabled",
+            )
+        work = asyncio.ensure_future(
+            asyncio.to_thread(self.manager.begin, conversation_id, branch, from_turn, tenant, idempotency_key, expected_turn, from_conversation)
+        )
         try:
             return await asyncio.shield(work)
         except asyncio.CancelledError:
@@ -167,14 +177,25 @@ class ConversationTurns:
         parent = conv.turns[turn.parent] if turn.parent is not None else None
         sent = turn.new_messages[:-1] if answer.completion_tokens else turn.new_messages
         if messages not in (sent, conv.messages(parent) + sent):
-            raise APIError(422, f"this Idempotency-Key made turn {turn.turn} of conversation {conversation_id!r} "
-                                "with other messages", param="Idempotency-Key", code="idempotency_key_reused")
+            raise APIError(
+                422,
+                f"this Idempotency-Key made turn {turn.turn} of conversation {conversation_id!r} with other messages",
+                param="Idempotency-Key",
+                code="idempotency_key_reused",
+            )
         tokens = conv.tokens(turn)
         prompt, reply = tokens[: len(tokens) - answer.completion_tokens], tokens[len(tokens) - answer.completion_tokens :]
         text = (answer.text if answer.text is not None else turn.new_messages[-1]["content"]) if answer.completion_tokens else ""
         return RequestOutput(
-            request_id="", prompt_token_ids=prompt, token_ids=reply, text=text, new_token_ids=reply, new_text=text,
-            finished=True, finish_reason=FinishReason(answer.finish_reason), stop_reason=answer.stop_reason,
+            request_id="",
+            prompt_token_ids=prompt,
+            token_ids=reply,
+            text=text,
+            new_token_ids=reply,
+            new_text=text,
+            finished=True,
+            finish_reason=FinishReason(answer.finish_reason),
+            stop_reason=answer.stop_reason,
             num_cached_tokens=answer.cached_tokens,
         )
 
@@ -182,8 +203,13 @@ class ConversationTurns:
         """How the engine should start the turn: the state to restore (or the slot to adopt: the
         engine refuses with SlotNotRetainedError if it is gone, see `start`), and to capture the
         final state (and keep its slot, when the memory tiers are on)."""
-        kwargs: dict[str, Any] = {"initial_state": plan.state, "capture_state": True, "resume_key": plan.resume_key,
-                                  "require_adoption": plan.resume_key is not None and plan.state is None, "host_base": plan.host_base}
+        kwargs: dict[str, Any] = {
+            "initial_state": plan.state,
+            "capture_state": True,
+            "resume_key": plan.resume_key,
+            "require_adoption": plan.resume_key is not None and plan.state is None,
+            "host_base": plan.host_base,
+        }
         if self.manager.tiers.enabled:
             kwargs["retain_key"] = retain_key(plan.conversation_id, plan.ref)
         return kwargs
@@ -214,15 +240,16 @@ class ConversationTurns:
             delta = self._delta(plan.history_messages, new_messages, plan, generate, options)
         return plan.history_tokens + encode(self.tokenizer, delta, add_special_tokens=False)
 
-    def _delta(self, history: list[dict], new_messages: list[dict], plan: TurnPlan, generate: bool,
-               options: dict[str, Any] | None = None) -> str:
+    def _delta(self, history: list[dict], new_messages: list[dict], plan: TurnPlan, generate: bool, options: dict[str, Any] | None = None) -> str:
         """What the history's rendering lacks of the conversation's: the last reply's closing the
         model did not generate (if the history ends with a reply), then the new messages and the
         generation prompt."""
         before = self._render(history, False, options)
         after = self._render(history + new_messages, generate, options)
         if not after.startswith(before):
-            raise APIError(422, "the chat template does not render this conversation incrementally; send the whole conversation without conversation_id")
+            raise APIError(
+                422, "the chat template does not render this conversation incrementally; send the whole conversation without conversation_id"
+            )
         closing = self._unclosed_reply(history, plan.history_tokens, options) if plan.history_ends_with_reply else ""
         return closing + after[len(before) :]
 
@@ -268,7 +295,12 @@ class ConversationTurns:
         return closing[len(fed) :] if closing.startswith(fed) else closing
 
     async def record(
-        self, rid: str, plan: TurnPlan, new_messages: list[dict], outputs: RequestOutputs, reply: ReplyFormat | None = None,
+        self,
+        rid: str,
+        plan: TurnPlan,
+        new_messages: list[dict],
+        outputs: RequestOutputs,
+        reply: ReplyFormat | None = None,
     ) -> RequestOutputs:
         """Pass the outputs through, recording the turn before its final output goes on: a client
         that has read the end of a reply holds a recorded turn (on disk, with sync durability), and
@@ -302,12 +334,20 @@ class ConversationTurns:
         messages = new_messages + ([reply.message()] if reply is not None else [])
         parsed = reply is not None and reply.content != out.text
         reason = out.finish_reason.value if out.finish_reason is not None else None
-        answer = TurnAnswer(plan.idempotency_key, reason, out.stop_reason, len(out.token_ids), out.num_cached_tokens,
-                            out.text if parsed else None)
-        work = asyncio.ensure_future(asyncio.to_thread(
-            self.manager.finish, plan, out.prompt_token_ids, out.token_ids, messages, out.state,
-            reply is not None and bool(reply.calls), answer, out.retained,
-        ))
+        answer = TurnAnswer(plan.idempotency_key, reason, out.stop_reason, len(out.token_ids), out.num_cached_tokens, out.text if parsed else None)
+        work = asyncio.ensure_future(
+            asyncio.to_thread(
+                self.manager.finish,
+                plan,
+                out.prompt_token_ids,
+                out.token_ids,
+                messages,
+                out.state,
+                reply is not None and bool(reply.calls),
+                answer,
+                out.retained,
+            )
+        )
         try:
             return await asyncio.shield(work)
         except asyncio.CancelledError:

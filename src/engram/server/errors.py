@@ -45,9 +45,7 @@ SNAPSHOT_TAG = "snapshots"  # routes with this tag answer invalid bodies with 42
 
 
 class APIError(Exception):
-    def __init__(
-        self, status: int, message: str, *, param: str | None = None, code: str | None = None, extra: dict | None = None
-    ) -> None:
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None, extra: dict | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message

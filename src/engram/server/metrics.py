@@ -18,8 +18,7 @@ from engram.state.conversations import ConversationManager
 from engram.state.store import Histogram as StoreHistogram
 
 log = logging.getLogger("engram.server.requests")
-_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
-                    0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 
 
 class _EngineCollector(Collector):
@@ -52,19 +51,26 @@ class _EngineCollector(Collector):
         yield counter("generation_tokens", "tokens generated", s.generation_tokens_total)
         yield counter("prefill_tokens_computed", "prompt tokens computed (not restored from state)", s.prefill_tokens_computed_total)
         yield counter("cached_tokens", "prompt tokens restored from state instead of computed", s.cached_tokens_total)
-        by_source = CounterMetricFamily("engram:prompt_tokens_by_source", "prompt tokens received, restored from state or computed",
-                                        labels=["model_name", "source"])
+        by_source = CounterMetricFamily(
+            "engram:prompt_tokens_by_source", "prompt tokens received, restored from state or computed", labels=["model_name", "source"]
+        )
         by_source.add_metric([self.model_name, "restored"], s.cached_tokens_total)
         by_source.add_metric([self.model_name, "computed"], s.prompt_tokens_total - s.cached_tokens_total)
         yield by_source
         yield counter("captures", "states captured at a request's end (a turn's final state, a prompt's state)", s.captures_total)
-        yield counter("capture_bytes", "bytes those captures copied device to host: the KV the host lacked and the recurrent state "
-                      "(per turn: the ratio of the two)", s.capture_bytes_total)
+        yield counter(
+            "capture_bytes",
+            "bytes those captures copied device to host: the KV the host lacked and the recurrent state (per turn: the ratio of the two)",
+            s.capture_bytes_total,
+        )
         yield counter("num_preemptions", "running requests preempted (their state dropped, recomputed later)", s.num_preemptions)
         yield counter("graph_captures", "CUDA graphs captured", s.graph_captures)
         yield counter("kernel_compilations", "Triton kernels compiled", s.kernel_compilations)
-        yield counter("compilations_after_ready", "graph captures and kernel compilations after warm-up (on a request's path; should stay 0)",
-                      s.compilations_after_ready)
+        yield counter(
+            "compilations_after_ready",
+            "graph captures and kernel compilations after warm-up (on a request's path; should stay 0)",
+            s.compilations_after_ready,
+        )
         yield gauge("prefill_throughput", "prefill tokens/s since the previous scrape", (s.prefill_tokens_computed_total - prefill_then) / elapsed)
         yield gauge("gen_throughput", "generated tokens/s since the previous scrape", (s.generation_tokens_total - gen_then) / elapsed)
         yield gauge("state_slots_used", "recurrent-state slots in use", s.state_slots_used)
@@ -77,8 +83,9 @@ class _EngineCollector(Collector):
             yield counter("spec_decode_num_drafts", "verify rows with a draft", s.spec_drafts_total)
             yield counter("spec_decode_num_draft_tokens", "speculative tokens proposed and verified", s.spec_draft_tokens_total)
             yield counter("spec_decode_num_accepted_tokens", "speculative tokens kept", s.spec_accepted_tokens_total)
-            per_pos = CounterMetricFamily("engram:spec_decode_num_accepted_tokens_per_pos",
-                                          "drafts whose token at this position was kept", labels=["model_name", "position"])
+            per_pos = CounterMetricFamily(
+                "engram:spec_decode_num_accepted_tokens_per_pos", "drafts whose token at this position was kept", labels=["model_name", "position"]
+            )
             for position, accepted in enumerate(s.spec_accepted_per_position):
                 per_pos.add_metric([self.model_name, str(position)], accepted)
             yield per_pos
@@ -114,8 +121,9 @@ class _StateCollector(Collector):
         for move, n in {**st["promotions"], **st["demotions"]}.items():
             moves.add_metric([m, move], n)
         yield moves
-        restore = HistogramMetricFamily("engram:state_restore_seconds", "time to bring a state into the engine, per tier",
-                                        labels=["model_name", "tier"])
+        restore = HistogramMetricFamily(
+            "engram:state_restore_seconds", "time to bring a state into the engine, per tier", labels=["model_name", "tier"]
+        )
         for tier, h in stats.restore_seconds.items():
             restore.add_metric([m, tier], _buckets(h), h.total)
         yield restore
@@ -126,12 +134,14 @@ class _StateCollector(Collector):
         failures.add_metric([m], st["snapshot_write_failures"])
         yield failures
         if st["store"] is not None:
-            written = CounterMetricFamily("engram:snapshot_bytes_written", "bytes of store files written (KV pieces, checkpoints)",
-                                          labels=["model_name"])
+            written = CounterMetricFamily(
+                "engram:snapshot_bytes_written", "bytes of store files written (KV pieces, checkpoints)", labels=["model_name"]
+            )
             written.add_metric([m], st["store"]["bytes_written"])
             yield written
-            reused = CounterMetricFamily("engram:snapshot_files_reused", "store files a save found stored already (shared prefixes)",
-                                         labels=["model_name"])
+            reused = CounterMetricFamily(
+                "engram:snapshot_files_reused", "store files a save found stored already (shared prefixes)", labels=["model_name"]
+            )
             reused.add_metric([m], st["store"]["files_reused"])
             yield reused
         if st["prefix_cache"] is not None:
@@ -139,8 +149,9 @@ class _StateCollector(Collector):
             lookups.add_metric([m, "hit"], st["prefix_cache"]["hits"])
             lookups.add_metric([m, "miss"], st["prefix_cache"]["lookups"] - st["prefix_cache"]["hits"])
             yield lookups
-            disk_hits = CounterMetricFamily("engram:prefix_cache_disk_hits", "prefix cache hits whose state was read from the disk tier",
-                                            labels=["model_name"])
+            disk_hits = CounterMetricFamily(
+                "engram:prefix_cache_disk_hits", "prefix cache hits whose state was read from the disk tier", labels=["model_name"]
+            )
             disk_hits.add_metric([m], st["prefix_cache"]["disk_hits"])
             yield disk_hits
             held = GaugeMetricFamily("engram:prefix_cache_bytes", "bytes of states in the prefix cache", labels=["model_name"])
@@ -211,6 +222,14 @@ class RequestTimer:
 
     def _log(self, out: RequestOutput, e2e: float) -> None:
         ttft = f"{self._ttft * 1e3:.1f}" if self._ttft is not None else "-"
-        log.info("request %s conversation=%s prompt=%d cached=%d generated=%d ttft_ms=%s e2e_ms=%.1f finish=%s",
-                 out.request_id, self.conversation_id or "-", len(out.prompt_token_ids), out.num_cached_tokens,
-                 len(out.token_ids), ttft, e2e * 1e3, out.finish_reason.value if out.finish_reason else "-")
+        log.info(
+            "request %s conversation=%s prompt=%d cached=%d generated=%d ttft_ms=%s e2e_ms=%.1f finish=%s",
+            out.request_id,
+            self.conversation_id or "-",
+            len(out.prompt_token_ids),
+            out.num_cached_tokens,
+            len(out.token_ids),
+            ttft,
+            e2e * 1e3,
+            out.finish_reason.value if out.finish_reason else "-",
+        )

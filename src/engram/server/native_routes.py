@@ -46,8 +46,9 @@ async def generate(request: GenerateRequest, raw_request: Request):
     token_text = s.token_text if request.return_text_in_logprobs else None
     if not request.is_batch and n == 1:
         rid = request.rid if isinstance(request.rid, str) else uuid.uuid4().hex
-        outputs = await s.generate(engine_request_id(tenant, rid), prompts[0], params, initial_state=s.take_staged_state(tenant, rid),
-                                   cache_prefix=True)
+        outputs = await s.generate(
+            engine_request_id(tenant, rid), prompts[0], params, initial_state=s.take_staged_state(tenant, rid), cache_prefix=True
+        )
         if request.stream:
             return sse_response(generate_events(rid, request.return_logprob, start, outputs, token_text))
         out, logprobs = await collect(outputs)
@@ -66,8 +67,9 @@ async def generate(request: GenerateRequest, raw_request: Request):
     if request.stream:
         return sse_response(batch_events(names, request.return_logprob, start, streams, token_text))
     results = await collect_choices(streams)
-    return [generate_response(name, out, logprobs if request.return_logprob else None, start, token_text)
-            for name, (out, logprobs) in zip(names, results)]
+    return [
+        generate_response(name, out, logprobs if request.return_logprob else None, start, token_text) for name, (out, logprobs) in zip(names, results)
+    ]
 
 
 async def generate_events(
@@ -106,6 +108,7 @@ def generate_response(
         e2e_latency=time.perf_counter() - start,
     )
     if logprobs is not None:
+
         def text(token_id: int) -> str | None:
             return token_text(token_id) if token_text is not None else None
 

@@ -112,8 +112,7 @@ async def chat_completions(request: ChatCompletionRequest, raw_request: Request)
         prompt = await s.encode_chat(messages, request.chat_template_options())
         streams = await s.generate_choices(engine_request_id(caller_of(raw_request).tenant, rid), prompt, params, request.n)
     else:  # one choice (the protocol refuses n > 1 there)
-        where, outputs = await _conversation_turn(s, request, request.conversation_id, rid, messages, params, caller_of(raw_request),
-                                                  key, fmt)
+        where, outputs = await _conversation_turn(s, request, request.conversation_id, rid, messages, params, caller_of(raw_request), key, fmt)
         fmt = dataclasses.replace(fmt, call_ids=turn_call_ids(where))
         streams = [outputs]
     if request.stream:
@@ -131,8 +130,7 @@ async def chat_completions(request: ChatCompletionRequest, raw_request: Request)
     ]
     usage = Usage.of(*(out for out, _ in results))
     prompt_logprobs = _prompt_logprobs(s, results[0][0].prompt_logprobs)
-    return ChatCompletionResponse(id=rid, model=s.model_name, choices=choices, usage=usage, prompt_logprobs=prompt_logprobs,
-                                  **where.model_dump())
+    return ChatCompletionResponse(id=rid, model=s.model_name, choices=choices, usage=usage, prompt_logprobs=prompt_logprobs, **where.model_dump())
 
 
 def turn_call_ids(where: ConversationFields) -> str:
@@ -146,16 +144,24 @@ def _message(reply: Reply) -> AssistantMessage:
 
 
 async def _conversation_turn(
-    s: Serving, request: ChatCompletionRequest, conversation_id: str, rid: str, messages: list[dict], params: SamplingParams,
-    caller: Caller, idempotency_key: str | None, fmt: ReplyFormat,
+    s: Serving,
+    request: ChatCompletionRequest,
+    conversation_id: str,
+    rid: str,
+    messages: list[dict],
+    params: SamplingParams,
+    caller: Caller,
+    idempotency_key: str | None,
+    fmt: ReplyFormat,
 ) -> tuple[ConversationFields, RequestOutputs]:
     """Start the next turn of a server-side conversation: restore its state, feed only the new tokens.
     A retry of a turn already made (same idempotency key) is answered as it was."""
     turns = s.conversations
     s.check_prompt_chars(message_chars(messages), "messages")
     timer = s.metrics.timer(conversation_id)  # from arrival: the turn's planning and its prompt count
-    plan = await turns.begin(conversation_id, request.branch, request.from_turn, caller.restricted_to, idempotency_key,
-                             request.expected_turn, request.from_conversation)
+    plan = await turns.begin(
+        conversation_id, request.branch, request.from_turn, caller.restricted_to, idempotency_key, request.expected_turn, request.from_conversation
+    )
     if isinstance(plan, Turn):
         where = ConversationFields(conversation_id=conversation_id, branch=plan.branch, turn=plan.turn, epoch=s.epoch)
         return where, _one(turns.replay(conversation_id, plan, messages))
@@ -194,12 +200,20 @@ def _check_routing_header(request: ChatCompletionRequest, raw_request: Request) 
     conversation than the body's would route turns of one conversation to several replicas."""
     header = raw_request.headers.get("x-conversation-id")
     if header is not None and header != request.conversation_id:
-        raise APIError(400, f"the X-Conversation-Id header {header!r:.140} is not the body's conversation_id "
-                            f"{request.conversation_id!r}: send the same value in both", param="X-Conversation-Id")
+        raise APIError(
+            400,
+            f"the X-Conversation-Id header {header!r:.140} is not the body's conversation_id "
+            f"{request.conversation_id!r}: send the same value in both",
+            param="X-Conversation-Id",
+        )
 
 
 async def _chat_events(
-    s: Serving, request: ChatCompletionRequest, rid: str, streams: list[RequestOutputs], where: ConversationFields,
+    s: Serving,
+    request: ChatCompletionRequest,
+    rid: str,
+    streams: list[RequestOutputs],
+    where: ConversationFields,
     fmt: ReplyFormat,
 ) -> AsyncIterator[str]:
     created = int(time.time())
@@ -218,8 +232,9 @@ async def _chat_events(
                 delta = _delta(readers[i].feed(out.text, out.finished))
                 if delta is not None or out.logprobs or out.finished:
                     logprobs = _chat_logprobs(s, out.logprobs)
-                    yield sse(chunk([ChatChunkChoice(index=i, delta=delta or DeltaMessage(), logprobs=logprobs,
-                                                     **_finish(s, out, readers[i].calls))]))
+                    yield sse(
+                        chunk([ChatChunkChoice(index=i, delta=delta or DeltaMessage(), logprobs=logprobs, **_finish(s, out, readers[i].calls))])
+                    )
             elif out.new_text and out.logprobs is None and not out.finished:  # most tokens: the chunk serialized once
                 yield text_events(i, out.new_text)
             elif out.new_text or out.logprobs or out.finished:
@@ -247,8 +262,7 @@ async def completions(request: CompletionRequest, raw_request: Request):
         for stream in streams:
             await stream.aclose()
         raise
-    echoes = [await _echo(s, prompt, ids) if request.echo else None for prompt, ids in zip(request.prompts, prompts)
-              for _ in range(request.n)]
+    echoes = [await _echo(s, prompt, ids) if request.echo else None for prompt, ids in zip(request.prompts, prompts) for _ in range(request.n)]
     if request.stream:
         return sse_response(_completion_events(s, request, rid, streams, echoes))
     results = await collect_choices(streams)
@@ -256,13 +270,15 @@ async def completions(request: CompletionRequest, raw_request: Request):
     for i, ((out, logprobs), echo) in enumerate(zip(results, echoes)):
         entries = logprobs if params.logprobs is not None else None
         text = out.text if echo is None else echo.text + out.text
-        choices.append(CompletionChoice(
-            index=i,
-            text=text,
-            logprobs=_completion_logprobs(s, entries, 0, echo, out.prompt_logprobs),
-            prompt_logprobs=_prompt_logprobs(s, out.prompt_logprobs),
-            **_finish(s, out),
-        ))
+        choices.append(
+            CompletionChoice(
+                index=i,
+                text=text,
+                logprobs=_completion_logprobs(s, entries, 0, echo, out.prompt_logprobs),
+                prompt_logprobs=_prompt_logprobs(s, out.prompt_logprobs),
+                **_finish(s, out),
+            )
+        )
     outs = [out for out, _ in results]
     return CompletionResponse(id=rid, model=s.model_name, choices=choices, usage=Usage.total(outs, request.n))
 
@@ -311,9 +327,15 @@ async def _completion_events(
 def _delta(d: ReplyDelta) -> DeltaMessage | None:
     if not d:
         return None
-    calls = [DeltaToolCall(index=c.index, id=c.id, type="function" if c.id else None,
-                           function=DeltaFunctionCall(name=c.name, arguments=c.arguments if c.id or c.arguments else None))
-             for c in d.calls]
+    calls = [
+        DeltaToolCall(
+            index=c.index,
+            id=c.id,
+            type="function" if c.id else None,
+            function=DeltaFunctionCall(name=c.name, arguments=c.arguments if c.id or c.arguments else None),
+        )
+        for c in d.calls
+    ]
     return DeltaMessage(content=d.content or None, reasoning_content=d.reasoning or None, tool_calls=calls or None)
 
 
@@ -334,15 +356,17 @@ def _chat_logprobs(s: Serving, logprobs: list[TokenLogprob] | None) -> ChatLogpr
     if logprobs is None:
         return None
     content = [
-        ChatTokenLogprob(**_top_logprob(s, lp.token_id, lp.logprob).model_dump(),
-                         top_logprobs=[_top_logprob(s, t, v) for t, v in lp.top])
+        ChatTokenLogprob(**_top_logprob(s, lp.token_id, lp.logprob).model_dump(), top_logprobs=[_top_logprob(s, t, v) for t, v in lp.top])
         for lp in logprobs
     ]
     return ChatLogprobs(content=content)
 
 
 def _completion_logprobs(
-    s: Serving, logprobs: list[TokenLogprob] | None, offset: int, echo: _Echo | None = None,
+    s: Serving,
+    logprobs: list[TokenLogprob] | None,
+    offset: int,
+    echo: _Echo | None = None,
     prompt_logprobs: list[TokenLogprob | None] | None = None,
 ) -> CompletionLogprobs | None:
     """OpenAI's logprobs of a completion's tokens; with an echoed prompt, the prompt's tokens first

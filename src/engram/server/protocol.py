@@ -33,14 +33,33 @@ MAX_CHOICES = 64  # OpenAI's `n`: each choice is its own engine request
 MAX_PROMPTS = 64  # a batch of prompts on /v1/completions, /generate and /v1/embeddings
 # vLLM's older constrained-decoding fields and SGLang's (on OpenAI routes: regex, ebnf): the
 # structured-outputs key each one stands for.
-GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar",
-                 "regex": "regex", "ebnf": "grammar"}
+GUIDED_FIELDS = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+    "regex": "regex",
+    "ebnf": "grammar",
+}
 # SGLang's constrained-decoding fields of /generate's sampling_params: the structured-outputs key of each.
 NATIVE_CONSTRAINT_FIELDS = {"json_schema": "json", "regex": "regex", "ebnf": "grammar"}
 # Arguments of `apply_chat_template` that a request's chat_template_kwargs may not set (its own
 # template, other messages or tools, tokenization, or the fields that have names of their own).
-TEMPLATE_RESERVED_KWARGS = frozenset({"chat_template", "conversation", "messages", "tools", "documents", "tokenize", "return_dict",
-                                      "return_tensors", "add_generation_prompt", "continue_final_message", "tokenizer_kwargs"})
+TEMPLATE_RESERVED_KWARGS = frozenset(
+    {
+        "chat_template",
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "tokenize",
+        "return_dict",
+        "return_tensors",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenizer_kwargs",
+    }
+)
 # logit_bias maps token ids to biases; JSON object keys are strings ("50256"), so they are parsed.
 LogitBias = dict[Annotated[int, Strict(False)], float]
 IDEMPOTENCY_KEY_PATTERN = r"^[\x21-\x7e]{1,256}$"  # visible ASCII, as a header value can carry it; anchored: pydantic searches
@@ -103,8 +122,13 @@ class StructuredOutputsRequest(_Request):
     disable_any_whitespace: bool = False
 
     def params(self) -> StructuredOutputsParams:
-        keys: dict[str, Any] = {"json": self.json_, "regex": self.regex, "choice": self.choice, "grammar": self.grammar,
-                "json_object": self.json_object or None}
+        keys: dict[str, Any] = {
+            "json": self.json_,
+            "regex": self.regex,
+            "choice": self.choice,
+            "grammar": self.grammar,
+            "json_object": self.json_object or None,
+        }
         given = [key for key, value in keys.items() if value is not None]
         source = f"structured_outputs.{given[0]}" if len(given) == 1 else "structured_outputs"
         return StructuredOutputsParams(**keys, disable_any_whitespace=self.disable_any_whitespace, source=source)
@@ -142,8 +166,11 @@ class ResponseFormat(_Request):
 def _field_constraints(request: BaseModel, fields: dict[str, str], prefix: str = "") -> list[StructuredOutputsParams]:
     """The constraints the request's `fields` (field name -> structured-outputs key) give, each
     named `prefix` + its field in errors."""
-    return [StructuredOutputsParams(**{key: getattr(request, name)}, source=prefix + name)
-            for name, key in fields.items() if getattr(request, name) is not None]
+    return [
+        StructuredOutputsParams(**{key: getattr(request, name)}, source=prefix + name)
+        for name, key in fields.items()
+        if getattr(request, name) is not None
+    ]
 
 
 def only_one_constraint(found: list[StructuredOutputsParams]) -> StructuredOutputsParams | None:
@@ -192,17 +219,34 @@ class _OpenAIRequest(_Request):
     best_of: int | None = None  # only as many as n
     # vLLM's features this server lacks
     _UNSUPPORTED: ClassVar[dict[str, Any]] = {
-        "use_beam_search": False, "length_penalty": 1.0, "truncate_prompt_tokens": None, "spaces_between_special_tokens": True,
-        "logits_processors": None, "return_tokens_as_token_ids": False, "return_token_ids": False, "priority": 0,
-        "cache_salt": None, "kv_transfer_params": None, "vllm_xargs": None, "mm_processor_kwargs": None}
+        "use_beam_search": False,
+        "length_penalty": 1.0,
+        "truncate_prompt_tokens": None,
+        "spaces_between_special_tokens": True,
+        "logits_processors": None,
+        "return_tokens_as_token_ids": False,
+        "return_token_ids": False,
+        "priority": 0,
+        "cache_salt": None,
+        "kv_transfer_params": None,
+        "vllm_xargs": None,
+        "mm_processor_kwargs": None,
+    }
 
     @model_validator(mode="after")
     def _one_output_constraint(self) -> _OpenAIRequest:
         if self.json_schema is not None:
-            raise ValueError("json_schema: send response_format {'type': 'json_schema', 'json_schema': {'schema': ...}} "
-                             "or structured_outputs {'json': ...}")
-        found = [p for p in (self.response_format.params() if self.response_format else None,
-                             self.structured_outputs.params() if self.structured_outputs else None) if p is not None]
+            raise ValueError(
+                "json_schema: send response_format {'type': 'json_schema', 'json_schema': {'schema': ...}} or structured_outputs {'json': ...}"
+            )
+        found = [
+            p
+            for p in (
+                self.response_format.params() if self.response_format else None,
+                self.structured_outputs.params() if self.structured_outputs else None,
+            )
+            if p is not None
+        ]
         self._structured = only_one_constraint(found + _field_constraints(self, GUIDED_FIELDS))
         return self
 
@@ -219,9 +263,26 @@ class _OpenAIRequest(_Request):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def _common_fields(self) -> dict[str, Any]:
-        names = ("temperature", "top_p", "stop", "seed", "frequency_penalty", "presence_penalty", "logit_bias", "top_k",
-                 "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens", "include_stop_str_in_output",
-                 "min_tokens", "prompt_logprobs", "allowed_token_ids", "bad_words")
+        names = (
+            "temperature",
+            "top_p",
+            "stop",
+            "seed",
+            "frequency_penalty",
+            "presence_penalty",
+            "logit_bias",
+            "top_k",
+            "min_p",
+            "repetition_penalty",
+            "ignore_eos",
+            "stop_token_ids",
+            "skip_special_tokens",
+            "include_stop_str_in_output",
+            "min_tokens",
+            "prompt_logprobs",
+            "allowed_token_ids",
+            "bad_words",
+        )
         return {**{name: getattr(self, name) for name in names}, "structured_outputs": self._structured}
 
 
@@ -286,8 +347,10 @@ class _ChatExtras(_Request):
     @model_validator(mode="after")
     def _no_own_template(self) -> _ChatExtras:
         if self.chat_template is not None:
-            raise ValueError("chat_template: a request's own chat template is refused (as vLLM does without "
-                             "--trust-request-chat-template); the checkpoint's template renders the messages")
+            raise ValueError(
+                "chat_template: a request's own chat template is refused (as vLLM does without "
+                "--trust-request-chat-template); the checkpoint's template renders the messages"
+            )
         used = [name for name, no_op in (("echo", False), ("add_special_tokens", False)) if getattr(self, name) not in (None, no_op)]
         used += ["documents"] if self.documents is not None else []
         if used:
@@ -326,8 +389,10 @@ class ChatCompletionRequest(_OpenAIRequest, _ChatTemplateOptions, _ChatExtras):
         if self.conversation_id is not None and self.n != 1:
             raise ValueError("a conversation turn has one answer: n must be 1 with a conversation_id")
         if self.conversation_id is not None and (not self.add_generation_prompt or self.continue_final_message):
-            raise ValueError("a conversation turn renders its own template delta: add_generation_prompt and "
-                             "continue_final_message are for requests without a conversation_id")
+            raise ValueError(
+                "a conversation turn renders its own template delta: add_generation_prompt and "
+                "continue_final_message are for requests without a conversation_id"
+            )
         return self
 
     @model_validator(mode="after")
@@ -363,8 +428,12 @@ class ChatCompletionRequest(_OpenAIRequest, _ChatTemplateOptions, _ChatExtras):
 
 class CompletionRequest(_OpenAIRequest):
     # one prompt (text or token ids) or a batch of them: the choices are prompt-major (prompt i, choice j: i * n + j)
-    prompt: str | list[int] | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)] \
+    prompt: (
+        str
+        | list[int]
+        | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)]
         | Annotated[list[list[int]], Field(min_length=1, max_length=MAX_PROMPTS)]
+    )
     max_tokens: int | None = Field(default=16, ge=0)
     logprobs: int | None = None
     echo: bool = False  # the prompt before the completion (with logprobs: its tokens' logprobs first)
@@ -425,8 +494,12 @@ class Usage(BaseModel):
     def of(cls, *outs: RequestOutput) -> Usage:
         """The usage of one prompt's choices: the prompt counted once, every choice's tokens."""
         prompt, completion = len(outs[0].prompt_token_ids), sum(len(out.token_ids) for out in outs)
-        return cls(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                   prompt_tokens_details=PromptTokensDetails(cached_tokens=outs[0].num_cached_tokens))
+        return cls(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=outs[0].num_cached_tokens),
+        )
 
     @classmethod
     def total(cls, outs: list[RequestOutput], n: int) -> Usage:
@@ -434,8 +507,12 @@ class Usage(BaseModel):
         parts = [cls.of(*outs[i : i + n]) for i in range(0, len(outs), n)]
         prompt, completion = sum(u.prompt_tokens for u in parts), sum(u.completion_tokens for u in parts)
         cached = sum(u.prompt_tokens_details.cached_tokens for u in parts)
-        return cls(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+        return cls(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+        )
 
 
 class TopLogprob(BaseModel):
@@ -596,8 +673,12 @@ class EmbeddingRequest(_Request):
     """OpenAI's `/v1/embeddings`: the mean of each input's last hidden states."""
 
     model: str | None = None
-    input: str | list[int] | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)] \
+    input: (
+        str
+        | list[int]
+        | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)]
         | Annotated[list[list[int]], Field(min_length=1, max_length=MAX_PROMPTS)]
+    )
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None  # only the model's own (an embedding is not truncated)
     user: str | None = None  # as on the other routes: taken, no effect
@@ -693,10 +774,21 @@ class GenerateRequest(_Request):
     conversation_id: ConversationIdElsewhere = None
     # SGLang's fields this server lacks
     _UNSUPPORTED: ClassVar[dict[str, Any]] = {
-        "lora_path": None, "lora_id": None, "custom_logit_processor": None, "input_embeds": None, "image_data": None,
-        "audio_data": None, "video_data": None, "session_params": None, "return_hidden_states": False,
-        "logprob_start_len": -1, "token_ids_logprob": None, "data_parallel_rank": None, "bootstrap_host": None,
-        "bootstrap_room": None}
+        "lora_path": None,
+        "lora_id": None,
+        "custom_logit_processor": None,
+        "input_embeds": None,
+        "image_data": None,
+        "audio_data": None,
+        "video_data": None,
+        "session_params": None,
+        "return_hidden_states": False,
+        "logprob_start_len": -1,
+        "token_ids_logprob": None,
+        "data_parallel_rank": None,
+        "bootstrap_host": None,
+        "bootstrap_room": None,
+    }
 
     @model_validator(mode="after")
     def _one_prompt(self) -> GenerateRequest:
@@ -717,7 +809,8 @@ class GenerateRequest(_Request):
 
     def sampling_fields(self) -> dict[str, Any]:
         fields = self.sampling_params.model_dump(
-            exclude={"max_new_tokens", "sampling_seed", "no_stop_trim", "n", "json_schema", "regex", "ebnf", "min_new_tokens"})
+            exclude={"max_new_tokens", "sampling_seed", "no_stop_trim", "n", "json_schema", "regex", "ebnf", "min_new_tokens"}
+        )
         return {
             **fields,
             "structured_outputs": self.sampling_params._structured,

@@ -52,8 +52,7 @@ def engine_request_id(tenant: str | None, rid: str) -> str:
 
 
 class Serving:
-    def __init__(self, engine: AsyncEngine, model_name: str, conversations: ConversationTurns,
-                 replies: ReplyParsers | None = None) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str, conversations: ConversationTurns, replies: ReplyParsers | None = None) -> None:
         self.engine = engine
         self.replies = replies or ReplyParsers()  # --tool-call-parser, --reasoning-parser
         self.model_name = model_name
@@ -90,8 +89,7 @@ class Serving:
     def check_model(self, name: str | None) -> None:
         """A request's `model`: the served one, or None (OpenAI requires it; vLLM does not)."""
         if name is not None and name != self.model_name:
-            raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
-                           param="model", code="model_not_found")
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}", param="model", code="model_not_found")
 
     def _require_tokenizer(self) -> Any:
         if self.tokenizer is None:
@@ -102,8 +100,12 @@ class Serving:
         """Refuse, before tokenizing it, a prompt of more characters than the context's tokens can
         hold (each at most as long as the vocabulary's longest token)."""
         if chars > self.max_prompt_chars:
-            raise APIError(400, f"{param}: {chars} characters, more than the {self.max_prompt_chars} that the context of "
-                                f"{self.engine.engine.max_context_length} tokens can hold", param=param)
+            raise APIError(
+                400,
+                f"{param}: {chars} characters, more than the {self.max_prompt_chars} that the context of "
+                f"{self.engine.engine.max_context_length} tokens can hold",
+                param=param,
+            )
 
     async def encode_chat(self, messages: list[dict[str, Any]], template_options: dict[str, Any]) -> list[int]:
         """The messages through the chat template, off the event loop; `template_options`
@@ -136,8 +138,13 @@ class Serving:
             return SamplingParams(**{k: v for k, v in fields.items() if v is not None or k == "max_tokens"})
 
     async def generate(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, timer: RequestTimer | None = None,
-        cache_prefix: bool = False, **kwargs: Any,
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        timer: RequestTimer | None = None,
+        cache_prefix: bool = False,
+        **kwargs: Any,
     ) -> RequestOutputs:
         """Start a request and wait for its first output, so that bad input (the engine raises
         ValueError) is answered with 400 before a response, streaming or not, has begun. `timer`:
@@ -162,9 +169,7 @@ class Serving:
         timed = _timed(outputs, first, timer)
         return _admitting(timed, cache) if cache is not None else timed
 
-    async def generate_choices(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, n: int
-    ) -> list[RequestOutputs]:
+    async def generate_choices(self, request_id: str, prompt_ids: list[int], params: SamplingParams, n: int) -> list[RequestOutputs]:
         """`generate` for OpenAI's n choices of one prompt, each its own engine request, started
         together (after their shared prefill, for long prompts). Returns once the first has its first
         output (bad input fails them all alike), so a stream begins while choices beyond the free
@@ -182,8 +187,7 @@ class Serving:
         shared = {"initial_state": state} if state is not None else {}  # None: the prefill was cut short
         shared |= {"grammar": grammar} if grammar is not None else {}
         starts = [
-            asyncio.ensure_future(self.generate(f"{request_id}-{i}", prompt_ids, _nth_choice(params, i), timers[i], **shared))
-            for i in range(n)
+            asyncio.ensure_future(self.generate(f"{request_id}-{i}", prompt_ids, _nth_choice(params, i), timers[i], **shared)) for i in range(n)
         ]
         try:
             done, _ = await asyncio.wait(starts, return_when=asyncio.FIRST_COMPLETED)

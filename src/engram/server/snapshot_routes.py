@@ -93,8 +93,14 @@ async def save_snapshot(body: SaveSnapshotRequest, raw_request: Request) -> dict
         raise APIError(404, f"no finished conversation turn was made by request {body.rid!r}")
     s.conversations.manager.require(conversation_id, caller_of(raw_request).restricted_to)
     saved = await asyncio.to_thread(s.conversations.manager.save, conversation_id, branch, turn)
-    return {"success": True, "conversation_id": conversation_id, "branch_name": saved.branch, "turn_number": saved.turn,
-            "snapshot_id": saved.ref, "message": f"snapshot of turn {saved.ref} saved"}
+    return {
+        "success": True,
+        "conversation_id": conversation_id,
+        "branch_name": saved.branch,
+        "turn_number": saved.turn,
+        "snapshot_id": saved.ref,
+        "message": f"snapshot of turn {saved.ref} saved",
+    }
 
 
 @admin_router.post("/list_snapshots")
@@ -137,15 +143,23 @@ async def restore_snapshot(body: RestoreSnapshotRequest, raw_request: Request):
     _, turn = _turn_of(s, body, raw_request)
     manager = s.conversations.manager
     if not manager.health.restore_allowed(manager.quarantine, body.conversation_id, turn.ref):
-        raise APIError(409, f"the snapshot of turn {turn.ref} is quarantined and the health policy refuses to restore it",
-                       code="snapshot_quarantined")
+        raise APIError(
+            409, f"the snapshot of turn {turn.ref} is quarantined and the health policy refuses to restore it", code="snapshot_quarantined"
+        )
     state = await asyncio.to_thread(manager.load_into_warm, body.conversation_id, turn)
     if not body.create_new_request:
         if body.rid is not None:
             s.stage_state(caller_of(raw_request).tenant, body.rid, state)
-        return {"success": True, "conversation_id": body.conversation_id, "branch_name": turn.branch,
-                "turn_number": turn.turn, "state_len": state.state_len, "token_count": len(state.tokens),
-                "rid": body.rid, "message": f"state of turn {turn.ref} restored"}
+        return {
+            "success": True,
+            "conversation_id": body.conversation_id,
+            "branch_name": turn.branch,
+            "turn_number": turn.turn,
+            "state_len": state.state_len,
+            "token_count": len(state.tokens),
+            "rid": body.rid,
+            "message": f"state of turn {turn.ref} restored",
+        }
     prompt = list(state.tokens) + list(body.continuation_ids or [])
     params = s.sampling_params(body.sampling_fields())
     rid = body.rid or uuid.uuid4().hex
@@ -197,8 +211,16 @@ async def get_conversation(conversation_id: str, raw_request: Request) -> dict[s
             for branch, head in conv.heads().items()
         },
         "turns": [
-            {"branch": t.branch, "turn": t.turn, "parent": t.parent, "snapshot": t.snapshot, "state_len": t.state_len,
-             "created_at": t.created_at, "tool_calls": t.tool_calls, "tier": s.conversations.manager.tier_of(conv.conversation_id, t)}
+            {
+                "branch": t.branch,
+                "turn": t.turn,
+                "parent": t.parent,
+                "snapshot": t.snapshot,
+                "state_len": t.state_len,
+                "created_at": t.created_at,
+                "tool_calls": t.tool_calls,
+                "tier": s.conversations.manager.tier_of(conv.conversation_id, t),
+            }
             for t in sorted(conv.turns.values(), key=lambda t: (t.branch, t.turn))
         ],
     }
@@ -221,6 +243,10 @@ async def state_stats(raw_request: Request) -> dict[str, Any]:
         stats["quarantined"] = [q for q in stats["quarantined"] if _visible(manager, q["conversation_id"], tenant)]
     engine = s.engine.stats()
     stats["tiers"]["active"]["engine_slots"] = engine.retained_slots
-    stats["engine"] = {"state_slots_used": engine.state_slots_used, "state_slots_total": engine.state_slots_total,
-                       "kv_blocks_used": engine.kv_blocks_used, "kv_blocks_total": engine.kv_blocks_total}
+    stats["engine"] = {
+        "state_slots_used": engine.state_slots_used,
+        "state_slots_total": engine.state_slots_total,
+        "kv_blocks_used": engine.kv_blocks_used,
+        "kv_blocks_total": engine.kv_blocks_total,
+    }
     return stats

@@ -15,11 +15,23 @@ def banner(serving: Serving, args: ServerArgs, url: str) -> str:
     """One block of what the server runs with: model, dtype, device and kernels, the memory plan,
     limits, the snapshots and tiers, the URL."""
     manager = serving.conversations.manager
-    snapshots = f"{manager.root}, policy {args.snapshot_trigger_policy}, durability {args.snapshot_durability}" if manager.root else "off (not persisted)"
-    tiers = (f"ACTIVE slots (idle {args.conversation_active_timeout:g} s), WARM host memory ({args.max_warm_memory_gb:g} GiB, "
-             f"{args.max_warm_conversations} conversations), COLD snapshots" if args.enable_memory_tiers else "off (every turn restores its snapshot)")
-    rows = {"served as": serving.model_name, **serving.engine.engine.describe(), "snapshots": snapshots, "tiers": tiers,
-            "warm-up": "on" if args.enable_warmup else "off", "url": url}
+    snapshots = (
+        f"{manager.root}, policy {args.snapshot_trigger_policy}, durability {args.snapshot_durability}" if manager.root else "off (not persisted)"
+    )
+    tiers = (
+        f"ACTIVE slots (idle {args.conversation_active_timeout:g} s), WARM host memory ({args.max_warm_memory_gb:g} GiB, "
+        f"{args.max_warm_conversations} conversations), COLD snapshots"
+        if args.enable_memory_tiers
+        else "off (every turn restores its snapshot)"
+    )
+    rows = {
+        "served as": serving.model_name,
+        **serving.engine.engine.describe(),
+        "snapshots": snapshots,
+        "tiers": tiers,
+        "warm-up": "on" if args.enable_warmup else "off",
+        "url": url,
+    }
     width = max(map(len, rows))
     return "Engram server\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in rows.items())
 
@@ -40,7 +52,11 @@ async def warm_up(serving: Serving, enabled: bool) -> None:
         return
     state.status, state.stage = "ready", "ready"
     if report is not None:
-        log.info("ready: warm-up took %.1f s (%d CUDA graphs captured, %d kernels compiled)",
-                 report.seconds, report.graph_captures, report.kernel_compilations)
+        log.info(
+            "ready: warm-up took %.1f s (%d CUDA graphs captured, %d kernels compiled)",
+            report.seconds,
+            report.graph_captures,
+            report.kernel_compilations,
+        )
     else:
         log.info("ready (warm-up off)")

@@ -80,8 +80,12 @@ class DeltaToolCall(BaseModel):
         return {k: v for k, v in handler(self).items() if v is not None}
 
 
-def resolve_tools(tools: list[ToolDefinition] | None, tool_choice: ToolChoice | None, functions: list[FunctionDefinition] | None,
-                  function_call: Literal["none", "auto"] | FunctionName | None) -> tuple[list[ToolDefinition], ToolChoice]:
+def resolve_tools(
+    tools: list[ToolDefinition] | None,
+    tool_choice: ToolChoice | None,
+    functions: list[FunctionDefinition] | None,
+    function_call: Literal["none", "auto"] | FunctionName | None,
+) -> tuple[list[ToolDefinition], ToolChoice]:
     """The request's tools and choice, the deprecated fields mapped to the current ones. Without a
     choice, "auto" when there are tools (OpenAI's default), else "none". Raises ValueError."""
     if functions is not None or function_call is not None:
@@ -107,15 +111,19 @@ def tool_grammar(tools: list[ToolDefinition], tool_choice: ToolChoice, parallel:
     `parallel` false (OpenAI's parallel_tool_calls) allows one call."""
     if isinstance(tool_choice, NamedToolChoice):
         tool = next(t for t in tools if t.function.name == tool_choice.function.name)
-        return StructuredOutputsParams(json=tool.function.parameters or NO_PARAMETERS, disable_any_whitespace=True,
-                                       source="tool_choice")
+        return StructuredOutputsParams(json=tool.function.parameters or NO_PARAMETERS, disable_any_whitespace=True, source="tool_choice")
     if tool_choice != "required":
         return None
-    calls = [{"type": "object",
-              "properties": {"name": {"const": t.function.name}, "parameters": t.function.parameters or NO_PARAMETERS},
-              "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
-    schema = {"type": "array", "minItems": 1, **({} if parallel else {"maxItems": 1}),
-              "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+    calls = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": t.function.name}, "parameters": t.function.parameters or NO_PARAMETERS},
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
+    schema = {"type": "array", "minItems": 1, **({} if parallel else {"maxItems": 1}), "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
     return StructuredOutputsParams(json=schema, disable_any_whitespace=True, source="tool_choice")
 
 

@@ -182,8 +182,10 @@ class ChunkStore:
         tokens, n = state.tokens, state.state_len
         chain = self.hasher.chain(tokens, n)
         kept: list[PieceRef] = []
-        if base is not None and base.state_len <= n and all(
-            0 <= p.start < p.end <= base.state_len and p.key == self.hasher.piece_key(tokens, p.start, p.end, chain) for p in base.pieces
+        if (
+            base is not None
+            and base.state_len <= n
+            and all(0 <= p.start < p.end <= base.state_len and p.key == self.hasher.piece_key(tokens, p.start, p.end, chain) for p in base.pieces)
         ):
             kept = [self._keep_piece(state, p) for p in base.pieces]
         start = kept[-1].end if kept else 0
@@ -279,8 +281,10 @@ class ChunkStore:
         self.stats.pieces_read += len(pieces) - held
         with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
             piece_tokens = list(pool.map(lambda p: self._read_piece(p, kv, rows), pieces[held:]))
-            recurrent = {name: t.clone() for name, t in
-                         self._read(self.checkpoint_path(stored.checkpoint), stored.checkpoint_checksum, CHECKPOINT_FORMAT).items()}
+            recurrent = {
+                name: t.clone()
+                for name, t in self._read(self.checkpoint_path(stored.checkpoint), stored.checkpoint_checksum, CHECKPOINT_FORMAT).items()
+            }
         tokens = list(resident.tokens[:rows]) if resident is not None else []
         tokens += [t for part in piece_tokens for t in part]
         chain = self.hasher.chain(tokens, stored.state_len)
@@ -311,8 +315,10 @@ class ChunkStore:
         except (KeyError, ValueError):  # a resident whose KV does not cover its positions
             return 0
         row_shape = tuple(self._empty_kv(0).shape[1:]) if self._kv else ()
-        if any(set(s.tensors) != set(self._kv) or any(t.dtype != self.dtypes.kv or tuple(t.shape[1:]) != row_shape
-                                                     for t in s.tensors.values()) for s in segments):
+        if any(
+            set(s.tensors) != set(self._kv) or any(t.dtype != self.dtypes.kv or tuple(t.shape[1:]) != row_shape for t in s.tensors.values())
+            for s in segments
+        ):
             return 0
         chain = self.hasher.chain(resident.tokens, resident.state_len)
         held = 0
@@ -339,8 +345,9 @@ class ChunkStore:
         for name, t in tensors.items():
             target = kv[name][piece.start - offset : piece.end - offset]
             if t.shape != target.shape or t.dtype != target.dtype:
-                raise SnapshotCorruptError(f"store piece {piece.key[:12]}: {name} is {t.dtype} {tuple(t.shape)}, "
-                                           f"expected {target.dtype} {tuple(target.shape)}")
+                raise SnapshotCorruptError(
+                    f"store piece {piece.key[:12]}: {name} is {t.dtype} {tuple(t.shape)}, expected {target.dtype} {tuple(target.shape)}"
+                )
             target.copy_(t)
         return tokens.tolist()
 
@@ -420,8 +427,17 @@ class ChunkStore:
         return removed
 
 
-_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
-           "I32": torch.int32, "I64": torch.int64, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+_DTYPES = {
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "I32": torch.int32,
+    "I64": torch.int64,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 
 def _tensor_views(data: bytearray, header: dict) -> dict[str, torch.Tensor]:

@@ -141,8 +141,7 @@ class ColdStore(Protocol):
 class FilesystemColdStore:
     """`<root>/<conversation>/<branch>/<turn:06d>.json` manifests over `<root>/.store/` (ChunkStore)."""
 
-    def __init__(self, root: Path, spec: ModelSpec, dtypes: StateDtypes, hasher: PrefixHasher, model: ModelIdentity,
-                 tokenizer_sha256: str):
+    def __init__(self, root: Path, spec: ModelSpec, dtypes: StateDtypes, hasher: PrefixHasher, model: ModelIdentity, tokenizer_sha256: str):
         self.root = root
         self.chunks = ChunkStore(root, spec, dtypes, hasher)
         self.records = RecordFiles(root)

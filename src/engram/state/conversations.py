@@ -88,8 +88,9 @@ class ConversationManager:
         self._lock = threading.RLock()
         self.stats = TierStats()
         self.root = Path(snapshot_dir) if snapshot_dir is not None else None
-        identity = json.dumps({"model": asdict(model), "tokenizer": tokenizer_sha256, "layout": spec.layout(), "dtypes": dtype_names(dtypes)},
-                              sort_keys=True).encode()
+        identity = json.dumps(
+            {"model": asdict(model), "tokenizer": tokenizer_sha256, "layout": spec.layout(), "dtypes": dtype_names(dtypes)}, sort_keys=True
+        ).encode()
         hasher = PrefixHasher(identity, chunk_tokens)
         # `store_url`: an object store shared with other replicas (state/object_store.py), `snapshot_dir` its cache.
         store = open_cold_store(store_url, self.root, spec, dtypes, hasher, model, tokenizer_sha256) if self.root is not None else None
@@ -101,7 +102,8 @@ class ConversationManager:
         eviction = ComputeSavedPolicy(PrefillCost.of(spec))
         self.prefix_disk = (
             PrefixDisk(self.store, hasher, prefix_cache_disk_bytes, eviction, clock)
-            if prefix_cache_bytes > 0 and prefix_cache_disk_bytes > 0 and self.store is not None else None
+            if prefix_cache_bytes > 0 and prefix_cache_disk_bytes > 0 and self.store is not None
+            else None
         )
         if self.prefix_disk is not None:
             self.prefix_disk.on_evict = self._mark_sweep_due
@@ -275,8 +277,9 @@ class ConversationManager:
                 return made
             if conversation_id in self._busy:
                 if idempotency_key is not None and self._busy[conversation_id] == idempotency_key:
-                    raise ConversationBusyError(f"the turn with Idempotency-Key {idempotency_key!r} is still in flight; "
-                                                "retry once it has finished to get its answer")
+                    raise ConversationBusyError(
+                        f"the turn with Idempotency-Key {idempotency_key!r} is still in flight; retry once it has finished to get its answer"
+                    )
                 raise ConversationBusyError(f"conversation {conversation_id!r} already has a request in flight")
             latest = conv.latest(branch)
             current = latest.turn if latest is not None else 0
@@ -356,17 +359,14 @@ class ConversationManager:
 
     def _fork_source(self, conv: Conversation, from_conversation: str, tenant: str | None) -> Conversation:
         if conv.turns:
-            raise ConversationConflictError(f"conversation {conv.conversation_id!r} already has turns: from_conversation "
-                                            "starts a new one")
+            raise ConversationConflictError(f"conversation {conv.conversation_id!r} already has turns: from_conversation starts a new one")
         return self.require(validate_id(from_conversation, "from_conversation"), tenant)
 
     def _check_regenerable(self, conv: Conversation, base: Turn) -> None:
         later = {t.ref for t in conv.turns.values() if t.branch == base.branch and t.turn > base.turn}
         for t in conv.turns.values():
             if t.parent in later and t.branch != base.branch:
-                raise ConversationConflictError(
-                    f"turn {t.parent} is the parent of branch {t.branch!r}; continue into a new branch instead"
-                )
+                raise ConversationConflictError(f"turn {t.parent} is the parent of branch {t.branch!r}; continue into a new branch instead")
 
     def _nearest_state(self, conv: Conversation, base: Turn | None) -> tuple[SequenceState | None, str | None]:
         """The state of the latest turn in the base's chain that still has one, and its tier."""
@@ -494,8 +494,7 @@ class ConversationManager:
                 self._save_file(conv, turn, state, base)
                 written = True
             except (SnapshotError, OSError) as e:
-                log.warning("snapshot of conversation %r turn %s not written, the turn is recorded without it: %s",
-                            conv.conversation_id, turn.ref, e)
+                log.warning("snapshot of conversation %r turn %s not written, the turn is recorded without it: %s", conv.conversation_id, turn.ref, e)
         with self._lock:
             if conv.turns.get(turn.ref) is not turn:
                 return
@@ -784,9 +783,7 @@ class ConversationManager:
     def _written_on_leaving_memory(self, conversation_id: str, ref: str) -> bool:
         """Whether a state leaving memory is written first: with persistence, unless the policy is
         manual_only or the health policy kept it off disk."""
-        return (
-            self.persistent and self.policy.trigger != SnapshotTrigger.MANUAL_ONLY and (conversation_id, ref) not in self._unsaved_by_health
-        )
+        return self.persistent and self.policy.trigger != SnapshotTrigger.MANUAL_ONLY and (conversation_id, ref) not in self._unsaved_by_health
 
     def _unwritten(self, conversation_id: str, ref: str) -> bool:
         """Whether a recorded turn lacks the snapshot its state gets on leaving memory."""
@@ -905,8 +902,12 @@ class ConversationManager:
                     self._demote_to_cold(cid, ref, state)
                 written += not self._unwritten(cid, ref)
         if unwritten:
-            log.info("shutdown: %d of %d states held only in memory written as snapshots (the rest: the shutdown budget "
-                     "ran out or the write failed; their turns are recomputed from their tokens)", written, len(unwritten))
+            log.info(
+                "shutdown: %d of %d states held only in memory written as snapshots (the rest: the shutdown budget "
+                "ran out or the write failed; their turns are recomputed from their tokens)",
+                written,
+                len(unwritten),
+            )
 
     # ---- export and import ----------------------------------------------------------------------
 

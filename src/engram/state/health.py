@@ -206,10 +206,7 @@ class HealthMonitor:
             HealthPolicy.SKIP_SNAPSHOT: "snapshot skipped, turn quarantined",
             HealthPolicy.REFUSE_RESTORE: "snapshot quarantined, it will not be restored",
         }[policy]
-        line = (
-            f"state health: conversation {report.conversation_id!r} turn {report.turn}: "
-            f"{report.describe()}; {action} (policy {policy.value})"
-        )
+        line = f"state health: conversation {report.conversation_id!r} turn {report.turn}: {report.describe()}; {action} (policy {policy.value})"
         log.warning("%s", line)
         with self._lock:
             self.stats.skipped_saves += not save
@@ -228,7 +225,10 @@ class HealthMonitor:
         refuse = self.refuses(quarantine, conversation_id, ref)
         log.warning(
             "state health: conversation %r snapshot %s is quarantined; %s (policy %s)",
-            conversation_id, ref, "refusing to restore it" if refuse else "restoring it anyway", self.config.policy.value,
+            conversation_id,
+            ref,
+            "refusing to restore it" if refuse else "restoring it anyway",
+            self.config.policy.value,
         )
         if refuse:
             with self._lock:

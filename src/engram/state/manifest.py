@@ -78,7 +78,12 @@ def stored_state(manifest: dict, where: str) -> StoredState | None:
 
 
 def load_turn(
-    store: ChunkStore, path: Path, spec: ModelSpec, dtypes: StateDtypes, model: ModelIdentity, tokenizer_sha256: str,
+    store: ChunkStore,
+    path: Path,
+    spec: ModelSpec,
+    dtypes: StateDtypes,
+    model: ModelIdentity,
+    tokenizer_sha256: str,
     resident: SequenceState | None = None,
 ) -> tuple[SequenceState, dict]:
     """Load and verify a turn's state from its v2 manifest or v1 file (see `ChunkStore.load`;

@@ -144,8 +144,7 @@ def _read(root: Path, metadata_path: Path, conversation_id: str, branch: bool) -
     if not isinstance(fill_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in fill_ids):
         raise RefusedFile("corrupt file: fill_ids is not a list of token ids")
     state_path = metadata_path.with_name(metadata_path.name[: -len(_METADATA_SUFFIX)] + _STATE_SUFFIX)
-    return PredecessorTurn(label, conversation_id, turn_number, branch_name, fill_ids,
-                           state_path if os.path.lexists(state_path) else None)
+    return PredecessorTurn(label, conversation_id, turn_number, branch_name, fill_ids, state_path if os.path.lexists(state_path) else None)
 
 
 def _unreadable(e: Exception) -> RefusedFile:

@@ -77,8 +77,14 @@ class PrefixCache:
     """Thread-safe; `lookup` and `admit` hash the tokens given (O(length)); a lookup may load a
     state from the disk tier."""
 
-    def __init__(self, hasher: PrefixHasher, max_bytes: int, min_tokens: int = 1, disk: PrefixDisk | None = None,
-                 policy: ComputeSavedPolicy = ComputeSavedPolicy()):
+    def __init__(
+        self,
+        hasher: PrefixHasher,
+        max_bytes: int,
+        min_tokens: int = 1,
+        disk: PrefixDisk | None = None,
+        policy: ComputeSavedPolicy = ComputeSavedPolicy(),
+    ):
         self.hasher = hasher
         self.policy = policy
         self.max_bytes = max_bytes

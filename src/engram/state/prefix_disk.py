@@ -45,8 +45,16 @@ class DiskEntry:
     last_use: float
 
     def to_json(self, identity: str) -> dict:
-        return {"format": ENTRY_FORMAT, "identity": identity, "position": self.position, "boundary": self.boundary.hex(),
-                "store": self.stored.to_json(), "nbytes": self.nbytes, "sizes": self.sizes, "last_use": self.last_use}
+        return {
+            "format": ENTRY_FORMAT,
+            "identity": identity,
+            "position": self.position,
+            "boundary": self.boundary.hex(),
+            "store": self.stored.to_json(),
+            "nbytes": self.nbytes,
+            "sizes": self.sizes,
+            "last_use": self.last_use,
+        }
 
     @classmethod
     def from_json(cls, data: dict) -> DiskEntry:
@@ -74,8 +82,14 @@ class PrefixDiskStats:
 class PrefixDisk:
     """Thread-safe. Entries are read from the store on first use, not at start-up."""
 
-    def __init__(self, store: ColdStore, hasher: PrefixHasher, max_bytes: int,
-                 policy: ComputeSavedPolicy = ComputeSavedPolicy(), clock: Callable[[], float] = time.time):
+    def __init__(
+        self,
+        store: ColdStore,
+        hasher: PrefixHasher,
+        max_bytes: int,
+        policy: ComputeSavedPolicy = ComputeSavedPolicy(),
+        clock: Callable[[], float] = time.time,
+    ):
         self.store, self.hasher, self.max_bytes = store, hasher, max_bytes
         self.policy = policy
         self.clock = clock

@@ -139,9 +139,7 @@ class SequenceState:
 
 def recurrent_tensors(spec: ModelSpec, dtypes: StateDtypes) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Name -> (shape, dtype) of the fixed-size state every recurrent layer declares."""
-    return {
-        f"layers.{i}.{t.suffix}": (t.shape, dtypes.of(t.role)) for i in spec.recurrent_layers for t in spec.state_tensors(i)
-    }
+    return {f"layers.{i}.{t.suffix}": (t.shape, dtypes.of(t.role)) for i in spec.recurrent_layers for t in spec.state_tensors(i)}
 
 
 def expected_tensors(spec: ModelSpec, dtypes: StateDtypes, state_len: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

@@ -293,8 +293,14 @@ def save_snapshot(
 
 
 def manifest_fields(
-    fmt: str, state: SequenceState, meta: SnapshotMeta, spec: ModelSpec, dtypes: StateDtypes, model: ModelIdentity,
-    tokenizer_sha256: str, checksum: str,
+    fmt: str,
+    state: SequenceState,
+    meta: SnapshotMeta,
+    spec: ModelSpec,
+    dtypes: StateDtypes,
+    model: ModelIdentity,
+    tokenizer_sha256: str,
+    checksum: str,
 ) -> dict:
     """The manifest fields every snapshot format has (what the compatibility check and listings read)."""
     return {
@@ -339,9 +345,7 @@ def check_header(raw: bytes | bytearray, where: str, file_size: int) -> dict:
     except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
         raise SnapshotCorruptError(f"{where}: malformed header: {e!r}") from e
     if file_size != complete_size:
-        raise SnapshotCorruptError(
-            f"{where}: truncated or incomplete: header describes {complete_size} bytes, file has {file_size}"
-        )
+        raise SnapshotCorruptError(f"{where}: truncated or incomplete: header describes {complete_size} bytes, file has {file_size}")
     return header
 
 
@@ -381,31 +385,22 @@ def check_compatible(
     """Raise SnapshotIncompatibleError unless the manifest is of format `fmt` and was made by this
     model, tokenizer, layout and state dtypes."""
     if manifest.get("format") != fmt:
-        raise SnapshotIncompatibleError(
-            f"{where}: format {manifest.get('format')!r} is not supported here (expected {fmt!r})"
-        )
+        raise SnapshotIncompatibleError(f"{where}: format {manifest.get('format')!r} is not supported here (expected {fmt!r})")
     saved_model = _section(manifest, "model")
     for key, ours in asdict(model).items():
         if saved_model.get(key) != ours:
-            raise SnapshotIncompatibleError(
-                f"{where}: made by a different model: {key} is {saved_model.get(key)!r} in the snapshot, {ours!r} here"
-            )
+            raise SnapshotIncompatibleError(f"{where}: made by a different model: {key} is {saved_model.get(key)!r} in the snapshot, {ours!r} here")
     saved_tokenizer = _section(manifest, "tokenizer").get("sha256")
     if saved_tokenizer != tokenizer_sha256:
         raise SnapshotIncompatibleError(
-            f"{where}: made with a different tokenizer: sha256 {saved_tokenizer!r} in the snapshot, "
-            f"{tokenizer_sha256!r} here"
+            f"{where}: made with a different tokenizer: sha256 {saved_tokenizer!r} in the snapshot, {tokenizer_sha256!r} here"
         )
     if manifest.get("layout") != spec.layout():
-        raise SnapshotIncompatibleError(
-            f"{where}: layer layout differs: {manifest.get('layout')} in the snapshot, {spec.layout()} here"
-        )
+        raise SnapshotIncompatibleError(f"{where}: layer layout differs: {manifest.get('layout')} in the snapshot, {spec.layout()} here")
     saved_dtypes = _section(manifest, "dtypes")
     for key, ours in dtype_names(dtypes).items():
         if saved_dtypes.get(key) != ours:
-            raise SnapshotIncompatibleError(
-                f"{where}: state dtype differs: {key} is {saved_dtypes.get(key)!r} in the snapshot, {ours!r} here"
-            )
+            raise SnapshotIncompatibleError(f"{where}: state dtype differs: {key} is {saved_dtypes.get(key)!r} in the snapshot, {ours!r} here")
 
 
 def load_snapshot(

@@ -136,8 +136,12 @@ class Conversation:
         return next((t for t in self.turns.values() if t.answer is not None and t.answer.idempotency_key == idempotency_key), None)
 
     def to_json(self) -> dict:
-        return {"conversation_id": self.conversation_id, "created_at": self.created_at, "owner": self.owner,
-                "turns": [asdict(t) for t in self.turns.values()]}
+        return {
+            "conversation_id": self.conversation_id,
+            "created_at": self.created_at,
+            "owner": self.owner,
+            "turns": [asdict(t) for t in self.turns.values()],
+        }
 
     @classmethod
     def from_json(cls, data: dict) -> Conversation:

@@ -15,11 +15,39 @@ from engram.ops.triton_ops.common import PDL_LAUNCH, cu_seqlens_of, np2, precisi
 # the keys are split, stride_ot and rows_per_split (its token count).
 @triton.jit(do_not_specialize=["stride_ot", "stride_bs"])
 def _paged_attention_kernel(
-    Q, Kc, Vc, O, BT, Cu, Ctx, PSeq, PQs,
-    stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_bs, stride_bp,
-    scale, D,
-    G: tl.constexpr, TPB: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, DECODE: tl.constexpr, PREC: tl.constexpr, NSPLIT: tl.constexpr, Part, PartML, Hq,
+    Q,
+    Kc,
+    Vc,
+    O,
+    BT,
+    Cu,
+    Ctx,
+    PSeq,
+    PQs,
+    stride_qt,
+    stride_qh,
+    stride_ks,
+    stride_kh,
+    stride_vs,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_bs,
+    stride_bp,
+    scale,
+    D,
+    G: tl.constexpr,
+    TPB: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DECODE: tl.constexpr,
+    PREC: tl.constexpr,
+    NSPLIT: tl.constexpr,
+    Part,
+    PartML,
+    Hq,
 ):
     wait_for_previous_kernel()
     pid = tl.program_id(0)
@@ -77,12 +105,13 @@ def _paged_attention_kernel(
     else:
         l_i = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / l_i[:, None]
-        tl.store(O + (q0 + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :], out.to(O.dtype.element_ty), mask=rv[:, None] & dm[None, :])
+        tl.store(
+            O + (q0 + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :], out.to(O.dtype.element_ty), mask=rv[:, None] & dm[None, :]
+        )
 
 
 @triton.jit(do_not_specialize=["rows_per_split"])
-def _attention_combine_kernel(Part, PartML, O, rows_per_split, Hq, stride_ot, stride_oh, D,
-                              NSPLIT: tl.constexpr, BLOCK_D: tl.constexpr):
+def _attention_combine_kernel(Part, PartML, O, rows_per_split, Hq, stride_ot, stride_oh, D, NSPLIT: tl.constexpr, BLOCK_D: tl.constexpr):
     wait_for_previous_kernel()
     row = tl.program_id(0).to(tl.int64)
     sp = tl.arange(0, NSPLIT)
@@ -168,22 +197,84 @@ def paged_attention(q, k_cache, v_cache, seq_lens, context_lens, block_tables, b
             part_ml[:, 0] = float("-inf")
             part_ml[:, 1] = 0.0
         _paged_attention_kernel[(grid[0], Hkv, nsplit)](
-            q, k_cache, v_cache, out, block_tables, cu_seqlens, context_lens_t, pseq, pqs,
-            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-            T * Hq, 0, block_tables.stride(0), block_tables.stride(1), float(scaling), D,
-            G=G, TPB=tpb, PAGE=block_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, DECODE=decode,
-            PREC=precision(q), NSPLIT=nsplit, Part=part, PartML=part_ml, Hq=Hq, num_warps=4, num_stages=2, **PDL_LAUNCH,
+            q,
+            k_cache,
+            v_cache,
+            out,
+            block_tables,
+            cu_seqlens,
+            context_lens_t,
+            pseq,
+            pqs,
+            q.stride(0),
+            q.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            v_cache.stride(0),
+            v_cache.stride(1),
+            T * Hq,
+            0,
+            block_tables.stride(0),
+            block_tables.stride(1),
+            float(scaling),
+            D,
+            G=G,
+            TPB=tpb,
+            PAGE=block_size,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_D=block_d,
+            DECODE=decode,
+            PREC=precision(q),
+            NSPLIT=nsplit,
+            Part=part,
+            PartML=part_ml,
+            Hq=Hq,
+            num_warps=4,
+            num_stages=2,
+            **PDL_LAUNCH,
         )
         _attention_combine_kernel[(T * Hq,)](
             part, part_ml, out, T * Hq, Hq, out.stride(0), out.stride(1), D, NSPLIT=nsplit, BLOCK_D=block_d, num_warps=4, **PDL_LAUNCH
         )
         return out
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, cu_seqlens, context_lens_t, pseq, pqs,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        out.stride(0), out.stride(1), block_tables.stride(0), block_tables.stride(1), float(scaling), D,
-        G=G, TPB=tpb, PAGE=block_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, DECODE=decode,
-        PREC=precision(q), NSPLIT=1, Part=out, PartML=out, Hq=Hq, num_warps=4, num_stages=2, **PDL_LAUNCH
+        q,
+        k_cache,
+        v_cache,
+        out,
+        block_tables,
+        cu_seqlens,
+        context_lens_t,
+        pseq,
+        pqs,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        block_tables.stride(1),
+        float(scaling),
+        D,
+        G=G,
+        TPB=tpb,
+        PAGE=block_size,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        DECODE=decode,
+        PREC=precision(q),
+        NSPLIT=1,
+        Part=out,
+        PartML=out,
+        Hq=Hq,
+        num_warps=4,
+        num_stages=2,
+        **PDL_LAUNCH,
     )
     return out
 
@@ -225,5 +316,17 @@ def store_kv(k_cache, v_cache, k, v, slot_mapping):
     assert k_cache.stride(1) == k_cache.shape[2] and k_cache.stride(2) == 1
     block = min(1024, np2(hd))
     _store_kv_kernel[(T, triton.cdiv(hd, block))](
-        k2, v2, k_cache, v_cache, slot_mapping, k2.stride(0), v2.stride(0), k_cache.stride(0), v_cache.stride(0), hd, BLOCK=block, num_warps=4, **PDL_LAUNCH
+        k2,
+        v2,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k2.stride(0),
+        v2.stride(0),
+        k_cache.stride(0),
+        v_cache.stride(0),
+        hd,
+        BLOCK=block,
+        num_warps=4,
+        **PDL_LAUNCH,
     )

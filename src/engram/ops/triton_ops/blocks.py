@@ -14,7 +14,14 @@ the tensor-core and grouped kernels at batch 64).
 from __future__ import annotations
 
 GEMV_CONFIG = {
-    "linear": (2, 1024, 1), "linear_row": (4, 1024, 1), "linear_row_long_k": (2, 4096, 1),
-    "linear_dot": (32, 128, 4, 4), "linear_dot_narrow": (16, 256, 4, 4), "linear_dot_narrow_64": (16, 128, 4, 8),
-    "moe_up": (2, 2048, 2), "moe_down": (2, 512, 1), "moe_grouped_up": (16, 32, 64, 4, 3), "moe_grouped_down": (32, 128, 2, 3),
+    "linear": (2, 1024, 1),
+    "linear_row": (4, 1024, 1),
+    "linear_row_long_k": (2, 4096, 1),
+    "linear_dot": (32, 128, 4, 4),
+    "linear_dot_narrow": (16, 256, 4, 4),
+    "linear_dot_narrow_64": (16, 128, 4, 8),
+    "moe_up": (2, 2048, 2),
+    "moe_down": (2, 512, 1),
+    "moe_grouped_up": (16, 32, 64, 4, 3),
+    "moe_grouped_down": (32, 128, 2, 3),
 }

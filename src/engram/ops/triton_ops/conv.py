@@ -67,9 +67,22 @@ def conv_step(x, state, stride_pk, w, stride_wk, bias, m, sm, K: tl.constexpr):
 
 @triton.jit
 def _conv_update_kernel(
-    X, W, Bias, Pool, Slots, Y,
-    stride_x, stride_wc, stride_wk, stride_ps, stride_pk, stride_y, C,
-    K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_C: tl.constexpr,
+    X,
+    W,
+    Bias,
+    Pool,
+    Slots,
+    Y,
+    stride_x,
+    stride_wc,
+    stride_wk,
+    stride_ps,
+    stride_pk,
+    stride_y,
+    C,
+    K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_C: tl.constexpr,
 ):
     """The window and the weights are read before the wait: the projection before this kernel
     writes neither."""
@@ -94,18 +107,48 @@ def launch_conv_update(x, weight, bias, conv_pool, slots, y):
     if S:
         block = 256
         _conv_update_kernel[(S, triton.cdiv(C, block))](
-            x, weight, bias if bias is not None else weight, conv_pool, slots, y,
-            x.stride(0), weight.stride(0), weight.stride(1), conv_pool.stride(0), conv_pool.stride(1), y.stride(0), C,
-            K=K, HAS_BIAS=bias is not None, BLOCK_C=block, num_warps=4, **PDL_LAUNCH
+            x,
+            weight,
+            bias if bias is not None else weight,
+            conv_pool,
+            slots,
+            y,
+            x.stride(0),
+            weight.stride(0),
+            weight.stride(1),
+            conv_pool.stride(0),
+            conv_pool.stride(1),
+            y.stride(0),
+            C,
+            K=K,
+            HAS_BIAS=bias is not None,
+            BLOCK_C=block,
+            num_warps=4,
+            **PDL_LAUNCH,
         )
     return y
 
 
 @triton.jit
 def _conv_varlen_kernel(
-    X, W, Bias, Pool, Slots, Cu, Y,
-    stride_x, stride_wc, stride_wk, stride_ps, stride_pk, stride_y, C,
-    K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    X,
+    W,
+    Bias,
+    Pool,
+    Slots,
+    Cu,
+    Y,
+    stride_x,
+    stride_wc,
+    stride_wk,
+    stride_ps,
+    stride_pk,
+    stride_y,
+    C,
+    K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr,
 ):
     wait_for_previous_kernel()
     s = tl.program_id(0).to(tl.int64)
@@ -122,9 +165,7 @@ def _conv_varlen_kernel(
     for j in tl.static_range(K):
         p = t - (K - 1) + j  # input position of tap j, relative to the sequence start
         xv = tl.load(X + (start + p)[:, None] * stride_x + c[None, :], mask=(tm & (p >= 0))[:, None] & cm[None, :], other=0.0)
-        sv = tl.load(
-            Pool + slot * stride_ps + (K - 1 + p)[:, None] * stride_pk + c[None, :], mask=(tm & (p < 0))[:, None] & cm[None, :], other=0.0
-        )
+        sv = tl.load(Pool + slot * stride_ps + (K - 1 + p)[:, None] * stride_pk + c[None, :], mask=(tm & (p < 0))[:, None] & cm[None, :], other=0.0)
         wj = tl.load(W + c * stride_wc + j * stride_wk, mask=cm, other=0.0).to(tl.float32)
         acc += (xv.to(tl.float32) + sv.to(xv.dtype).to(tl.float32)) * wj[None, :]
     if HAS_BIAS:
@@ -180,9 +221,26 @@ def causal_conv1d_varlen(x, weight, bias, conv_pool, slots, seq_lens, cu_seqlens
     bt, bc = 64, 128
     bias_arg = bias if bias is not None else weight
     _conv_varlen_kernel[(S, triton.cdiv(max(seq_lens), bt), triton.cdiv(C, bc))](
-        x, weight, bias_arg, conv_pool, slots, cu_seqlens, y,
-        x.stride(0), weight.stride(0), weight.stride(1), conv_pool.stride(0), conv_pool.stride(1), y.stride(0), C,
-        K=K, HAS_BIAS=bias is not None, BLOCK_T=bt, BLOCK_C=bc, num_warps=4, **PDL_LAUNCH
+        x,
+        weight,
+        bias_arg,
+        conv_pool,
+        slots,
+        cu_seqlens,
+        y,
+        x.stride(0),
+        weight.stride(0),
+        weight.stride(1),
+        conv_pool.stride(0),
+        conv_pool.stride(1),
+        y.stride(0),
+        C,
+        K=K,
+        HAS_BIAS=bias is not None,
+        BLOCK_T=bt,
+        BLOCK_C=bc,
+        num_warps=4,
+        **PDL_LAUNCH,
     )
     _conv_state_kernel[(S, triton.cdiv(C, 256))](
         x, conv_pool, slots, cu_seqlens, x.stride(0), conv_pool.stride(0), conv_pool.stride(1), C, K=K, BLOCK_C=256, num_warps=4, **PDL_LAUNCH

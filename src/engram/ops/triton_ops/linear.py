@@ -52,8 +52,7 @@ def first_dot(A, w0, a_rows, rv, stride_a, K, acc, BLOCK_K: tl.constexpr, PREC: 
 
 
 @triton.jit
-def grouped_dot(A, W, a_rows, rv, n, nm, stride_a, stride_wn, K, acc,
-                 BLOCK_K: tl.constexpr, PREC: tl.constexpr, K0: tl.constexpr = 0):
+def grouped_dot(A, W, a_rows, rv, n, nm, stride_a, stride_wn, K, acc, BLOCK_K: tl.constexpr, PREC: tl.constexpr, K0: tl.constexpr = 0):
     """acc + A[a_rows, K0:] @ W[n, K0:]^T: the rows of one block of tokens times one expert's rows n.
     (The loop reads its tiles itself: written with `dot_tile` it compiled to other code, BENCHMARKS.md.)"""
     for k0 in range(K0, K, BLOCK_K):
@@ -76,11 +75,40 @@ def _row_rsqrt(Part, m, mm, stride_part, NPART, GS, eps, BLOCK_PART: tl.constexp
 
 @triton.jit
 def _gemv_kernel(
-    X, W, B, Y, M, N, stride_x, stride_w, stride_y,
-    CW, CB, Pool, Slots, conv_start, C, stride_wc, stride_wk, stride_ps, stride_pk,
-    Part, stride_part, NPART, GS, eps,
-    K: tl.constexpr, HAS_BIAS: tl.constexpr, CONV: tl.constexpr, CONV_K: tl.constexpr, CONV_BIAS: tl.constexpr,
-    ROW_RSQRT: tl.constexpr, BLOCK_PART: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    X,
+    W,
+    B,
+    Y,
+    M,
+    N,
+    stride_x,
+    stride_w,
+    stride_y,
+    CW,
+    CB,
+    Pool,
+    Slots,
+    conv_start,
+    C,
+    stride_wc,
+    stride_wk,
+    stride_ps,
+    stride_pk,
+    Part,
+    stride_part,
+    NPART,
+    GS,
+    eps,
+    K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    CONV: tl.constexpr,
+    CONV_K: tl.constexpr,
+    CONV_BIAS: tl.constexpr,
+    ROW_RSQRT: tl.constexpr,
+    BLOCK_PART: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """y = x W^T (+ b) for a few rows x, BLOCK_N output columns per program. With CONV, columns
     [conv_start, conv_start + C) are then replaced by their causal-conv update, row m being one
@@ -113,16 +141,37 @@ def _gemv_kernel(
         slot = tl.load(Slots + m, mask=mm, other=-1).to(tl.int64)
         cm = mm[:, None] & in_conv[None, :]
         bias = tl.load(CB + c, mask=in_conv, other=0.0).to(tl.float32)[None, :] if CONV_BIAS else 0.0
-        y = conv_step(out, Pool + slot[:, None] * stride_ps + c[None, :], stride_pk, CW + c[None, :] * stride_wc, stride_wk, bias,
-                       cm, cm & (slot >= 0)[:, None], CONV_K)
+        y = conv_step(
+            out,
+            Pool + slot[:, None] * stride_ps + c[None, :],
+            stride_pk,
+            CW + c[None, :] * stride_wc,
+            stride_wk,
+            bias,
+            cm,
+            cm & (slot >= 0)[:, None],
+            CONV_K,
+        )
         out = tl.where(in_conv[None, :], y.to(out.dtype), out)
     tl.store(Y + m[:, None] * stride_y + n[None, :], out, mask=mm[:, None] & nm[None, :])
 
 
 @triton.jit
 def _linear_dot_kernel(
-    X, W, B, Y, M, N, stride_x, stride_w, stride_y,
-    K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    X,
+    W,
+    B,
+    Y,
+    M,
+    N,
+    stride_x,
+    stride_w,
+    stride_y,
+    K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     PREC: tl.constexpr,
 ):
     """y = x W^T (+ b) for up to BLOCK_M rows on tensor cores (decode batches of a few dozen): one
@@ -187,11 +236,37 @@ def gemv(x, weight, bias, conv=None, row_rsqrt=None):
     rsqrt_args, rsqrt_flags = _row_rsqrt_args(row_rsqrt, weight)
     bn, bk, warps = _gemv_config(M, K)
     _gemv_kernel[(triton.cdiv(N, bn),)](
-        x2, weight, bias if bias is not None else weight, y, M, N, x2.stride(0), weight.stride(0), y.stride(0),
-        cw, cb if cb is not None else cw, pool, slots, conv_start, cw.shape[0], cw.stride(0), cw.stride(-1), pool.stride(0),
-        pool.stride(1), *rsqrt_args, K=K, HAS_BIAS=bias is not None, CONV=conv is not None,
-        CONV_K=cw.shape[-1] if conv is not None else 0, CONV_BIAS=cb is not None, **rsqrt_flags,
-        BLOCK_M=np2(M), BLOCK_N=bn, BLOCK_K=min(bk, np2(K)), num_warps=warps, **PDL_LAUNCH,
+        x2,
+        weight,
+        bias if bias is not None else weight,
+        y,
+        M,
+        N,
+        x2.stride(0),
+        weight.stride(0),
+        y.stride(0),
+        cw,
+        cb if cb is not None else cw,
+        pool,
+        slots,
+        conv_start,
+        cw.shape[0],
+        cw.stride(0),
+        cw.stride(-1),
+        pool.stride(0),
+        pool.stride(1),
+        *rsqrt_args,
+        K=K,
+        HAS_BIAS=bias is not None,
+        CONV=conv is not None,
+        CONV_K=cw.shape[-1] if conv is not None else 0,
+        CONV_BIAS=cb is not None,
+        **rsqrt_flags,
+        BLOCK_M=np2(M),
+        BLOCK_N=bn,
+        BLOCK_K=min(bk, np2(K)),
+        num_warps=warps,
+        **PDL_LAUNCH,
     )
     return y.view(*x.shape[:-1], N)
 
@@ -218,9 +293,24 @@ def _linear_dot(x, weight, bias):
     bn, bk, warps, stages = GEMV_CONFIG[linear_dot_config_key(N, M, x.device)]
     bk = bk * 2 // x.element_size()  # the blocks are tuned for 2-byte types: the same shared memory for float32
     _linear_dot_kernel[(triton.cdiv(N, bn),)](
-        x2, weight, bias if bias is not None else weight, y, M, N, x2.stride(0), weight.stride(0), y.stride(0),
-        K=K, HAS_BIAS=bias is not None, BLOCK_M=max(16, np2(M)), BLOCK_N=bn, BLOCK_K=min(bk, np2(K)), PREC=precision(x),
-        num_warps=warps, num_stages=stages, **PDL_LAUNCH,
+        x2,
+        weight,
+        bias if bias is not None else weight,
+        y,
+        M,
+        N,
+        x2.stride(0),
+        weight.stride(0),
+        y.stride(0),
+        K=K,
+        HAS_BIAS=bias is not None,
+        BLOCK_M=max(16, np2(M)),
+        BLOCK_N=bn,
+        BLOCK_K=min(bk, np2(K)),
+        PREC=precision(x),
+        num_warps=warps,
+        num_stages=stages,
+        **PDL_LAUNCH,
     )
     return y.view(*x.shape[:-1], N)
 

@@ -65,7 +65,9 @@ def route_softmax_topk(router_logits: torch.Tensor, top_k: int) -> tuple[torch.T
     ids = torch.empty((T, top_k), dtype=torch.int64, device=router_logits.device)
     if T:
         logits = as_rows(router_logits)
-        _topk_softmax_kernel[(T,)](logits, weights, ids, logits.stride(0), E, TOPK=top_k, BLOCK_E=np2(E), BLOCK_K=np2(top_k), num_warps=1, **PDL_LAUNCH)
+        _topk_softmax_kernel[(T,)](
+            logits, weights, ids, logits.stride(0), E, TOPK=top_k, BLOCK_E=np2(E), BLOCK_K=np2(top_k), num_warps=1, **PDL_LAUNCH
+        )
     return weights, ids
 
 
@@ -81,8 +83,20 @@ def _act(g, ACT: tl.constexpr):
 
 
 @triton.jit
-def _expert_up(x_ptr, w_ptr, h_ptr, stride_wn, nb, I, HDIM: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
-               WAIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _expert_up(
+    x_ptr,
+    w_ptr,
+    h_ptr,
+    stride_wn,
+    nb,
+    I,
+    HDIM: tl.constexpr,
+    GATED: tl.constexpr,
+    ACT: tl.constexpr,
+    WAIT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """Rows nb*BLOCK_N.. of one expert's hidden act(W_gate x) * (W_up x), rounded as the reference.
     WAIT: wait for the previous kernel here, once the first weight loads are issued."""
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -101,9 +115,27 @@ def _expert_up(x_ptr, w_ptr, h_ptr, stride_wn, nb, I, HDIM: tl.constexpr, GATED:
 
 @triton.jit
 def _moe_up_gemv_kernel(
-    X, Win, Ids, H1, Sin, Hs, stride_x, stride_we, stride_wn, stride_h, stride_sn, stride_hs, TK, I, IS,
-    HDIM: tl.constexpr, TOPK: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    X,
+    Win,
+    Ids,
+    H1,
+    Sin,
+    Hs,
+    stride_x,
+    stride_we,
+    stride_wn,
+    stride_h,
+    stride_sn,
+    stride_hs,
+    TK,
+    I,
+    IS,
+    HDIM: tl.constexpr,
+    TOPK: tl.constexpr,
+    GATED: tl.constexpr,
+    ACT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """A flat grid: first every routed (token, expert) pair's row blocks, then (with a shared
     expert) every token's row blocks of the shared expert, whose first weights are read before
@@ -114,8 +146,9 @@ def _moe_up_gemv_kernel(
         wait_for_previous_kernel()
         a = pid // nbi
         e = tl.load(Ids + a).to(tl.int64)
-        _expert_up(X + (a // TOPK) * stride_x, Win + e * stride_we, H1 + a * stride_h, stride_wn, pid % nbi, I,
-                   HDIM, GATED, ACT, False, BLOCK_N, BLOCK_K)
+        _expert_up(
+            X + (a // TOPK) * stride_x, Win + e * stride_we, H1 + a * stride_h, stride_wn, pid % nbi, I, HDIM, GATED, ACT, False, BLOCK_N, BLOCK_K
+        )
     else:
         q = pid - TK * nbi
         nbs = tl.cdiv(IS, BLOCK_N)
@@ -125,9 +158,28 @@ def _moe_up_gemv_kernel(
 
 @triton.jit
 def _moe_down_gemv_kernel(
-    H1, Wout, Ids, Wts, Out, Hs, Sout, stride_h, stride_we, stride_wn, stride_o, stride_hs, stride_sn,
-    HDIM: tl.constexpr, I: tl.constexpr, IS: tl.constexpr, TOPK: tl.constexpr, HAS_SHARED: tl.constexpr,
-    BLOCK_J: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KS: tl.constexpr,
+    H1,
+    Wout,
+    Ids,
+    Wts,
+    Out,
+    Hs,
+    Sout,
+    stride_h,
+    stride_we,
+    stride_wn,
+    stride_o,
+    stride_hs,
+    stride_sn,
+    HDIM: tl.constexpr,
+    I: tl.constexpr,
+    IS: tl.constexpr,
+    TOPK: tl.constexpr,
+    HAS_SHARED: tl.constexpr,
+    BLOCK_J: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_KS: tl.constexpr,
 ):
     """out[t] = sum over the token's experts of weight * (W_down h) (+ the shared expert's W_down h):
     no atomics. The routing comes from a kernel before the previous one: it and the first weight
@@ -163,9 +215,27 @@ def _moe_down_gemv_kernel(
 
 
 @triton.jit
-def _grouped_up_tile(X, W, H, x_rows, h_rows, rv, nb, stride_x, stride_wn, stride_h, Hdim, I,
-                     GATED: tl.constexpr, ACT: tl.constexpr, WAIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, PREC: tl.constexpr):
+def _grouped_up_tile(
+    X,
+    W,
+    H,
+    x_rows,
+    h_rows,
+    rv,
+    nb,
+    stride_x,
+    stride_wn,
+    stride_h,
+    Hdim,
+    I,
+    GATED: tl.constexpr,
+    ACT: tl.constexpr,
+    WAIT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PREC: tl.constexpr,
+):
     """H[h_rows, block nb] = act(X[x_rows] W_gate^T) * (X[x_rows] W_up^T), rounded as the reference.
     WAIT: wait for the previous kernel before the store (the caller has not waited)."""
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -183,10 +253,35 @@ def _grouped_up_tile(X, W, H, x_rows, h_rows, rv, nb, stride_x, stride_wn, strid
 
 @triton.jit(do_not_specialize=_STEP_SIZED + ["SHARED_PROGRAMS"])
 def _moe_up_grouped_kernel(
-    X, Win, SortedIds, BlockExpert, H1, Sin, Hs, Done, stride_x, stride_we, stride_wn, stride_h, stride_sn, stride_hs,
-    Tk, T, Hdim, I, IS, E, NB, SHARED_PROGRAMS,
-    TOPK: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+    X,
+    Win,
+    SortedIds,
+    BlockExpert,
+    H1,
+    Sin,
+    Hs,
+    Done,
+    stride_x,
+    stride_we,
+    stride_wn,
+    stride_h,
+    stride_sn,
+    stride_hs,
+    Tk,
+    T,
+    Hdim,
+    I,
+    IS,
+    E,
+    NB,
+    SHARED_PROGRAMS,
+    TOPK: tl.constexpr,
+    GATED: tl.constexpr,
+    ACT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PREC: tl.constexpr,
 ):
     """A flat grid: first (with a shared expert, IS > 0) blocks of BLOCK_M tokens through the
     shared expert, whose hidden size may differ; then (block b, column block nb) for every block
@@ -200,8 +295,9 @@ def _moe_up_grouped_kernel(
     if pid < SHARED_PROGRAMS:
         sb = tl.cdiv(T, BLOCK_M)
         t = (pid % sb) * BLOCK_M + tl.arange(0, BLOCK_M)
-        _grouped_up_tile(X, Sin, Hs, t, t, t < T, pid // sb, stride_x, stride_sn, stride_hs, Hdim, IS,
-                         GATED, ACT, True, BLOCK_M, BLOCK_N, BLOCK_K, PREC)
+        _grouped_up_tile(
+            X, Sin, Hs, t, t, t < T, pid // sb, stride_x, stride_sn, stride_hs, Hdim, IS, GATED, ACT, True, BLOCK_M, BLOCK_N, BLOCK_K, PREC
+        )
         tile_done(Done + NB + tl.program_id(0) % sb)
     else:
         wait_for_previous_kernel()
@@ -211,16 +307,62 @@ def _moe_up_grouped_kernel(
         if e >= E:
             return
         rows = tl.load(SortedIds + b * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-        _grouped_up_tile(X, Win + e * stride_we, H1, rows // TOPK, rows, rows < Tk, q // NB, stride_x, stride_wn, stride_h, Hdim, I,
-                         GATED, ACT, False, BLOCK_M, BLOCK_N, BLOCK_K, PREC)
+        _grouped_up_tile(
+            X,
+            Win + e * stride_we,
+            H1,
+            rows // TOPK,
+            rows,
+            rows < Tk,
+            q // NB,
+            stride_x,
+            stride_wn,
+            stride_h,
+            Hdim,
+            I,
+            GATED,
+            ACT,
+            False,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+            PREC,
+        )
         tile_done(Done + (tl.program_id(0) - SHARED_PROGRAMS) % NB)
 
 
 @triton.jit(do_not_specialize=_STEP_SIZED)
 def _moe_down_grouped_kernel(
-    H1, Wout, SortedIds, BlockExpert, Wts, O2, Hs, Sout, S, Done, stride_h, stride_we, stride_wn, stride_o,
-    stride_hs, stride_sn, stride_s, Tk, T, Hdim, I, IS, E, NB, UP_TILES, SHARED_UP_TILES,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+    H1,
+    Wout,
+    SortedIds,
+    BlockExpert,
+    Wts,
+    O2,
+    Hs,
+    Sout,
+    S,
+    Done,
+    stride_h,
+    stride_we,
+    stride_wn,
+    stride_o,
+    stride_hs,
+    stride_sn,
+    stride_s,
+    Tk,
+    T,
+    Hdim,
+    I,
+    IS,
+    E,
+    NB,
+    UP_TILES,
+    SHARED_UP_TILES,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PREC: tl.constexpr,
 ):
     """Routed blocks: O2[pair] = weight * (W_down h), each rounded as the reference (so O2 holds them
     exactly in the model's dtype); then (with a shared expert) S[token] = W_shared_down h_shared.
@@ -292,8 +434,9 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.
 
 
 @triton.jit
-def _align_pairs(ids, a, invalid, SortedIds, BlockExpert, Done, NDONE, Tk, NB, MAXP, E,
-                 BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+def _align_pairs(
+    ids, a, invalid, SortedIds, BlockExpert, Done, NDONE, Tk, NB, MAXP, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr
+):
     """This program's part of `moe_align` (program e < E: expert e's run; program E: the tail) from
     the experts `ids` of the pairs `a` in increasing order (a 1-D block; `invalid` of its entries
     are no pairs and hold expert 0): every program counts all pairs per expert (a histogram),
@@ -330,8 +473,21 @@ def _align_pairs(ids, a, invalid, SortedIds, BlockExpert, Done, NDONE, Tk, NB, M
 
 
 @triton.jit(do_not_specialize=_STEP_SIZED + ["NDONE", "MAXP"])
-def _moe_align_kernel(Ids, SortedIds, BlockExpert, Done, NDONE, Tk, NB, MAXP, E,
-                      BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, CHUNK: tl.constexpr):
+def _moe_align_kernel(
+    Ids,
+    SortedIds,
+    BlockExpert,
+    Done,
+    NDONE,
+    Tk,
+    NB,
+    MAXP,
+    E,
+    BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
     """`moe_align`, one program per expert and one more for the tail (`_align_pairs`)."""
     wait_for_previous_kernel()
     a = tl.arange(0, BLOCK_T)
@@ -340,9 +496,26 @@ def _moe_align_kernel(Ids, SortedIds, BlockExpert, Done, NDONE, Tk, NB, MAXP, E,
 
 
 @triton.jit(do_not_specialize=["NDONE", "T", "NB", "MAXP"])
-def _topk_align_kernel(L, Wt, Ids, SortedIds, BlockExpert, Done, NDONE, stride_l, T, NB, MAXP, E,
-                       TOPK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                       BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+def _topk_align_kernel(
+    L,
+    Wt,
+    Ids,
+    SortedIds,
+    BlockExpert,
+    Done,
+    NDONE,
+    stride_l,
+    T,
+    NB,
+    MAXP,
+    E,
+    TOPK: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
     """`route_softmax_topk` of all T rows and `moe_align` of their pairs in one launch: each of the
     E + 1 programs takes the top-k of every row (`_softmax_topk_rows`), program 0 stores the weights
     and ids, and each then does its part of the sort (`_align_pairs`)."""
@@ -385,9 +558,23 @@ def moe_align_triton(ids: torch.Tensor, num_experts: int, block_m: int, done: to
     flat = ids.reshape(-1).contiguous()
     tk = flat.numel()
     sorted_ids, block_expert = _sorted_pairs(tk, num_experts, block_m, ids.device)
-    _moe_align_kernel[(num_experts + 1,)](flat, sorted_ids, block_expert, done, done.numel(), tk, block_expert.numel(), sorted_ids.numel(),
-                                          num_experts, BLOCK_M=block_m, BLOCK_E=np2(num_experts), BLOCK_T=np2(tk), CHUNK=128,
-                                          num_warps=4, **PDL_LAUNCH)
+    _moe_align_kernel[(num_experts + 1,)](
+        flat,
+        sorted_ids,
+        block_expert,
+        done,
+        done.numel(),
+        tk,
+        block_expert.numel(),
+        sorted_ids.numel(),
+        num_experts,
+        BLOCK_M=block_m,
+        BLOCK_E=np2(num_experts),
+        BLOCK_T=np2(tk),
+        CHUNK=128,
+        num_warps=4,
+        **PDL_LAUNCH,
+    )
     return sorted_ids, block_expert
 
 
@@ -408,8 +595,26 @@ def route_softmax_topk_align(router_logits: torch.Tensor, top_k: int, block_m: i
     ids = torch.empty((T, top_k), dtype=torch.int64, device=logits.device)
     sorted_ids, block_expert = _sorted_pairs(T * top_k, E, block_m, logits.device)
     _topk_align_kernel[(E + 1,)](
-        logits, weights, ids, sorted_ids, block_expert, done, done.numel(), logits.stride(0), T, block_expert.numel(), sorted_ids.numel(), E,
-        TOPK=top_k, BLOCK_T=np2(T), BLOCK_E=np2(E), BLOCK_K=np2(top_k), BLOCK_M=block_m, CHUNK=128, num_warps=4, **PDL_LAUNCH,
+        logits,
+        weights,
+        ids,
+        sorted_ids,
+        block_expert,
+        done,
+        done.numel(),
+        logits.stride(0),
+        T,
+        block_expert.numel(),
+        sorted_ids.numel(),
+        E,
+        TOPK=top_k,
+        BLOCK_T=np2(T),
+        BLOCK_E=np2(E),
+        BLOCK_K=np2(top_k),
+        BLOCK_M=block_m,
+        CHUNK=128,
+        num_warps=4,
+        **PDL_LAUNCH,
     )
     return weights, ids, sorted_ids, block_expert
 
@@ -423,8 +628,7 @@ MOE_GROUPED_SMALL_PAIRS = 2048
 
 
 @triton.jit
-def _moe_combine_kernel(O2, S, Out, stride_o, stride_s, stride_out, HDIM, TOPK: tl.constexpr, HAS_SHARED: tl.constexpr,
-                        BLOCK: tl.constexpr):
+def _moe_combine_kernel(O2, S, Out, stride_o, stride_s, stride_out, HDIM, TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK: tl.constexpr):
     """out[t] = sum of the token's TOPK weighted expert rows (in float32), rounded, + its shared row."""
     wait_for_previous_kernel()
     t = tl.program_id(0).to(tl.int64)
@@ -496,24 +700,92 @@ def _moe(x, w_in, w_out, act, gated, shared, top_k, route: Callable, router_logi
     s = torch.empty((T, Hdim), dtype=x.dtype, device=x.device) if fuse_shared else None
     shared_programs = shared_blocks * triton.cdiv(i_s, bn)
     _moe_up_grouped_kernel[(shared_programs + nblocks * triton.cdiv(I, bn),)](
-        x, w_in, sorted_ids, block_expert, h1, s_in, hs, done, x.stride(0), w_in.stride(0), w_in.stride(1), h1.stride(0),
-        s_in.stride(0), hs.stride(0), tk, T, Hdim, I, i_s, E, nblocks, shared_programs,
-        TOPK=top_k, GATED=gated, ACT=code, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PREC=prec, num_warps=warps, num_stages=stages, **PDL_LAUNCH
+        x,
+        w_in,
+        sorted_ids,
+        block_expert,
+        h1,
+        s_in,
+        hs,
+        done,
+        x.stride(0),
+        w_in.stride(0),
+        w_in.stride(1),
+        h1.stride(0),
+        s_in.stride(0),
+        hs.stride(0),
+        tk,
+        T,
+        Hdim,
+        I,
+        i_s,
+        E,
+        nblocks,
+        shared_programs,
+        TOPK=top_k,
+        GATED=gated,
+        ACT=code,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        PREC=prec,
+        num_warps=warps,
+        num_stages=stages,
+        **PDL_LAUNCH,
     )
     o2 = torch.empty((tk, Hdim), dtype=x.dtype, device=x.device)
     _moe_down_grouped_kernel[(nblocks + shared_blocks, triton.cdiv(Hdim, dbn))](
-        h1, w_out, sorted_ids, block_expert, weights.reshape(-1), o2, hs, s_out, s if fuse_shared else o2, done,
-        h1.stride(0), w_out.stride(0), w_out.stride(1), o2.stride(0), hs.stride(0), s_out.stride(0), Hdim,  # S is contiguous [T, Hdim]
-        tk, T, Hdim, I, max(i_s, 1), E, nblocks, triton.cdiv(I, bn), triton.cdiv(i_s, bn),
-        BLOCK_M=bm, BLOCK_N=dbn, BLOCK_K=dbk, PREC=prec, num_warps=dwarps, num_stages=dstages, **PDL_LAUNCH
+        h1,
+        w_out,
+        sorted_ids,
+        block_expert,
+        weights.reshape(-1),
+        o2,
+        hs,
+        s_out,
+        s if fuse_shared else o2,
+        done,
+        h1.stride(0),
+        w_out.stride(0),
+        w_out.stride(1),
+        o2.stride(0),
+        hs.stride(0),
+        s_out.stride(0),
+        Hdim,  # S is contiguous [T, Hdim]
+        tk,
+        T,
+        Hdim,
+        I,
+        max(i_s, 1),
+        E,
+        nblocks,
+        triton.cdiv(I, bn),
+        triton.cdiv(i_s, bn),
+        BLOCK_M=bm,
+        BLOCK_N=dbn,
+        BLOCK_K=dbk,
+        PREC=prec,
+        num_warps=dwarps,
+        num_stages=dstages,
+        **PDL_LAUNCH,
     )
     if shared is not None and not fuse_shared:
         s = _shared_expert(x, shared, act, gated)
     s_arg = s if s is not None else o2
     block = min(256, np2(Hdim))
     _moe_combine_kernel[(T, triton.cdiv(Hdim, block))](
-        o2, s_arg, out, o2.stride(0), s_arg.stride(0), out.stride(0), Hdim, TOPK=top_k, HAS_SHARED=shared is not None,
-        BLOCK=block, num_warps=2, **PDL_LAUNCH
+        o2,
+        s_arg,
+        out,
+        o2.stride(0),
+        s_arg.stride(0),
+        out.stride(0),
+        Hdim,
+        TOPK=top_k,
+        HAS_SHARED=shared is not None,
+        BLOCK=block,
+        num_warps=2,
+        **PDL_LAUNCH,
     )
     return out
 
@@ -538,14 +810,55 @@ def _moe_gemv(x, w_in, w_out, weights, ids, code, gated, shared, h1, out):
     bn, bk, warps = GEMV_CONFIG["moe_up"]
     programs = tk * triton.cdiv(I, bn) + T * triton.cdiv(i_s, bn)
     _moe_up_gemv_kernel[(programs,)](
-        x, w_in, ids, h1, s_in, hs, x.stride(0), w_in.stride(0), w_in.stride(1), h1.stride(0), s_in.stride(0), hs.stride(0),
-        tk, I, i_s, HDIM=Hdim, TOPK=top_k, GATED=gated, ACT=code, BLOCK_N=bn, BLOCK_K=min(bk, np2(Hdim)), num_warps=warps, **PDL_LAUNCH
+        x,
+        w_in,
+        ids,
+        h1,
+        s_in,
+        hs,
+        x.stride(0),
+        w_in.stride(0),
+        w_in.stride(1),
+        h1.stride(0),
+        s_in.stride(0),
+        hs.stride(0),
+        tk,
+        I,
+        i_s,
+        HDIM=Hdim,
+        TOPK=top_k,
+        GATED=gated,
+        ACT=code,
+        BLOCK_N=bn,
+        BLOCK_K=min(bk, np2(Hdim)),
+        num_warps=warps,
+        **PDL_LAUNCH,
     )
     bn, bk, warps = GEMV_CONFIG["moe_down"]
     _moe_down_gemv_kernel[(T, triton.cdiv(Hdim, bn))](
-        h1, w_out, ids, weights, out, hs, s_out, h1.stride(0), w_out.stride(0), w_out.stride(1), out.stride(0), hs.stride(0),
-        s_out.stride(0), HDIM=Hdim, I=I, IS=max(i_s, 1), TOPK=top_k, HAS_SHARED=shared is not None, BLOCK_J=np2(top_k),
-        BLOCK_N=bn, BLOCK_K=min(bk, np2(I)), BLOCK_KS=min(bk, np2(i_s)), num_warps=warps, **PDL_LAUNCH
+        h1,
+        w_out,
+        ids,
+        weights,
+        out,
+        hs,
+        s_out,
+        h1.stride(0),
+        w_out.stride(0),
+        w_out.stride(1),
+        out.stride(0),
+        hs.stride(0),
+        s_out.stride(0),
+        HDIM=Hdim,
+        I=I,
+        IS=max(i_s, 1),
+        TOPK=top_k,
+        HAS_SHARED=shared is not None,
+        BLOCK_J=np2(top_k),
+        BLOCK_N=bn,
+        BLOCK_K=min(bk, np2(I)),
+        BLOCK_KS=min(bk, np2(i_s)),
+        num_warps=warps,
+        **PDL_LAUNCH,
     )
     return out
-

@@ -45,14 +45,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_fp32: 
     if x2.shape[0]:
         block = np2(n)
         _rms_norm_kernel[(x2.shape[0],)](
-            x2, weight, y, x2.stride(0), y.stride(0), n, eps, BLOCK=block, W_FP32=weight_in_fp32, num_warps=_norm_warps(block), **PDL_LAUNCH,
+            x2,
+            weight,
+            y,
+            x2.stride(0),
+            y.stride(0),
+            n,
+            eps,
+            BLOCK=block,
+            W_FP32=weight_in_fp32,
+            num_warps=_norm_warps(block),
+            **PDL_LAUNCH,
         )
     return y.view(*x.shape[:-1], n)
 
 
 @triton.jit
-def _add_and_normalize(X, R, w, RO, row, cols, mask, stride_x, stride_r, N, eps, scale,
-                       SCALED: tl.constexpr, W_FP32: tl.constexpr):
+def _add_and_normalize(X, R, w, RO, row, cols, mask, stride_x, stride_r, N, eps, scale, SCALED: tl.constexpr, W_FP32: tl.constexpr):
     """(stream, normalized) of one row: stream = R + X * scale in RO's dtype, then its RMS norm
     times the norm weight w (float32), with the torch reference's roundings."""
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
@@ -64,8 +73,21 @@ def _add_and_normalize(X, R, w, RO, row, cols, mask, stride_x, stride_r, N, eps,
 
 @triton.jit
 def _add_rms_norm_kernel(
-    X, R, W, Y, RO, stride_x, stride_r, stride_y, stride_ro, N, eps, scale,
-    SCALED: tl.constexpr, BLOCK: tl.constexpr, W_FP32: tl.constexpr,
+    X,
+    R,
+    W,
+    Y,
+    RO,
+    stride_x,
+    stride_r,
+    stride_y,
+    stride_ro,
+    N,
+    eps,
+    scale,
+    SCALED: tl.constexpr,
+    BLOCK: tl.constexpr,
+    W_FP32: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -88,16 +110,51 @@ def add_rms_norm(
     if x2.shape[0]:
         block = np2(n)
         _add_rms_norm_kernel[(x2.shape[0],)](
-            x2, r2, weight, y, r_out, x2.stride(0), r2.stride(0), y.stride(0), r_out.stride(0), n, eps, float(scale),
-            SCALED=scale != 1.0, BLOCK=block, W_FP32=weight_in_fp32, num_warps=_norm_warps(block), **PDL_LAUNCH,
+            x2,
+            r2,
+            weight,
+            y,
+            r_out,
+            x2.stride(0),
+            r2.stride(0),
+            y.stride(0),
+            r_out.stride(0),
+            n,
+            eps,
+            float(scale),
+            SCALED=scale != 1.0,
+            BLOCK=block,
+            W_FP32=weight_in_fp32,
+            num_warps=_norm_warps(block),
+            **PDL_LAUNCH,
         )
     return y.view(*x.shape[:-1], n), r_out.view(*residual.shape[:-1], n)
 
 
 @triton.jit
 def _add_rms_norm_linear_kernel(
-    X, R, W, Y, RO, L, Out, T, stride_x, stride_r, stride_y, stride_ro, stride_l, stride_o, N, NL, eps, scale,
-    SCALED: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, TOKENS: tl.constexpr,
+    X,
+    R,
+    W,
+    Y,
+    RO,
+    L,
+    Out,
+    T,
+    stride_x,
+    stride_r,
+    stride_y,
+    stride_ro,
+    stride_l,
+    stride_o,
+    N,
+    NL,
+    eps,
+    scale,
+    SCALED: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+    TOKENS: tl.constexpr,
 ):
     """Programs (TOKENS tokens, block of ROWS output features): each normalizes its tokens' rows (as
     `_add_rms_norm_kernel`; the programs of the first feature block store them and the stream) and
@@ -154,9 +211,30 @@ def add_rms_norm_linear(x, residual, weight, eps, scale, linear_weight):
         block = np2(n)
         rows, tokens = _norm_linear_tile(T, nl, block, x.device)
         _add_rms_norm_linear_kernel[(triton.cdiv(T, tokens), triton.cdiv(nl, rows))](
-            x2, r2, weight, y, r_out, linear_weight, out, T, x2.stride(0), r2.stride(0), y.stride(0), r_out.stride(0),
-            linear_weight.stride(0), out.stride(0), n, nl, eps, float(scale), SCALED=scale != 1.0, BLOCK=block, ROWS=rows,
-            TOKENS=tokens, num_warps=min(16, max(4, block // 512)), **PDL_LAUNCH,
+            x2,
+            r2,
+            weight,
+            y,
+            r_out,
+            linear_weight,
+            out,
+            T,
+            x2.stride(0),
+            r2.stride(0),
+            y.stride(0),
+            r_out.stride(0),
+            linear_weight.stride(0),
+            out.stride(0),
+            n,
+            nl,
+            eps,
+            float(scale),
+            SCALED=scale != 1.0,
+            BLOCK=block,
+            ROWS=rows,
+            TOKENS=tokens,
+            num_warps=min(16, max(4, block // 512)),
+            **PDL_LAUNCH,
         )
     return y.view(*x.shape[:-1], n), r_out.view(*residual.shape[:-1], n), out.view(*x.shape[:-1], nl)
 
@@ -187,8 +265,18 @@ def gated_rms_norm(
     if x2.shape[0]:
         block = np2(group_size)
         _gated_rms_norm_kernel[(x2.shape[0], n // group_size)](
-            x2, z2, weight, y, x2.stride(0), z2.stride(0), y.stride(0), group_size, eps, BLOCK=block,
-            num_warps=_norm_warps(block), **PDL_LAUNCH,
+            x2,
+            z2,
+            weight,
+            y,
+            x2.stride(0),
+            z2.stride(0),
+            y.stride(0),
+            group_size,
+            eps,
+            BLOCK=block,
+            num_warps=_norm_warps(block),
+            **PDL_LAUNCH,
         )
     return y.view(*x.shape[:-1], n)
 

@@ -54,7 +54,9 @@ def _argmax_rows_kernel(Val, Idx, Out, HostOut, Turn, stride_host, NC, BLOCK_C: 
 ARGMAX_CHUNK = 4096
 
 
-def argmax(logits: torch.Tensor, out: torch.Tensor | None = None, host_out: torch.Tensor | None = None, turn: torch.Tensor | None = None) -> torch.Tensor:
+def argmax(
+    logits: torch.Tensor, out: torch.Tensor | None = None, host_out: torch.Tensor | None = None, turn: torch.Tensor | None = None
+) -> torch.Tensor:
     """Rows [R, V] of float32 or half logits into a contiguous int64 `out` of R (or a new one), and
     into row turn[1] of a pinned `host_out` (see the reference); anything else goes to the reference."""
     shaped = logits.dim() == 2 and logits.shape[1] > 0 and logits.dtype in TL_DTYPES

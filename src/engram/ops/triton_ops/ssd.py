@@ -36,11 +36,41 @@ def _ssd_dt(dt, dt_bias, dt_min, dt_max):
 
 @triton.jit
 def _ssd_update_kernel(
-    Pool, Slots, X, DT, DtBias, ALog, Bm, Cm, Dp, Y,
-    stride_ps, stride_ph, stride_pp, stride_xs, stride_xh, stride_dts, stride_bs, stride_bg, stride_cs, stride_cg,
-    stride_ys, stride_yh, P, N, HPG, dt_min, dt_max,
-    Z, NormW, Part, stride_zs, stride_part,
-    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, GATED: tl.constexpr,
+    Pool,
+    Slots,
+    X,
+    DT,
+    DtBias,
+    ALog,
+    Bm,
+    Cm,
+    Dp,
+    Y,
+    stride_ps,
+    stride_ph,
+    stride_pp,
+    stride_xs,
+    stride_xh,
+    stride_dts,
+    stride_bs,
+    stride_bg,
+    stride_cs,
+    stride_cg,
+    stride_ys,
+    stride_yh,
+    P,
+    N,
+    HPG,
+    dt_min,
+    dt_max,
+    Z,
+    NormW,
+    Part,
+    stride_zs,
+    stride_part,
+    BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GATED: tl.constexpr,
 ):
     """GATED: instead of y, store norm_weight * y * silu(z) and this program's sum of (y * silu(z))^2
     in Part[s, program]: the gated RMS norm without its row statistic, which the output projection
@@ -78,9 +108,23 @@ def _ssd_update_kernel(
 def _ssd_strides(ssm_pool, x, dt, B, C, y, dt_limit) -> tuple:
     """The stride, size and dt-limit arguments both SSD kernels take, in their order."""
     return (
-        ssm_pool.stride(0), ssm_pool.stride(1), ssm_pool.stride(2), x.stride(0), x.stride(1), dt.stride(0),
-        B.stride(0), B.stride(1), C.stride(0), C.stride(1), y.stride(0), y.stride(1), x.shape[2], B.shape[2],
-        x.shape[1] // B.shape[1], float(dt_limit[0]), float(dt_limit[1]),
+        ssm_pool.stride(0),
+        ssm_pool.stride(1),
+        ssm_pool.stride(2),
+        x.stride(0),
+        x.stride(1),
+        dt.stride(0),
+        B.stride(0),
+        B.stride(1),
+        C.stride(0),
+        C.stride(1),
+        y.stride(0),
+        y.stride(1),
+        x.shape[2],
+        B.shape[2],
+        x.shape[1] // B.shape[1],
+        float(dt_limit[0]),
+        float(dt_limit[1]),
     )
 
 
@@ -95,9 +139,27 @@ def _launch_ssd_update(ssm_pool, slots, x, dt, dt_bias, dt_limit, A_log, B, C, D
     bp = _ssd_update_block_p(P)
     z, norm_weight, part = gated if gated is not None else (y, y, y)
     _ssd_update_kernel[(S, H, triton.cdiv(P, bp))](
-        ssm_pool, slots, x, dt, dt_bias, A_log, B, C, D, y, *_ssd_strides(ssm_pool, x, dt, B, C, y.view(S, H, P), dt_limit),
-        z, norm_weight, part, z.stride(0), part.stride(0), BLOCK_P=bp, BLOCK_N=np2(B.shape[2]), GATED=gated is not None,
-        num_warps=2, **PDL_LAUNCH
+        ssm_pool,
+        slots,
+        x,
+        dt,
+        dt_bias,
+        A_log,
+        B,
+        C,
+        D,
+        y,
+        *_ssd_strides(ssm_pool, x, dt, B, C, y.view(S, H, P), dt_limit),
+        z,
+        norm_weight,
+        part,
+        z.stride(0),
+        part.stride(0),
+        BLOCK_P=bp,
+        BLOCK_N=np2(B.shape[2]),
+        GATED=gated is not None,
+        num_warps=2,
+        **PDL_LAUNCH,
     )
 
 
@@ -114,9 +176,7 @@ def ssd_state_update(ssm_pool, slots, x, dt, dt_bias, dt_limit, A_log, B, C, D):
 SSD_NORM_MAX_PARTS = 512
 
 
-def ssd_state_update_norm_linear(
-    ssm_pool, slots, x, dt, dt_bias, dt_limit, A_log, B, C, D, gate, norm_weight, eps, group_size, weight, bias=None
-):
+def ssd_state_update_norm_linear(ssm_pool, slots, x, dt, dt_bias, dt_limit, A_log, B, C, D, gate, norm_weight, eps, group_size, weight, bias=None):
     """With one norm group over the whole row and the GEMV's batch sizes, the gated norm has no launch
     of its own: the SSD update stores norm_weight * y * silu(gate) and per-program sums of squares,
     and the output projection's GEMV scales each row's dot products by the rsqrt of the row's mean
@@ -139,10 +199,36 @@ def ssd_state_update_norm_linear(
 
 @triton.jit
 def _ssd_scan_kernel(
-    Pool, Slots, Cu, X, DT, DtBias, ALog, Bm, Cm, Dp, Y,
-    stride_ps, stride_ph, stride_pp, stride_xt, stride_xh, stride_dtt, stride_bt, stride_bg, stride_ct, stride_cg,
-    stride_yt, stride_yh, P, N, HPG, dt_min, dt_max,
-    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    Pool,
+    Slots,
+    Cu,
+    X,
+    DT,
+    DtBias,
+    ALog,
+    Bm,
+    Cm,
+    Dp,
+    Y,
+    stride_ps,
+    stride_ph,
+    stride_pp,
+    stride_xt,
+    stride_xh,
+    stride_dtt,
+    stride_bt,
+    stride_bg,
+    stride_ct,
+    stride_cg,
+    stride_yt,
+    stride_yh,
+    P,
+    N,
+    HPG,
+    dt_min,
+    dt_max,
+    BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """The SSD recurrence token by token over each sequence of a flat batch, state in registers
     (read from and written back to the pool by slot). For short prefill chunks: one launch, exact."""
@@ -186,7 +272,21 @@ def ssd_varlen_scan(x, dt, dt_bias, dt_limit, A_log, B, C, D, chunk_size, seq_le
     assert x.stride(2) == 1 and B.stride(2) == 1 and C.stride(2) == 1 and ssm_pool.stride(3) == 1
     bp = min(16, np2(P))
     _ssd_scan_kernel[(S, H, triton.cdiv(P, bp))](
-        ssm_pool, slots, cu_seqlens, x, dt, dt_bias, A_log, B, C, D, y, *_ssd_strides(ssm_pool, x, dt, B, C, y, dt_limit),
-        BLOCK_P=bp, BLOCK_N=np2(N), num_warps=4, **PDL_LAUNCH
+        ssm_pool,
+        slots,
+        cu_seqlens,
+        x,
+        dt,
+        dt_bias,
+        A_log,
+        B,
+        C,
+        D,
+        y,
+        *_ssd_strides(ssm_pool, x, dt, B, C, y, dt_limit),
+        BLOCK_P=bp,
+        BLOCK_N=np2(N),
+        num_warps=4,
+        **PDL_LAUNCH,
     )
     return y

@@ -18,8 +18,19 @@ TAKE_PROGRAMS = 16
 
 @triton.jit
 def _take_decode_inputs_kernel(
-    Staged, Inputs, Turn, Sampled, InputIds, stride_staged, rows_words, columns, b,
-    HEADER: tl.constexpr, TOKEN_ROW: tl.constexpr, BLOCK: tl.constexpr, BLOCK_B: tl.constexpr,
+    Staged,
+    Inputs,
+    Turn,
+    Sampled,
+    InputIds,
+    stride_staged,
+    rows_words,
+    columns,
+    b,
+    HEADER: tl.constexpr,
+    TOKEN_ROW: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_B: tl.constexpr,
 ):
     """Programs copy blocks of staged[Turn[0] % 2] in a grid-stride loop: the rows (always staged)
     read beside the length, to save a round trip over PCIe, the tables after it (only what was
@@ -53,7 +64,9 @@ def _take_decode_inputs_kernel(
         tl.store(Turn, count + 1)
 
 
-def take_decode_inputs(staged: torch.Tensor, inputs: torch.Tensor, turn: torch.Tensor, sampled: torch.Tensor, input_ids: torch.Tensor, columns: int) -> None:
+def take_decode_inputs(
+    staged: torch.Tensor, inputs: torch.Tensor, turn: torch.Tensor, sampled: torch.Tensor, input_ids: torch.Tensor, columns: int
+) -> None:
     """As the reference; `staged` in pinned host memory (or on the CPU for the interpreter)."""
     laid_out = staged.dtype == inputs.dtype == torch.int32 and sampled.dtype == input_ids.dtype == torch.int64
     contiguous = staged.is_contiguous() and inputs.is_contiguous() and input_ids.is_contiguous()
@@ -62,6 +75,18 @@ def take_decode_inputs(staged: torch.Tensor, inputs: torch.Tensor, turn: torch.T
     capacity = staged.shape[1] - staging_ref.HEADER_WORDS
     programs = max(1, min(TAKE_PROGRAMS, triton.cdiv(capacity, TAKE_BLOCK)))
     _take_decode_inputs_kernel[(programs,)](
-        staged, inputs, turn, sampled, input_ids, staged.stride(0), 2 * (staging_ref.TOKEN_ROW + 1) * columns, columns, input_ids.shape[0],
-        HEADER=staging_ref.HEADER_WORDS, TOKEN_ROW=staging_ref.TOKEN_ROW, BLOCK=TAKE_BLOCK, BLOCK_B=np2(input_ids.shape[0]), num_warps=4,
+        staged,
+        inputs,
+        turn,
+        sampled,
+        input_ids,
+        staged.stride(0),
+        2 * (staging_ref.TOKEN_ROW + 1) * columns,
+        columns,
+        input_ids.shape[0],
+        HEADER=staging_ref.HEADER_WORDS,
+        TOKEN_ROW=staging_ref.TOKEN_ROW,
+        BLOCK=TAKE_BLOCK,
+        BLOCK_B=np2(input_ids.shape[0]),
+        num_warps=4,
     )

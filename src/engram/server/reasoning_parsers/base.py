@@ -27,7 +27,7 @@ class ReasoningParser:
         body = text[lead:]
         start = next((m for m in self.starts if body.startswith(m)), None)
         if start is not None:
-            rest = body[len(start):]
+            rest = body[len(start) :]
         elif not final and any(m.startswith(body) for m in self.starts):
             return "", ""  # a start marker may be coming
         elif self.implicit_start:
@@ -37,5 +37,5 @@ class ReasoningParser:
         found = [(rest.find(m), m) for m in self.ends if m in rest]
         if found:
             at, end = min(found)
-            return rest[:at], rest[at + len(end):].lstrip()
+            return rest[:at], rest[at + len(end) :].lstrip()
         return (rest if final else held_back(rest, *self.ends)), ""

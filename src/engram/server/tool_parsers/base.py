@@ -71,7 +71,7 @@ def scan_call_list(text: str, i: int, calls: list[PartialCall]) -> int | None:
     """The calls of a JSON array of call objects whose `[` is at `i`, appended to `calls`; the
     index after the array, None if it has not ended yet."""
     if text[i] != "[":
-        raise ValueError(f"expected a JSON array of tool calls at {text[i:i + 20]!r}")
+        raise ValueError(f"expected a JSON array of tool calls at {text[i : i + 20]!r}")
     j = skip_ws(text, i + 1)
     while j < len(text):
         if text[j] == "]":
@@ -84,5 +84,5 @@ def scan_call_list(text: str, i: int, calls: list[PartialCall]) -> int | None:
         if j < len(text) and text[j] == ",":
             j = skip_ws(text, j + 1)
         elif j < len(text) and text[j] != "]":
-            raise ValueError(f"expected ',' or ']' at {text[j:j + 20]!r}")
+            raise ValueError(f"expected ',' or ']' at {text[j : j + 20]!r}")
     return None

@@ -63,7 +63,7 @@ def value_end(text: str, i: int) -> int | None:
     if m is None:
         if any(word.startswith(text[i:]) for word in ("true", "false", "null")) or text[i:] == "-":
             return None
-        raise ValueError(f"not a JSON value at {text[i:i + 20]!r}")
+        raise ValueError(f"not a JSON value at {text[i : i + 20]!r}")
     return m.end() if m.end() < len(text) else None  # "12" may go on as "123"
 
 
@@ -84,7 +84,7 @@ class CallObject:
 def scan_call_object(text: str, i: int, keys: tuple[str, ...] = ARGUMENT_KEYS) -> CallObject:
     """The call object whose `{` is at `i`. Raises ValueError when it is not a call object."""
     if text[i] != "{":
-        raise ValueError(f"expected a JSON object at {text[i:i + 20]!r}")
+        raise ValueError(f"expected a JSON object at {text[i : i + 20]!r}")
     call = CallObject()
     j = skip_ws(text, i + 1)
     while j < len(text):
@@ -92,7 +92,7 @@ def scan_call_object(text: str, i: int, keys: tuple[str, ...] = ARGUMENT_KEYS) -
             call.end = j + 1
             break
         if text[j] != '"':
-            raise ValueError(f"expected a key at {text[j:j + 20]!r}")
+            raise ValueError(f"expected a key at {text[j : j + 20]!r}")
         key_end = _string_end(text, j)
         if key_end is None:
             return call
@@ -122,9 +122,9 @@ def scan_call_object(text: str, i: int, keys: tuple[str, ...] = ARGUMENT_KEYS) -
         if j < len(text) and text[j] == ",":
             j = skip_ws(text, j + 1)
         elif j < len(text) and text[j] != "}":
-            raise ValueError(f"expected ',' or '}}' at {text[j:j + 20]!r}")
+            raise ValueError(f"expected ',' or '}}' at {text[j : j + 20]!r}")
     if call.end is not None:
-        json.loads(text[i:call.end])  # the whole object must be JSON
+        json.loads(text[i : call.end])  # the whole object must be JSON
         if call.name is None:
             raise ValueError("a tool call object without a name")
     return call

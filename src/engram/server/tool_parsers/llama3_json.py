@@ -26,6 +26,6 @@ class Llama3JsonToolParser(ToolParser):
                 break
             i = skip_ws(text, call.end)
             if i < len(text) and text[i] != ";":
-                raise ValueError(f"expected ';' between calls at {text[i:i + 20]!r}")
+                raise ValueError(f"expected ';' between calls at {text[i : i + 20]!r}")
             i = skip_ws(text, i + 1)
         return Scan("", calls)

@@ -27,7 +27,7 @@ class Qwen3CoderToolParser(HermesToolParser):
         name_end = text.find(">", i + len(FUNCTION))
         if name_end < 0:
             return None
-        name = text[i + len(FUNCTION):name_end].strip()
+        name = text[i + len(FUNCTION) : name_end].strip()
         call = PartialCall(name, "{")
         calls.append(call)
         fields: list[str] = []
@@ -44,16 +44,15 @@ class Qwen3CoderToolParser(HermesToolParser):
             value_end = text.find(END_PARAMETER, key_end + 1) if key_end >= 0 else -1
             if value_end < 0:
                 return None
-            key = text[j + len(PARAMETER):key_end].strip()
-            value = self._value(name, key, _strip_newline(text[key_end + 1:value_end]))
+            key = text[j + len(PARAMETER) : key_end].strip()
+            value = self._value(name, key, _strip_newline(text[key_end + 1 : value_end]))
             fields.append(f"{json.dumps(key, ensure_ascii=False)}: {json.dumps(value, ensure_ascii=False)}")
             call.arguments = "{" + ", ".join(fields)
             j = skip_ws(text, value_end + len(END_PARAMETER))
         return None
 
     def _value(self, function: str, key: str, text: str) -> Any:
-        schema = next((t.get("function", {}).get("parameters") or {} for t in self.tools
-                       if t.get("function", {}).get("name") == function), {})
+        schema = next((t.get("function", {}).get("parameters") or {} for t in self.tools if t.get("function", {}).get("name") == function), {})
         kind = (schema.get("properties") or {}).get(key, {}).get("type", "string")
         if kind == "string":
             return text

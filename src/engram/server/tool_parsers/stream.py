@@ -66,7 +66,7 @@ class ToolCallReader:
                 out.calls.append(CallDelta(index, self.calls[index].id, call.name))
             sent = self.calls[index]
             if len(call.arguments) > len(sent.arguments) and call.arguments.startswith(sent.arguments):
-                grown = call.arguments[len(sent.arguments):]
+                grown = call.arguments[len(sent.arguments) :]
                 sent.arguments = call.arguments
                 if out.calls and out.calls[-1].index == index:
                     out.calls[-1].arguments += grown
@@ -76,7 +76,6 @@ class ToolCallReader:
 
     def _content_delta(self, content: str) -> ToolDeltas:
         if len(content) > len(self.content) and content.startswith(self.content):
-            grown, self.content = content[len(self.content):], content
+            grown, self.content = content[len(self.content) :], content
             return ToolDeltas(content=grown)
         return ToolDeltas()
-
