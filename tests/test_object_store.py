@@ -11,6 +11,7 @@ from test_conversations import full_generation, take_turn
 
 from engram.state.conversations import ConversationManager
 from engram.state.object_store import StoreConfigError, StoreUnavailableError, remote_url
+from engram.state.tiers import SnapshotPolicy, SnapshotTrigger
 from engram.state.turns import StaleViewError, retain_key
 
 obstore = pytest.importorskip("obstore")
@@ -92,6 +93,45 @@ def test_a_replica_whose_view_went_stale_hands_back_the_slot_it_kept(engines, pa
     assert b.active.take_released() == [retain_key("s", "main/000001")]
 
 
+def test_a_regenerate_that_loses_the_race_hands_back_the_slot_it_retained(engines, pair):
+    """B regenerates turn 2 while A records turn 3: B's record write is refused (409), and the
+    engine slot B's request kept under turn 2's key is handed back, not held by no turn."""
+    (ea, eb), (a, b) = engines, pair
+    take_turn(ea, a, "g", random_prompt(8, 13))
+    take_turn(ea, a, "g", random_prompt(3, 14))
+    plan_b, plan_a = b.begin("g", from_turn=1), a.begin("g")
+    assert (plan_b.turn, plan_a.turn) == (2, 3)
+    take_turn_from(ea, a, plan_a, random_prompt(2, 15))
+    b.active.take_released()
+    key = retain_key("g", plan_b.ref)
+    with pytest.raises(StaleViewError):
+        take_turn_from(eb, b, plan_b, random_prompt(4, 16), retain=key)
+    assert key in eb.scheduler.retained  # the engine still keeps it: the manager must say to free it
+    assert key in b.active.take_released()
+
+
+def test_a_replica_that_loses_the_record_race_leaves_no_snapshot_at_the_winners_turn(engines, tmp_path):
+    """B writes turn 2's snapshot first, A then records turn 2 (here without a snapshot: its
+    policy writes none), B's record write is refused: B's snapshot of a turn the store does not
+    record as its goes with it, so that A can still save its own turn 2."""
+    (ea, eb) = engines
+    a = manager_of(ea, tmp_path / "a", SnapshotPolicy(SnapshotTrigger.MANUAL_ONLY), chunk_tokens=16, store_url="memory:///")
+    b = replica(eb, tmp_path / "b", shared=a)
+    take_turn(ea, a, "m", random_prompt(10, 17))
+    a.save("m", turn=1)
+    plan_a, plan_b = a.begin("m"), b.begin("m")
+    take_turn_from(ea, a, plan_a, random_prompt(3, 18))
+    with pytest.raises(StaleViewError):
+        take_turn_from(eb, b, plan_b, random_prompt(5, 19))
+    assert [e["turn"] for e in b.store.snapshots("m")] == [1]
+    assert a.save("m", turn=2).snapshot
+    c = replica(ea, tmp_path / "c", shared=a)
+    history = c.require("m").tokens(c.require("m").latest("main"))
+    turn, out, _, plan = take_turn(ea, c, "m", random_prompt(2, 20))
+    assert plan.state_tier == "cold" and plan.state.state_len >= len(history) - 1
+    assert out.token_ids == full_generation(ea, history + random_prompt(2, 20))
+
+
 def test_two_replicas_creating_one_conversation_exactly_one_records_it(engines, pair):
     (ea, eb), (a, b) = engines, pair
     plan_a, plan_b = a.begin("n"), b.begin("n")
@@ -125,9 +165,9 @@ def test_store_urls():
         remote_url("ftp://host/x")
 
 
-def take_turn_from(engine, manager, plan, new_tokens):
-    """Finish an already begun turn (a plan from `manager.begin`) on `engine`."""
+def take_turn_from(engine, manager, plan, new_tokens, retain=None):
+    """Finish an already begun turn (a plan from `manager.begin`) on `engine`, its slot kept under `retain`."""
     prompt = plan.history_tokens + new_tokens
-    engine.add_request("t", prompt, greedy(4), initial_state=plan.state, capture_state=True)
+    engine.add_request("t", prompt, greedy(4), initial_state=plan.state, capture_state=True, retain_key=retain)
     out = run_to_end(engine)["t"]
     return manager.finish(plan, prompt, out.token_ids, [{"role": "user", "content": "x"}], out.state)

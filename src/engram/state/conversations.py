@@ -469,7 +469,7 @@ class ConversationManager:
         turns = {ref: t for ref, t in conv.turns.items() if ref not in gone}
         try:
             self._persist(Conversation(conv.conversation_id, {**turns, turn.ref: turn}, conv.created_at))
-        except OSError:
+        except (OSError, StaleViewError):
             self.active.hand_back(conv.conversation_id, turn.ref)
             raise
 
@@ -503,7 +503,7 @@ class ConversationManager:
                 return
             try:
                 self._persist_and_prune(conv, turn.branch)
-            except OSError as e:
+            except (OSError, StaleViewError) as e:  # StaleViewError: the snapshot just written is of a turn the store records otherwise
                 if recorded:  # the file it points at is an orphan, removed on the next load
                     turn.snapshot = False
                     log.warning("conversation %r turn %s is recorded without its snapshot: %s", conv.conversation_id, turn.ref, e)
