@@ -11,6 +11,7 @@ from test_conversations import full_generation, take_turn
 
 from engram.state.conversations import ConversationManager
 from engram.state.object_store import StoreConfigError, StoreUnavailableError, remote_url
+from engram.state.store import WarmCache
 from engram.state.tiers import SnapshotPolicy, SnapshotTrigger
 from engram.state.turns import StaleViewError, retain_key
 
@@ -130,6 +131,29 @@ def test_a_replica_that_loses_the_record_race_leaves_no_snapshot_at_the_winners_
     turn, out, _, plan = take_turn(ea, c, "m", random_prompt(2, 20))
     assert plan.state_tier == "cold" and plan.state.state_len >= len(history) - 1
     assert out.token_ids == full_generation(ea, history + random_prompt(2, 20))
+
+
+def test_a_state_evicted_from_a_stale_conversation_does_not_fail_another_conversations_turn(engines, tmp_path):
+    """A keeps one conversation in memory; its two unsaved states of "y" are evicted by a turn
+    of "x", after B recorded turn 3 of "y": writing them is refused (409 for "y"), which must
+    not become the answer to "x", whose turn is recorded; A reads "y" afresh."""
+    (ea, eb) = engines
+    a = manager_of(
+        ea,
+        tmp_path / "a",
+        SnapshotPolicy(SnapshotTrigger.EVERY_N_TURNS, every_n_turns=3),
+        WarmCache(1, 1 << 30),
+        chunk_tokens=16,
+        store_url="memory:///",
+    )
+    b = replica(eb, tmp_path / "b", shared=a)
+    take_turn(ea, a, "y", random_prompt(9, 21))
+    take_turn(ea, a, "y", random_prompt(4, 22))
+    take_turn(eb, b, "y", random_prompt(3, 23))
+    turn, out, _, _ = take_turn(ea, a, "x", random_prompt(6, 24))
+    assert out.token_ids == full_generation(ea, random_prompt(6, 24))
+    assert b.require("x").latest("main").new_tokens == turn.new_tokens  # recorded in the store
+    assert a.require("y").latest("main").turn == 3
 
 
 def test_two_replicas_creating_one_conversation_exactly_one_records_it(engines, pair):

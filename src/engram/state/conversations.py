@@ -801,7 +801,7 @@ class ConversationManager:
         try:
             self._write_snapshot(conv, turn, state)
             self._persist_and_prune(conv, turn.branch)
-        except (SnapshotError, OSError) as e:
+        except (SnapshotError, OSError, StaleViewError) as e:  # StaleViewError: memory's copy is dropped, the store's read next
             turn.snapshot = False
             log.warning("snapshot of conversation %r turn %s leaving memory not written: %s", conversation_id, ref, e)
             return False
