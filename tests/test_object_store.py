@@ -156,6 +156,31 @@ def test_a_state_evicted_from_a_stale_conversation_does_not_fail_another_convers
     assert a.require("y").latest("main").turn == 3
 
 
+def test_a_replica_reading_a_conversation_keeps_the_manifest_of_a_turn_being_recorded(engines, pair, tmp_path, monkeypatch):
+    """A has written turn 2's manifest and not yet its record when B reads the conversation: the
+    manifest the record does not list yet is another replica's turn in flight, not a crash's
+    orphan. It stays, and the record A writes next names a manifest that exists."""
+    (ea, eb), (a, b) = engines, pair
+    take_turn(ea, a, "o", random_prompt(10, 25))
+    b.require("o")
+    write_record = a.store.write_record
+
+    def b_reads_first(conversation_id, data):
+        b._drop_stale(conversation_id)  # B's next look-up reads the record afresh
+        b.require(conversation_id)
+        write_record(conversation_id, data)
+
+    monkeypatch.setattr(a.store, "write_record", b_reads_first)
+    take_turn(ea, a, "o", random_prompt(4, 26))
+    monkeypatch.undo()
+    assert a.require("o").turns["main/000002"].snapshot
+    assert [e["turn"] for e in b.store.snapshots("o")] == [1, 2]
+    c = replica(eb, tmp_path / "c", shared=a)
+    history = c.require("o").tokens(c.require("o").latest("main"))
+    turn, out, _, plan = take_turn(eb, c, "o", random_prompt(2, 27))
+    assert plan.state_tier == "cold" and plan.parent == "main/000002" and plan.state.state_len >= len(history) - 1
+
+
 def test_two_replicas_creating_one_conversation_exactly_one_records_it(engines, pair):
     (ea, eb), (a, b) = engines, pair
     plan_a, plan_b = a.begin("n"), b.begin("n")

@@ -181,9 +181,12 @@ class ConversationManager:
     def _remove_orphans(self, conv: Conversation, records: RecordFiles) -> None:
         """Delete snapshot files the record does not point at: a crash between a snapshot's commit
         and its record's leaves one, for a turn that was never recorded (so never answered under
-        sync durability)."""
+        sync durability). In a store other replicas share, a recent one may be a turn whose record
+        is about to be written: it is left for a later load."""
         saved = self._saved()
         for location in saved.unrecorded(conv):
+            if saved.store.written_within(location, self.orphan_grace_s):  # another replica's turn, its record next
+                continue
             log.warning("removing snapshot %s: its conversation record does not list it (left by a crash)", location)
             saved.store.delete(location)
             self._sweep_due = True

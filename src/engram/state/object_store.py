@@ -24,7 +24,7 @@ import errno
 import json
 import os
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
@@ -265,6 +265,16 @@ class ObjectColdStore(FilesystemColdStore):
             except SnapshotNotFoundError:  # deleted since the listing
                 continue
         return super().snapshots(conversation_id)
+
+    def written_within(self, location: str, seconds: float) -> bool:
+        """By the bucket's time of the object (replicas write records after their manifests)."""
+        import obstore
+
+        try:
+            modified = self._call(obstore.head, self._key(location))["last_modified"]
+        except FileNotFoundError:
+            return False
+        return (datetime.now(timezone.utc) - modified).total_seconds() < seconds
 
     def store_members(self, stored: StoredState) -> dict[str, str]:
         self._fetch_files(stored)  # an export reads them from the folder
