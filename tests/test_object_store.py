@@ -13,7 +13,7 @@ from engram.state.conversations import ConversationManager
 from engram.state.object_store import StoreConfigError, StoreUnavailableError, remote_url
 from engram.state.store import WarmCache
 from engram.state.tiers import SnapshotPolicy, SnapshotTrigger
-from engram.state.turns import StaleViewError, retain_key
+from engram.state.turns import ConversationError, StaleViewError, retain_key
 
 obstore = pytest.importorskip("obstore")
 
@@ -179,6 +179,42 @@ def test_a_replica_reading_a_conversation_keeps_the_manifest_of_a_turn_being_rec
     history = c.require("o").tokens(c.require("o").latest("main"))
     turn, out, _, plan = take_turn(eb, c, "o", random_prompt(2, 27))
     assert plan.state_tier == "cold" and plan.parent == "main/000002" and plan.state.state_len >= len(history) - 1
+
+
+def test_two_replicas_importing_one_conversation_id_leave_the_winners_snapshots(engines, pair, tmp_path, monkeypatch):
+    """B imports another export under the id A is importing, between A's manifests and A's
+    record: exactly one import is recorded, and every snapshot its record names is its own and
+    there (a loser neither overwrites the winner's manifests nor deletes them when it gives up)."""
+    import io
+
+    (ea, eb), (a, b) = engines, pair
+    exports = {}
+    for cid, seed in (("p", 28), ("q", 29)):
+        take_turn(ea, a, cid, random_prompt(12, seed))
+        exports[cid] = io.BytesIO()
+        a.export_conversation(cid, None, exports[cid])
+    write_record, refused = a.store.write_record, []
+
+    def b_imports_first(conversation_id, data):
+        if conversation_id == "z":
+            try:
+                b.import_conversation(io.BytesIO(exports["q"].getvalue()), None, conversation_id="z")
+            except ConversationError as e:
+                refused.append(e)
+        write_record(conversation_id, data)
+
+    monkeypatch.setattr(a.store, "write_record", b_imports_first)
+    try:
+        a.import_conversation(io.BytesIO(exports["p"].getvalue()), None, conversation_id="z")
+    except StaleViewError as e:
+        refused.append(e)
+    monkeypatch.undo()
+    assert len(refused) == 1
+    c = replica(eb, tmp_path / "c", shared=a)
+    history = c.require("z").tokens(c.require("z").latest("main"))
+    turn, out, _, plan = take_turn(eb, c, "z", random_prompt(2, 30))
+    assert plan.state_tier == "cold" and plan.state.state_len >= len(history) - 1
+    assert out.token_ids == full_generation(eb, history + random_prompt(2, 30))
 
 
 def test_two_replicas_creating_one_conversation_exactly_one_records_it(engines, pair):

@@ -284,12 +284,20 @@ class ObjectColdStore(FilesystemColdStore):
         return self._get(self._key(location))[0]
 
     def write(self, location: str, data: bytes) -> None:
-        """An imported manifest (the store files it names adopted before it), or v1 file."""
+        """An imported manifest (the store files it names adopted before it), or v1 file; created
+        only where none is, so that two replicas importing one conversation id never replace (and
+        the loser, undoing its import, never deletes) the other's."""
+        from obstore.exceptions import AlreadyExistsError
+
         super().write(location, data)
         stored = stored_state(json.loads(data), snapshot_label(location)) if location.endswith(".json") else None
         if stored is not None:
             self._push_files(stored)
-        self._put(self._key(location), data)
+        try:
+            self._put(self._key(location), data, mode="create")
+        except AlreadyExistsError:
+            Path(location).unlink(missing_ok=True)
+            raise StaleViewError(f"{snapshot_label(location)}: another replica stored this turn first") from None
 
     # ---- conversation records --------------------------------------------------------------------
 
