@@ -126,11 +126,7 @@ def test_a_replica_that_loses_the_record_race_leaves_no_snapshot_at_the_winners_
         take_turn_from(eb, b, plan_b, random_prompt(5, 19))
     assert [e["turn"] for e in b.store.snapshots("m")] == [1]
     assert a.save("m", turn=2).snapshot
-    c = replica(ea, tmp_path / "c", shared=a)
-    history = c.require("m").tokens(c.require("m").latest("main"))
-    turn, out, _, plan = take_turn(ea, c, "m", random_prompt(2, 20))
-    assert plan.state_tier == "cold" and plan.state.state_len >= len(history) - 1
-    assert out.token_ids == full_generation(ea, history + random_prompt(2, 20))
+    continues_from_its_latest_snapshot(ea, replica(ea, tmp_path / "c", shared=a), "m")
 
 
 def test_a_state_evicted_from_a_stale_conversation_does_not_fail_another_conversations_turn(engines, tmp_path):
@@ -175,10 +171,7 @@ def test_a_replica_reading_a_conversation_keeps_the_manifest_of_a_turn_being_rec
     monkeypatch.undo()
     assert a.require("o").turns["main/000002"].snapshot
     assert [e["turn"] for e in b.store.snapshots("o")] == [1, 2]
-    c = replica(eb, tmp_path / "c", shared=a)
-    history = c.require("o").tokens(c.require("o").latest("main"))
-    turn, out, _, plan = take_turn(eb, c, "o", random_prompt(2, 27))
-    assert plan.state_tier == "cold" and plan.parent == "main/000002" and plan.state.state_len >= len(history) - 1
+    assert continues_from_its_latest_snapshot(eb, replica(eb, tmp_path / "c", shared=a), "o").parent == "main/000002"
 
 
 def test_two_replicas_importing_one_conversation_id_leave_the_winners_snapshots(engines, pair, tmp_path, monkeypatch):
@@ -210,11 +203,7 @@ def test_two_replicas_importing_one_conversation_id_leave_the_winners_snapshots(
         refused.append(e)
     monkeypatch.undo()
     assert len(refused) == 1
-    c = replica(eb, tmp_path / "c", shared=a)
-    history = c.require("z").tokens(c.require("z").latest("main"))
-    turn, out, _, plan = take_turn(eb, c, "z", random_prompt(2, 30))
-    assert plan.state_tier == "cold" and plan.state.state_len >= len(history) - 1
-    assert out.token_ids == full_generation(eb, history + random_prompt(2, 30))
+    continues_from_its_latest_snapshot(eb, replica(eb, tmp_path / "c", shared=a), "z")
 
 
 def test_two_replicas_creating_one_conversation_exactly_one_records_it(engines, pair):
@@ -248,6 +237,17 @@ def test_store_urls():
     assert remote_url("s3://b/p") == "s3://b/p"
     with pytest.raises(StoreConfigError, match="scheme"):
         remote_url("ftp://host/x")
+
+
+def continues_from_its_latest_snapshot(engine, manager, conversation_id):
+    """A turn of the conversation on `manager` (a replica that holds none of it) restores its
+    latest turn's snapshot and generates what a full prefill does; its plan."""
+    history = manager.require(conversation_id).tokens(manager.require(conversation_id).latest("main"))
+    new = random_prompt(2, 99)
+    _, out, _, plan = take_turn(engine, manager, conversation_id, new)
+    assert plan.state_tier == "cold" and plan.state.state_len >= len(history) - 1
+    assert out.token_ids == full_generation(engine, history + new)
+    return plan
 
 
 def take_turn_from(engine, manager, plan, new_tokens, retain=None):
