@@ -90,6 +90,6 @@ def manager_of(
         tokenizer_fingerprint(engine.model_path),
         policy or SnapshotPolicy(),
         root,
-        warm or WarmCache(64, 1 << 30),
+        warm if warm is not None else WarmCache(64, 1 << 30),
         **fields,
     )

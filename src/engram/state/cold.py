@@ -75,6 +75,11 @@ class ColdStore(Protocol):
         """The manifest (with "path") of every readable snapshot the conversation has stored."""
         ...
 
+    def written_within(self, location: str, seconds: float) -> bool:
+        """Whether a snapshot that no record lists may be another process's turn whose record is
+        not written yet (stored in the last `seconds`), rather than a crash's leftover."""
+        ...
+
     def sweep(self, referenced: set[str], grace_s: float) -> int:
         """Delete the store files no key in `referenced` names, sparing those touched within `grace_s`."""
         ...
@@ -175,6 +180,9 @@ class FilesystemColdStore:
 
     def snapshots(self, conversation_id: str) -> list[dict]:
         return list_snapshots(self.root, conversation_id)
+
+    def written_within(self, location: str, seconds: float) -> bool:
+        return False  # the folder is this process's alone: one it did not record is left by a crash
 
     def sweep(self, referenced: set[str], grace_s: float) -> int:
         return self.chunks.sweep(referenced, grace_s)

@@ -181,9 +181,12 @@ class ConversationManager:
     def _remove_orphans(self, conv: Conversation, records: RecordFiles) -> None:
         """Delete snapshot files the record does not point at: a crash between a snapshot's commit
         and its record's leaves one, for a turn that was never recorded (so never answered under
-        sync durability)."""
+        sync durability). In a store other replicas share, a recent one may be a turn whose record
+        is about to be written: it is left for a later load."""
         saved = self._saved()
         for location in saved.unrecorded(conv):
+            if saved.store.written_within(location, self.orphan_grace_s):  # another replica's turn, its record next
+                continue
             log.warning("removing snapshot %s: its conversation record does not list it (left by a crash)", location)
             saved.store.delete(location)
             self._sweep_due = True
@@ -469,7 +472,7 @@ class ConversationManager:
         turns = {ref: t for ref, t in conv.turns.items() if ref not in gone}
         try:
             self._persist(Conversation(conv.conversation_id, {**turns, turn.ref: turn}, conv.created_at))
-        except OSError:
+        except (OSError, StaleViewError):
             self.active.hand_back(conv.conversation_id, turn.ref)
             raise
 
@@ -503,7 +506,7 @@ class ConversationManager:
                 return
             try:
                 self._persist_and_prune(conv, turn.branch)
-            except OSError as e:
+            except (OSError, StaleViewError) as e:  # StaleViewError: the snapshot just written is of a turn the store records otherwise
                 if recorded:  # the file it points at is an orphan, removed on the next load
                     turn.snapshot = False
                     log.warning("conversation %r turn %s is recorded without its snapshot: %s", conv.conversation_id, turn.ref, e)
@@ -801,7 +804,7 @@ class ConversationManager:
         try:
             self._write_snapshot(conv, turn, state)
             self._persist_and_prune(conv, turn.branch)
-        except (SnapshotError, OSError) as e:
+        except (SnapshotError, OSError, StaleViewError) as e:  # StaleViewError: memory's copy is dropped, the store's read next
             turn.snapshot = False
             log.warning("snapshot of conversation %r turn %s leaving memory not written: %s", conversation_id, ref, e)
             return False

@@ -24,7 +24,7 @@ import errno
 import json
 import os
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
@@ -266,6 +266,16 @@ class ObjectColdStore(FilesystemColdStore):
                 continue
         return super().snapshots(conversation_id)
 
+    def written_within(self, location: str, seconds: float) -> bool:
+        """By the bucket's time of the object (replicas write records after their manifests)."""
+        import obstore
+
+        try:
+            modified = self._call(obstore.head, self._key(location))["last_modified"]
+        except FileNotFoundError:
+            return False
+        return (datetime.now(timezone.utc) - modified).total_seconds() < seconds
+
     def store_members(self, stored: StoredState) -> dict[str, str]:
         self._fetch_files(stored)  # an export reads them from the folder
         return super().store_members(stored)
@@ -274,12 +284,20 @@ class ObjectColdStore(FilesystemColdStore):
         return self._get(self._key(location))[0]
 
     def write(self, location: str, data: bytes) -> None:
-        """An imported manifest (the store files it names adopted before it), or v1 file."""
+        """An imported manifest (the store files it names adopted before it), or v1 file; created
+        only where none is, so that two replicas importing one conversation id never replace (and
+        the loser, undoing its import, never deletes) the other's."""
+        from obstore.exceptions import AlreadyExistsError
+
         super().write(location, data)
         stored = stored_state(json.loads(data), snapshot_label(location)) if location.endswith(".json") else None
         if stored is not None:
             self._push_files(stored)
-        self._put(self._key(location), data)
+        try:
+            self._put(self._key(location), data, mode="create")
+        except AlreadyExistsError:
+            Path(location).unlink(missing_ok=True)
+            raise StaleViewError(f"{snapshot_label(location)}: another replica stored this turn first") from None
 
     # ---- conversation records --------------------------------------------------------------------
 

@@ -115,6 +115,8 @@ class WarmCache:
             else:
                 break
             for cid, old_ref in victims:
+                if (cid, old_ref) not in self._states:  # dropped by on_evict of an earlier victim
+                    continue
                 old_state = self._states[(cid, old_ref)][0]
                 self.drop(cid, old_ref)
                 if (cid, old_ref) != (conversation_id, ref):  # a state larger than the whole budget is just not kept
