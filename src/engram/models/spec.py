@@ -542,7 +542,7 @@ def _parse_lfm2(cfg: dict, arch: str) -> tuple[Layers, ShortConvSpec | None, Att
         short_conv = ShortConvSpec(_positive_int(cfg, "hidden_size", arch), conv_kernel, bool(cfg.get("conv_bias", False)))
     attention = None
     if LayerKind.ATTENTION in kinds:
-        head_dim = _positive_int(cfg, "hidden_size", arch) // _positive_int(cfg, "num_attention_heads", arch)
+        head_dim = cfg.get("head_dim") or _positive_int(cfg, "hidden_size", arch) // _positive_int(cfg, "num_attention_heads", arch)
         _default_rope_only(cfg, arch)
         rotary_dim, theta = _rope({"rope_theta": 1e6, **cfg}, head_dim, 1.0)  # transformers' default theta for LFM2
         attention = replace(
