@@ -212,6 +212,23 @@ _CONFIGS.update(
         ),
     }
 )
+# LFM2: gated short convolutions and attention with q/k norms (GQA); the MLP width derived from
+# intermediate_size (2/3 of it, rounded up to block_multiple_of).
+_CONFIGS["lfm2"] = (
+    "Lfm2Config",
+    dict(
+        vocab_size=270,
+        hidden_size=48,
+        num_hidden_layers=4,
+        layer_types=["conv", "full_attention", "conv", "conv"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        conv_L_cache=3,
+        intermediate_size=64,
+        block_multiple_of=8,
+        tie_word_embeddings=True,
+    ),
+)
 _MODEL_CLASSES = {"qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}  # else AutoModelForCausalLM's
 GDN_KINDS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 

@@ -8,7 +8,7 @@ from checkpoints import KINDS, write_checkpoint
 
 from engram.models.spec import LayerKind, load_model_spec
 
-M, A, P, E, G = LayerKind.MAMBA, LayerKind.ATTENTION, LayerKind.MLP, LayerKind.MOE, LayerKind.GATED_DELTANET
+M, A, P, E, G, S = LayerKind.MAMBA, LayerKind.ATTENTION, LayerKind.MLP, LayerKind.MOE, LayerKind.GATED_DELTANET, LayerKind.SHORT_CONV
 LAYOUTS = {  # each layer's mixers
     "mamba2": ((M,), (M,), (M,)),
     "mamba2_tied": ((M,), (M,), (M,)),
@@ -21,8 +21,9 @@ LAYOUTS = {  # each layer's mixers
     "qwen3_next": ((G,), (A,), (G,), (A,)),
     "qwen3_5": ((G,), (A,), (G,), (A,)),
     "qwen3_5_moe": ((G,), (G,), (A,), (G,)),
+    "lfm2": ((S,), (A,), (S,), (S,)),
 }
-TIED = {"mamba2_tied", "granite", "granite_rope", "falcon_h1_tied", "qwen3_5"}
+TIED = {"mamba2_tied", "granite", "granite_rope", "falcon_h1_tied", "qwen3_5", "lfm2"}
 
 
 @pytest.fixture(scope="module", params=KINDS)
@@ -43,6 +44,8 @@ def test_checkpoint_loads_and_is_decisive(checkpoint):
     assert spec.tie_word_embeddings == (kind in TIED)
     if spec.mamba is not None:
         assert spec.mamba.n_groups == 2 and spec.mamba.chunk_size == 8
+    elif spec.short_conv is not None:  # a conv window of L_cache - 1 inputs over the hidden width
+        assert spec.mixer_state_tensors(S)[0].shape == (2, spec.hidden_size)
     else:  # gated DeltaNet: value heads grouped over q/k heads in all but one
         assert spec.gated_deltanet is not None and (spec.gated_deltanet.num_v_heads > spec.gated_deltanet.num_k_heads) == (kind != "qwen3_5")
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)

@@ -10,7 +10,7 @@ from engine_utils import greedy, make_engine, random_prompt, record_logits, run_
 from engram.engine.request import FinishReason, SamplingParams
 from engram.state.sequence_state import SequenceState
 
-HYBRID_KINDS = ["nemotron", "bamba", "granite_rope", "demo", "falcon_h1", *GDN_KINDS]
+HYBRID_KINDS = ["nemotron", "bamba", "granite_rope", "demo", "falcon_h1", *GDN_KINDS, "lfm2"]
 
 
 def _prefill_logits(path: str, prompt: list[int], chunk: int) -> torch.Tensor:
@@ -23,7 +23,7 @@ def _prefill_logits(path: str, prompt: list[int], chunk: int) -> torch.Tensor:
     return rows[0][0]
 
 
-@pytest.mark.parametrize("kind", ["mamba2", "nemotron", "bamba", "falcon_h1", "qwen3_next"])
+@pytest.mark.parametrize("kind", ["mamba2", "nemotron", "bamba", "falcon_h1", "qwen3_next", "lfm2"])
 def test_chunked_prefill_equals_one_shot(kind, checkpoint_dir):
     path = checkpoint_dir(kind)
     prompt = random_prompt(45, seed=3)
@@ -104,6 +104,7 @@ def _split_logits_tolerance(engine) -> dict:
         ("nemotron", ".k"),
         *(("falcon_h1", suffix) for suffix in (".k", ".ssm", ".conv")),
         *((kind, suffix) for kind in GDN_KINDS for suffix in (".conv", ".recurrent", ".v")),
+        *(("lfm2", suffix) for suffix in (".conv", ".k")),
     ],
 )
 def test_resume_without_one_state_tensor_is_refused(kind, suffix, checkpoint_dir):
@@ -250,21 +251,24 @@ def test_overloaded_kv_budget_preempts_and_every_request_stays_exact(checkpoint_
 
 
 @pytest.mark.parametrize(
-    "kind, suffixes",
+    "kind, suffixes, head",
     [
-        ("nemotron", (".k", ".v")),
-        ("falcon_h1", (".k", ".v")),
-        ("falcon_h1", (".ssm", ".conv")),
-        *((kind, suffixes) for kind in GDN_KINDS for suffixes in ((".k", ".v"), (".conv",), (".recurrent",))),
+        ("nemotron", (".k", ".v"), 30),
+        ("falcon_h1", (".k", ".v"), 30),
+        ("falcon_h1", (".ssm", ".conv"), 30),
+        *((kind, suffixes, 30) for kind in GDN_KINDS for suffixes in ((".k", ".v"), (".conv",), (".recurrent",))),
+        ("lfm2", (".k", ".v"), 30),
+        # a short conv's window reaches only the next 2 tokens: resumed right before the last one
+        ("lfm2", (".conv",), 39),
     ],
 )
-def test_dropping_a_part_of_a_hybrid_state_changes_the_output(kind, suffixes, checkpoint_dir):
+def test_dropping_a_part_of_a_hybrid_state_changes_the_output(kind, suffixes, head, checkpoint_dir):
     """What a snapshot without one part amounts to (the attention KV, a conv window or the recurrent
     state): the rest restored over zeros there. The continuation differs, so the exactness tests can
     catch it."""
     engine = make_engine(checkpoint_dir(kind))
     prompt = random_prompt(40, seed=11)
-    engine.add_request("head", prompt[:30], greedy(1), capture_state=True)
+    engine.add_request("head", prompt[:head], greedy(1), capture_state=True)
     state = run_to_end(engine)["head"].state
     engine.add_request("exact", prompt, greedy(10), initial_state=state)
     exact = run_to_end(engine)["exact"].token_ids

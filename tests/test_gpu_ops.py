@@ -646,7 +646,7 @@ def _greedy_run(path: str, fast: bool, graphs: bool, dtype: str, prompts: list[l
 
 @needs_cuda
 @pytest.mark.parametrize(
-    "kind", ["granite", "mamba2", "nemotron", "bamba", "granite_rope", "falcon_h1", "falcon_h1_tied", "qwen3_next", "qwen3_5", "qwen3_5_moe"]
+    "kind", ["granite", "mamba2", "nemotron", "bamba", "granite_rope", "falcon_h1", "falcon_h1_tied", "qwen3_next", "qwen3_5", "qwen3_5_moe", "lfm2"]
 )
 def test_greedy_tokens_fast_path_equal_reference(kind, checkpoint_dir):
     from engine_utils import random_prompt
@@ -658,7 +658,8 @@ def test_greedy_tokens_fast_path_equal_reference(kind, checkpoint_dir):
     try:
         ref_tokens, ref_logits, _ = _greedy_run(path, False, False, "float32", prompts, 12)
         fast_tokens, fast_logits, engine = _greedy_run(path, True, True, "float32", prompts, 12)
-        assert engine.runner.num_graph_replays > 0, "decode steps did not run from CUDA graphs"
+        # LFM2's short conv decodes with the torch reference, which CUDA graphs' padding rows would corrupt
+        assert (engine.runner.num_graph_replays > 0) == (kind != "lfm2"), "decode steps ran (or not) from CUDA graphs"
         assert fast_tokens == ref_tokens
         diff = max(float((a.cpu() - b.cpu()).abs().max()) for a, b in zip(fast_logits, ref_logits) if a.numel())
         print(f"{kind}: float32 max |logit diff| fast vs reference = {diff:.2e}")

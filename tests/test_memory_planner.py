@@ -36,6 +36,7 @@ CODESTRAL = CONFIGS / "mamba-codestral-7b.json"
 FALCON_H1 = CONFIGS / "falcon-h1-7b-instruct.json"
 QWEN3_NEXT = CONFIGS / "qwen3-next-80b-a3b.json"
 QWEN3_5 = CONFIGS / "qwen3.5-35b-a3b.json"  # the multimodal checkpoint's config: its text model is planned
+LFM2 = CONFIGS / "lfm2-1.2b.json"  # LFM2-1.2B's shapes in the legacy field names (block_ff_dim, tie_embedding)
 
 F32, BF16 = 4, 2
 # float32 SSM state, bfloat16 conv state and KV (the defaults for these bfloat16 checkpoints)
@@ -94,6 +95,16 @@ def _qwen_gdn_params(vocab: int, layers: int, attention_layers: int, experts: in
     return 2 * vocab * h + h + layers * every_layer + (layers - attention_layers) * gdn + attention_layers * attention
 
 
+def _lfm2_params() -> int:
+    """LFM2-1.2B: hidden 2048, 10 short convs (kernel 3), 6 attention layers of 32 heads, 8 KV heads of 64 with q/k
+    norms; the MLP 2/3 of block_ff_dim 12288; tied embeddings."""
+    h = 2048
+    conv = 3 * h * h + 3 * h + h * h  # in_proj (B, C, x), depthwise taps, out_proj
+    attention = 2 * h * h + 2 * h * 512 + 2 * 64  # q, o; k, v; q and k norms
+    every_layer = 2 * h + 3 * h * 8192
+    return 65536 * h + h + 16 * every_layer + 10 * conv + 6 * attention
+
+
 FIGURES = {
     # config: (state bytes per sequence, KV bytes per token, parameters)
     NEMOTRON: (_state(23, 64, 64, 128, 8), 2 * 6 * 2 * 128 * BF16, _nemotron_params()),
@@ -103,6 +114,8 @@ FIGURES = {
     FALCON_H1: (_state(44, 24, 128, 256, 1), 2 * 44 * 2 * 128 * BF16, _falcon_h1_params()),
     QWEN3_NEXT: (_gdn_state(36, 16, 32, 128, 4), 12 * 2 * 2 * 256 * BF16, _qwen_gdn_params(151936, 48, 12, 512)),
     QWEN3_5: (_gdn_state(30, 16, 32, 128, 4), 10 * 2 * 2 * 256 * BF16, _qwen_gdn_params(248320, 40, 10, 256)),
+    # a conv window of 2 inputs over the hidden width in each short-conv layer
+    LFM2: (10 * 2 * 2048 * BF16, 6 * 2 * 8 * 64 * BF16, _lfm2_params()),
 }
 
 
@@ -129,6 +142,7 @@ def test_pinned_figures() -> None:
     assert _granite_params() == 6_939_037_248
     assert _codestral_params() == 7_285_403_648
     assert _falcon_h1_params() == 7_585_513_568
+    assert _lfm2_params() == 1_170_340_608  # LFM2-1.2B's model card: 1.17B parameters
     falcon = load_model_spec(FALCON_H1)
     assert state_bytes_by_kind(falcon, DEFAULT_DTYPES) == {"mamba.conv": 44 * 3 * 3584 * BF16, "mamba.ssm": 44 * 24 * 128 * 256 * F32}
 

@@ -36,6 +36,12 @@ def test_loads_sharded_checkpoint(kind, checkpoint_dir, hf_model, tmp_path):
         ("falcon_h1", dict(num_key_value_heads=4)),  # as many KV heads as query heads
         # an attention head_dim other than hidden / heads; the Mamba width from mamba_expand x hidden
         ("falcon_h1_tied", dict(head_dim=20, mamba_d_ssm=None, mamba_d_head="auto")),
+        # LFM2: biases in the short conv and its projections, the MLP width as given, a 4-tap conv
+        ("lfm2", dict(conv_bias=True, block_auto_adjust_ff_dim=False, conv_L_cache=4)),
+        # a head_dim other than hidden / heads: transformers reads it when the config has one
+        ("lfm2", dict(head_dim=8)),
+        # attention first and last, untied, the MLP width scaled by block_ffn_dim_multiplier
+        ("lfm2", dict(layer_types=["full_attention", "conv", "conv", "full_attention"], tie_word_embeddings=False, block_ffn_dim_multiplier=1.5)),
     ],
 )
 def test_shape_variants_match_transformers(kind, overrides, hf_model, tmp_path):

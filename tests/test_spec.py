@@ -108,6 +108,29 @@ def test_a_gated_deltanet_config_missing_a_dimension_is_refused_naming_the_field
         parse_model_spec(dict(config("qwen3-next-80b-a3b"), linear_num_key_heads=12))
 
 
+def test_lfm2_parses_to_its_published_shapes_in_either_field_spelling():
+    """LFM2-1.2B in its hub config's legacy names (full_attn_idxs, block_ff_dim, tie_embedding) and in the
+    names transformers writes: short convs keeping a window of conv_L_cache - 1 inputs, attention at 6 layers."""
+    legacy = config("lfm2-1.2b")
+    spec = parse_model_spec(legacy)
+    S, A = LayerKind.SHORT_CONV, LayerKind.ATTENTION
+    assert spec.layer_mixers == tuple((A,) if i in (2, 5, 8, 10, 12, 14) else (S,) for i in range(16))
+    assert spec.recurrent_layers == spec.short_conv_layers and len(spec.short_conv_layers) == 10
+    assert [(t.suffix, t.shape, t.role) for t in spec.state_tensors(0)] == [("conv", (2, 2048), StateRole.CONV)]
+    a = spec.attention
+    assert (a.num_heads, a.num_kv_heads, a.head_dim, a.rotary_dim, a.rope_theta) == (32, 8, 64, 64, 1e6)
+    assert a.qk_norm and not a.qk_norm_zero_centered and not a.output_gate
+    assert spec.tie_word_embeddings and spec.config["intermediate_size"] == 12288
+    renamed = {k: v for k, v in legacy.items() if k not in ("full_attn_idxs", "block_ff_dim", "tie_embedding")}
+    renamed.update(layer_types=["full_attention" if k == A else "conv" for (k,) in spec.layer_mixers], intermediate_size=12288)
+    assert parse_model_spec(renamed).layer_mixers == spec.layer_mixers
+    assert parse_model_spec(renamed).tie_word_embeddings  # transformers' default for LFM2
+    assert not parse_model_spec(dict(renamed, tie_word_embeddings=False)).tie_word_embeddings
+    for field in ("conv_L_cache", "full_attn_idxs"):
+        with pytest.raises(ConfigError, match=field):
+            parse_model_spec({k: v for k, v in legacy.items() if k != field})
+
+
 def test_old_and_new_layer_type_spellings_are_the_same_model():
     old = config("granite-4.0-h-tiny")
     new = dict(old, layer_types=["linear_attention" if t == "mamba" else "full_attention" for t in old["layer_types"]])

@@ -244,10 +244,11 @@ def test_a_bad_speculative_config_names_the_field(raw, says):
         SpeculativeConfig.parse(raw)
 
 
-def test_a_gated_deltanet_model_refuses_speculation_by_name(checkpoint_dir):
+@pytest.mark.parametrize("kind, mixer", [("qwen3_next", "gated_deltanet"), ("lfm2", "short_conv")])
+def test_a_model_without_verify_states_refuses_speculation_by_name(kind, mixer, checkpoint_dir):
     """Its verify step would write every drafted token into the recurrent state: refused at start-up."""
-    with pytest.raises(ValueError, match="--speculative-config: .*gated DeltaNet"):
-        make_engine(checkpoint_dir("qwen3_next"), speculative_config=NGRAM)
+    with pytest.raises(ValueError, match=f"--speculative-config: .*the {mixer} layers of"):
+        make_engine(checkpoint_dir(kind), speculative_config=NGRAM)
 
 
 def test_speculative_config_defaults_follow_vllm():

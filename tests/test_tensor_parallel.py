@@ -111,9 +111,10 @@ def test_a_split_that_does_not_divide_is_refused_naming_the_field(tmp_path):
         make_engine(str(path), tensor_parallel_size=0)
 
 
-def test_an_architecture_without_a_split_is_refused_before_any_rank_starts(checkpoint_dir):
-    with pytest.raises(ConfigError, match="FalconH1ForCausalLM does not run with --tensor-parallel-size > 1"):
-        make_engine(checkpoint_dir("falcon_h1"), tensor_parallel_size=2)
+@pytest.mark.parametrize("kind, architecture", [("falcon_h1", "FalconH1ForCausalLM"), ("lfm2", "Lfm2ForCausalLM")])
+def test_an_architecture_without_a_split_is_refused_before_any_rank_starts(kind, architecture, checkpoint_dir):
+    with pytest.raises(ConfigError, match=f"{architecture} does not run with --tensor-parallel-size > 1"):
+        make_engine(checkpoint_dir(kind), tensor_parallel_size=2)
 
 
 def test_tp_is_an_alias_of_tensor_parallel_size():

@@ -38,7 +38,7 @@ from engram.engine.token_masks import bad_words_token_ids, mask_logits
 from engram.engine.warmup import WarmupReport, install_compile_counter, kernel_compilations, name_late_compilations, warm_up
 from engram.layers.parallel import local_spec
 from engram.models.loader import load_model, load_model_from_state_dict
-from engram.models.spec import load_model_spec
+from engram.models.spec import LayerKind, load_model_spec
 from engram.ops.dispatch import select_kernels, use_kernels
 from engram.state.sequence_state import SequenceState, check_state
 
@@ -148,14 +148,18 @@ class LLMEngine:
             self.state_pool,
             self.kv_pool,
             self.device,
-            enable_cuda_graph=args.enable_cuda_graph and self.tp_leader is None,
+            # LFM2's short conv decodes with the torch reference on every device, which would write a
+            # captured step's padding rows (slot -1) into the last slot: it runs uncaptured
+            enable_cuda_graph=args.enable_cuda_graph and self.tp_leader is None and not self.spec.short_conv_layers,
             max_context_length=self.max_context_length,
             batch_sink=self.tp_leader.forward if self.tp_leader is not None else None,
         )
-        if args.speculative_config is not None and self.spec.gated_deltanet_layers:
-            # a verify step keeps every position's state by mixer kind (ops/verify.py): Mamba2's only so far
+        # a verify step keeps every position's state by mixer kind (ops/verify.py): Mamba2's only so far
+        recurrent_kinds = {k for mixers in self.spec.layer_mixers for k in mixers if self.spec.mixer_state_tensors(k)}
+        unverified = sorted(k.value for k in recurrent_kinds - {LayerKind.MAMBA})
+        if args.speculative_config is not None and unverified:
             raise SpeculativeConfigError(
-                f"--speculative-config: speculative decoding does not support the gated DeltaNet "
+                f"--speculative-config: speculative decoding does not support the {' and '.join(unverified)} "
                 f"layers of {self.spec.architecture} yet; leave the flag out"
             )
         self.speculator = (

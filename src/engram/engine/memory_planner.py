@@ -176,6 +176,8 @@ def _widest_activation(spec: ModelSpec) -> int:
         widths.append(2 * m.intermediate_size + 2 * m.n_groups * m.state_size + m.num_heads)  # in_proj
     if spec.gated_deltanet is not None:
         widths.append(spec.gated_deltanet.in_proj_size)
+    if spec.short_conv is not None:
+        widths.append(3 * spec.short_conv.hidden_size)  # in_proj: B, C, x
     if spec.attention is not None:
         a = spec.attention
         widths.append((a.num_heads + 2 * a.num_kv_heads) * a.head_dim)  # q, k, v

@@ -1,5 +1,6 @@
 """Multi-head attention with GQA over the paged KV cache; optionally (Qwen3-Next, Qwen3.5) a sigmoid
-output gate from q_proj's second half of each head and zero-centered RMS norms of q and k per head."""
+output gate from q_proj's second half of each head, and RMS norms of q and k per head (zero-centered
+as Qwen's, or plain as LFM2's)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from torch import nn
 from engram.engine.forward_batch import ForwardBatch
 from engram.layers import parallel
 from engram.layers.linear import Linear
-from engram.layers.norm import ZeroCenteredRMSNorm
+from engram.layers.norm import RMSNorm, ZeroCenteredRMSNorm
 from engram.layers.parallel import Shard, even
 from engram.models.spec import AttentionSpec
 from engram.ops.dispatch import kernels
@@ -31,8 +32,9 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(hidden_size, sum(self.qkv_sizes), bias=spec.bias)
         self.o_proj = Linear(q_dim, hidden_size, bias=spec.bias)
         if spec.qk_norm:
-            self.q_norm = ZeroCenteredRMSNorm(spec.head_dim, spec.norm_eps)
-            self.k_norm = ZeroCenteredRMSNorm(spec.head_dim, spec.norm_eps)
+            norm = ZeroCenteredRMSNorm if spec.qk_norm_zero_centered else RMSNorm
+            self.q_norm = norm(spec.head_dim, spec.norm_eps)
+            self.k_norm = norm(spec.head_dim, spec.norm_eps)
 
     def packed_parts(self) -> dict[str, tuple[str, slice]]:
         """Checkpoint parameter (relative name) -> (this module's parameter, its rows)."""

@@ -13,20 +13,29 @@ from engram.models.spec import ModelSpec
 
 
 class BambaBlock(nn.Module):
-    """`make_mixer` builds the token mixer (one of the layer's; Falcon-H1 runs two side by side)."""
+    """`make_mixer` builds the token mixer (one of the layer's; Falcon-H1 runs two side by side);
+    `norm_eps` and `ffn_width` read the config's fields (LFM2 names and derives them otherwise)."""
 
     def __init__(self, spec: ModelSpec, index: int):
         super().__init__()
         cfg = spec.config
-        eps = float(cfg.get("rms_norm_eps", 1e-5))
+        eps = self.norm_eps(cfg)
         self.input_norm = RMSNorm(spec.hidden_size, eps)
         self.post_norm = RMSNorm(spec.hidden_size, eps)
         self.mixer = self.make_mixer(spec, index)
-        self.ffn = GatedMLP(spec.hidden_size, cfg["intermediate_size"], cfg.get("mlp_bias", False))
+        self.ffn = GatedMLP(spec.hidden_size, self.ffn_width(cfg), cfg.get("mlp_bias", False))
 
     @staticmethod
     def make_mixer(spec: ModelSpec, index: int) -> nn.Module:
         return sequence_mixer(spec, index)
+
+    @staticmethod
+    def norm_eps(cfg: dict) -> float:
+        return float(cfg.get("rms_norm_eps", 1e-5))
+
+    @staticmethod
+    def ffn_width(cfg: dict) -> int:
+        return int(cfg["intermediate_size"])
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         h, residual = self.input_norm.add_and_norm(hidden, residual)

@@ -18,6 +18,7 @@ from engram.layers.gated_deltanet import GatedDeltaNet
 from engram.layers.mamba2 import Mamba2Mixer
 from engram.layers.norm import RMSNorm
 from engram.layers.parallel import Shard
+from engram.layers.short_conv import ShortConv
 from engram.models.spec import LayerKind, ModelSpec
 
 # (checkpoint-name pattern, internal name template). A template ending in "[i]" names a stacked
@@ -31,7 +32,7 @@ WeightPlace = tuple[str, WeightRows | None]
 
 
 def sequence_mixer(spec: ModelSpec, index: int) -> nn.Module:
-    """The token mixer of a layer that has one: Mamba2, gated DeltaNet or attention."""
+    """The token mixer of a layer that has one: Mamba2, gated DeltaNet, short conv or attention."""
     (kind,) = spec.mixers(index)
     if kind == LayerKind.MAMBA:
         assert spec.mamba is not None, "a Mamba layer's spec has its dimensions"
@@ -39,6 +40,9 @@ def sequence_mixer(spec: ModelSpec, index: int) -> nn.Module:
     if kind == LayerKind.GATED_DELTANET:
         assert spec.gated_deltanet is not None, "a gated DeltaNet layer's spec has its dimensions"
         return GatedDeltaNet(spec.gated_deltanet, spec.hidden_size, index)
+    if kind == LayerKind.SHORT_CONV:
+        assert spec.short_conv is not None, "a short-conv layer's spec has its dimensions"
+        return ShortConv(spec.short_conv, index)
     assert kind == LayerKind.ATTENTION and spec.attention is not None, f"{kind.value} is no sequence mixer with dimensions"
     return Attention(spec.attention, spec.hidden_size, index)
 

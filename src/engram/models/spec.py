@@ -22,6 +22,7 @@ class ConfigError(ValueError):
 class LayerKind(str, Enum):
     MAMBA = "mamba"
     GATED_DELTANET = "gated_deltanet"
+    SHORT_CONV = "short_conv"
     ATTENTION = "attention"
     MLP = "mlp"
     MOE = "moe"
@@ -156,7 +157,22 @@ class GatedDeltaNetSpec:
         return _conv_and_scan(self.conv_kernel, self.conv_dim, "recurrent", self.recurrent_state_shape)
 
 
-RecurrentSpec = MambaSpec | GatedDeltaNetSpec
+@dataclass(frozen=True)
+class ShortConvSpec:
+    """Shapes of one gated short convolution (LFM2): in_proj -> B, C, x; C * conv(B * x), a causal
+    depthwise conv of `conv_kernel` taps over the hidden width, no activation. Its only state is the
+    conv window."""
+
+    hidden_size: int
+    conv_kernel: int
+    bias: bool
+
+    @property
+    def state_tensors(self) -> tuple[StateTensor, ...]:
+        return (StateTensor("conv", (self.conv_kernel - 1, self.hidden_size), StateRole.CONV),)
+
+
+RecurrentSpec = MambaSpec | GatedDeltaNetSpec | ShortConvSpec
 
 
 @dataclass(frozen=True)
@@ -170,7 +186,8 @@ class AttentionSpec:
     bias: bool = False
     # Qwen3-Next / Qwen3.5: q_proj also yields a sigmoid gate on the output, q and k are RMS-normed per head
     output_gate: bool = False
-    qk_norm: bool = False  # zero-centered (1 + w), as those models have it
+    qk_norm: bool = False
+    qk_norm_zero_centered: bool = True  # (1 + w), as Qwen has it; False: a plain RMS norm (LFM2)
     norm_eps: float = 1e-6
 
 
@@ -192,6 +209,7 @@ class ModelSpec:
     config: dict[str, Any] = field(repr=False, compare=False)
     config_sha256: str = ""
     gated_deltanet: GatedDeltaNetSpec | None = None
+    short_conv: ShortConvSpec | None = None
 
     def __post_init__(self) -> None:
         for i in range(self.num_layers):  # the mixers of a layer share its snapshot names `layers.<i>.*`
@@ -206,6 +224,8 @@ class ModelSpec:
             mixers[LayerKind.MAMBA] = self.mamba
         if self.gated_deltanet is not None:
             mixers[LayerKind.GATED_DELTANET] = self.gated_deltanet
+        if self.short_conv is not None:
+            mixers[LayerKind.SHORT_CONV] = self.short_conv
         return mixers
 
     def mixers(self, layer: int) -> tuple[LayerKind, ...]:
@@ -241,6 +261,10 @@ class ModelSpec:
     @property
     def gated_deltanet_layers(self) -> list[int]:
         return self.layers_of(LayerKind.GATED_DELTANET)
+
+    @property
+    def short_conv_layers(self) -> list[int]:
+        return self.layers_of(LayerKind.SHORT_CONV)
 
     @property
     def attention_layers(self) -> list[int]:
@@ -287,9 +311,12 @@ def _one_mixer_each(kinds: tuple[LayerKind, ...]) -> Layers:
     return tuple((kind,) for kind in kinds)
 
 
-def _layer_kinds(raw: list[str] | str, arch: str, linear: LayerKind = LayerKind.MAMBA) -> tuple[LayerKind, ...]:
-    """The layer kinds of a config's list; "linear_attention" is `linear`, the architecture's mixer."""
-    aliases = {**_LAYER_KIND_ALIASES, "linear_attention": linear}
+def _layer_kinds(
+    raw: list[str] | str, arch: str, linear: LayerKind = LayerKind.MAMBA, own: dict[str, LayerKind] | None = None
+) -> tuple[LayerKind, ...]:
+    """The layer kinds of a config's list; "linear_attention" is `linear`, the architecture's mixer,
+    and `own` the spellings only this architecture has (LFM2's "conv")."""
+    aliases = {**_LAYER_KIND_ALIASES, "linear_attention": linear, **(own or {})}
     kinds = []
     for item in raw:
         kind = aliases.get(str(item).lower())
@@ -324,6 +351,12 @@ def _rope(cfg: dict, head_dim: int, partial: float) -> tuple[int, float]:
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
     partial = params.get("partial_rotary_factor", partial)
     return int(head_dim * partial), float(theta)
+
+
+def _default_rope_only(cfg: dict, arch: str) -> None:
+    rope_type = (cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}).get("rope_type", "default")
+    if rope_type != "default":
+        raise ConfigError(f"{arch}: rope_type {rope_type!r} is not supported (only 'default')")
 
 
 def _attention(cfg: dict, arch: str, scaling: float | None, rotary_dim: int, rope_theta: float, head_dim: int, bias: bool) -> AttentionSpec:
@@ -457,9 +490,7 @@ def _parse_falcon_h1(cfg: dict, arch: str) -> tuple[Layers, MambaSpec, Attention
     _check_mamba_groups(mamba, arch)
     attention_heads = _positive_int(cfg, "num_attention_heads", arch)
     head_dim = cfg.get("head_dim") or _positive_int(cfg, "hidden_size", arch) // attention_heads
-    rope_type = (cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}).get("rope_type", "default")
-    if rope_type != "default":
-        raise ConfigError(f"{arch}: rope_type {rope_type!r} is not supported (only 'default')")
+    _default_rope_only(cfg, arch)
     rotary_dim, theta = _rope(cfg, head_dim, 1.0)
     attention = _attention(cfg, arch, None, rotary_dim, theta, head_dim, bool(cfg.get("attention_bias", False)))
     return ((LayerKind.MAMBA, LayerKind.ATTENTION),) * n, mamba, attention
@@ -498,6 +529,31 @@ def _parse_qwen_gdn(cfg: dict, arch: str) -> tuple[Layers, GatedDeltaNetSpec | N
     return _one_mixer_each(kinds), gdn, attention
 
 
+def _parse_lfm2(cfg: dict, arch: str) -> tuple[Layers, ShortConvSpec | None, AttentionSpec | None]:
+    """LFM2: gated short convolutions and attention with q/k norms (`layer_types`, or `full_attn_idxs`)."""
+    raw = cfg.get("layer_types")
+    if raw is None:
+        attention_at = set(_require(cfg, "full_attn_idxs", arch))
+        raw = ["full_attention" if i in attention_at else "conv" for i in range(_positive_int(cfg, "num_hidden_layers", arch))]
+    kinds = _layer_kinds(raw, arch, own={"conv": LayerKind.SHORT_CONV})
+    short_conv = None
+    if LayerKind.SHORT_CONV in kinds:
+        conv_kernel = _positive_int(cfg, "conv_L_cache", arch)
+        short_conv = ShortConvSpec(_positive_int(cfg, "hidden_size", arch), conv_kernel, bool(cfg.get("conv_bias", False)))
+    attention = None
+    if LayerKind.ATTENTION in kinds:
+        head_dim = cfg.get("head_dim") or _positive_int(cfg, "hidden_size", arch) // _positive_int(cfg, "num_attention_heads", arch)
+        _default_rope_only(cfg, arch)
+        rotary_dim, theta = _rope({"rope_theta": 1e6, **cfg}, head_dim, 1.0)  # transformers' default theta for LFM2
+        attention = replace(
+            _attention(cfg, arch, None, rotary_dim, theta, head_dim, bias=False),
+            qk_norm=True,
+            qk_norm_zero_centered=False,
+            norm_eps=float(cfg.get("norm_eps", 1e-5)),
+        )
+    return _one_mixer_each(kinds), short_conv, attention
+
+
 _PARSERS = {
     "mamba2": _parse_mamba2,
     "granitemoehybrid": _parse_granite_or_bamba,
@@ -509,12 +565,17 @@ _PARSERS = {
     "qwen3_5_text": _parse_qwen_gdn,
     "qwen3_5_moe": _parse_qwen_gdn,
     "qwen3_5_moe_text": _parse_qwen_gdn,
+    "lfm2": _parse_lfm2,
 }
+
+# Older field names transformers still reads in place of the new ones (they win when present).
+_LEGACY_FIELDS = {"lfm2": {"tie_embedding": "tie_word_embeddings", "block_ff_dim": "intermediate_size"}}
 
 # Multimodal checkpoints whose language model's config is nested under `text_config`.
 _TEXT_CONFIG_TYPES = {"qwen3_5", "qwen3_5_moe"}
 
 SUPPORTED_MODEL_TYPES = tuple(_PARSERS)
+_TIED_BY_DEFAULT = {"mamba2", "lfm2"}  # transformers' config default for tie_word_embeddings
 
 
 def _eos_ids(*sources: dict | None) -> tuple[int, ...]:
@@ -532,6 +593,7 @@ def parse_model_spec(cfg: dict, generation_config: dict | None = None, config_sh
     arch = (cfg.get("architectures") or [model_type])[0]
     if model_type not in _PARSERS:
         raise ConfigError(f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    cfg = {**cfg, **{new: cfg[old] for old, new in _LEGACY_FIELDS.get(model_type, {}).items() if old in cfg}}
     text = _text_config(cfg, arch)
     layers, recurrent, attention = _PARSERS[model_type](text, arch)
     if not layers:
@@ -545,13 +607,14 @@ def parse_model_spec(cfg: dict, generation_config: dict | None = None, config_sh
         mamba=recurrent if isinstance(recurrent, MambaSpec) else None,
         attention=attention,
         # the outer config's: transformers ties by the config of the class it builds
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type == "mamba2")),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type in _TIED_BY_DEFAULT)),
         max_position_embeddings=int(text.get("max_position_embeddings") or 1 << 20),
         eos_token_ids=_eos_ids(cfg, text, generation_config),
         torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype") or text.get("torch_dtype") or text.get("dtype"),
         config=text,
         config_sha256=config_sha256,
         gated_deltanet=recurrent if isinstance(recurrent, GatedDeltaNetSpec) else None,
+        short_conv=recurrent if isinstance(recurrent, ShortConvSpec) else None,
     )
 
 

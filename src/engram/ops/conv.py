@@ -1,6 +1,7 @@
 """Depthwise causal conv1d with a carried state (Mamba2's short convolution), torch reference.
 
-x [L, C], weight [C, K], conv state [K-1, C]: the last K-1 inputs before x. SiLU applied.
+x [L, C], weight [C, K], conv state [K-1, C]: the last K-1 inputs before x. SiLU applied unless
+`silu=False` (LFM2's short convolution has no activation).
 
 The batch ops read and write the state in place, in the pool `[num_slots, K-1, C]` at the
 sequences' slots (so a fast kernel never gathers or scatters whole states).
@@ -12,29 +13,31 @@ import torch
 import torch.nn.functional as F
 
 
-def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def causal_conv1d(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor, silu: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence. Returns (silu(conv(x)) [L, C], new conv state [K-1, C])."""
     window = torch.cat([conv_state.to(x.dtype), x], dim=0)  # [K-1+L, C]
     y = F.conv1d(window.t()[None], weight[:, None, :], bias, groups=weight.shape[0])[0].t()
-    return F.silu(y), window[window.shape[0] - conv_state.shape[0] :]
+    return F.silu(y) if silu else y, window[window.shape[0] - conv_state.shape[0] :]
 
 
 def causal_conv1d_step(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor, silu: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token for each of S sequences: x [S, C], conv_state [S, K-1, C] -> (y, new state)."""
     window = torch.cat([conv_state.to(x.dtype), x[:, None]], dim=1)  # [S, K, C]
     y = torch.einsum("skc,ck->sc", window, weight.to(x.dtype))
     if bias is not None:
         y = y + bias
-    return F.silu(y), window[:, 1:]
+    return F.silu(y) if silu else y, window[:, 1:]
 
 
 def causal_conv1d_update(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_pool: torch.Tensor, slots: torch.Tensor
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_pool: torch.Tensor, slots: torch.Tensor, silu: bool = True
 ) -> torch.Tensor:
     """Decode: one token for each of S sequences (x [S, C]); conv_pool[slots] is advanced in place."""
-    y, new_state = causal_conv1d_step(x, weight, bias, conv_pool[slots])
+    y, new_state = causal_conv1d_step(x, weight, bias, conv_pool[slots], silu)
     conv_pool[slots] = new_state.to(conv_pool.dtype)
     return y
 
@@ -66,10 +69,11 @@ def causal_conv1d_varlen(
     slots: torch.Tensor,
     seq_lens: list[int],
     cu_seqlens: torch.Tensor | None = None,
+    silu: bool = True,
 ) -> torch.Tensor:
     """Flat batch: x [T, C] split by seq_lens; conv_pool[slots] is read as the initial states and
     overwritten with the final ones. `cu_seqlens` (device) is for fast kernels; unused here."""
     states = conv_pool[slots]
-    ys, finals = zip(*(causal_conv1d(xi, weight, bias, states[i]) for i, xi in enumerate(x.split(seq_lens))))
+    ys, finals = zip(*(causal_conv1d(xi, weight, bias, states[i], silu) for i, xi in enumerate(x.split(seq_lens))))
     conv_pool[slots] = torch.stack(finals).to(conv_pool.dtype)
     return torch.cat(ys)

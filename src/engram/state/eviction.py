@@ -21,7 +21,7 @@ from engram.models.spec import ModelSpec
 @dataclass(frozen=True)
 class PrefillCost:
     """FLOPs of a prefill of n tokens: `per_token * n + per_pair * n * (n + 1) / 2` (causal pairs).
-    `of` counts the sequence mixers (Mamba2 and gated DeltaNet projections and scans, attention
+    `of` counts the sequence mixers (Mamba2 and gated DeltaNet projections and scans, short convs, attention
     projections, scores and values); the feed-forward layers are left out (the spec does not size them), which
     understates the linear term alike for every entry of a model."""
 
@@ -41,6 +41,10 @@ class PrefillCost:
             projections = h * g.in_proj_size + g.value_dim * h
             scan = 6 * g.num_v_heads * g.head_k_dim * g.head_v_dim  # decay, read, write and output of the state
             per_token += len(spec.gated_deltanet_layers) * (2 * projections + scan)
+        if spec.short_conv is not None:
+            c = spec.short_conv
+            projections = h * 3 * h + h * h  # in_proj (B, C, x) and out_proj
+            per_token += len(spec.short_conv_layers) * (2 * projections + 2 * c.conv_kernel * h + 2 * h)  # conv taps, two gates
         if spec.attention is not None:
             a = spec.attention
             projections = h * (a.num_heads + 2 * a.num_kv_heads) * a.head_dim + a.num_heads * a.head_dim * h
