@@ -437,7 +437,7 @@ class ConversationManager:
                     wanted = False
                     self._unsaved_by_health.add((plan.conversation_id, turn.ref))
                 if state is not None and self.tiers.enabled:
-                    if state.nbytes > self.warm.max_bytes:  # it cannot stay in memory: written now, as any state leaving it
+                    if not self.warm.fits(state):  # it cannot stay in memory: written now, as any state leaving it
                         wanted = wanted or self._written_on_leaving_memory(plan.conversation_id, turn.ref)
                     self.warm.put(plan.conversation_id, turn.ref, state)
                     self.active.keep(plan.conversation_id, turn.ref, now, retained)
