@@ -203,3 +203,16 @@ def test_an_adopted_sequence_recomputed_after_a_preemption_does_not_share_its_ba
     reference = full(engine, prompt, max_tokens=30)
     assert outs["b"].token_ids == reference.token_ids
     assert_same_kv(state, reference.state, state.state_len)
+
+
+def test_a_state_larger_than_the_warm_budget_pushes_no_other_state_out():
+    def state(rows: int) -> SequenceState:
+        return SequenceState(list(range(rows)), rows, {"layers.0.ssm": torch.zeros(16), "layers.1.k": torch.zeros(rows, 2, 8)})
+
+    warm, evicted = WarmCache(8, 2048), []
+    warm.on_evict = lambda cid, ref, s: evicted.append(cid)
+    warm.put("a", "1", state(2))  # 64 + 128 bytes
+    warm.put("b", "1", state(2))
+    warm.put("huge", "1", state(64))  # 64 + 4096 bytes: more than the whole budget
+    assert warm.peek("huge", "1") is None and evicted == []
+    assert warm.peek("a", "1") is not None and warm.peek("b", "1") is not None and warm.nbytes == 2 * (64 + 128)

@@ -214,6 +214,36 @@ def test_anomalous_state_is_quarantined_and_not_restored(engine, tmp_path):
     assert manager_for(engine, tmp_path, clock).quarantine.is_quarantined("h", "main/000004")  # survives a restart
 
 
+def test_a_quarantined_warm_state_lends_no_kv_to_a_load(engine, tmp_path):
+    """A load takes the KV prefix a warm state holds instead of reading it (`_resident_prefix`); a
+    quarantined state's must not stand in for the verified file: its rows before the turn it
+    continues were never checked (health reads only the KV a turn added)."""
+    clock = Clock()
+    health = HealthMonitor(HealthConfig(check_interval=1, policy=HealthPolicy.REFUSE_RESTORE, warmup=2), clock=clock)
+    m = manager_for(engine, tmp_path, clock, health=health)
+    for i in range(3):
+        turn(engine, m, "q", random_prompt(5, 70 + i))
+    parent_len = m.require("q").latest("main").state_len
+
+    def damaged(state: SequenceState) -> SequenceState:
+        tensors = {k: v * 1e4 if k.endswith(".ssm") else v.clone() for k, v in state.flat_tensors().items()}
+        for name in state.kv_names:
+            tensors[name][:parent_len] = 100.0  # unchecked rows: the ones the parent turn's file holds too
+        return SequenceState(state.tokens, state.state_len, tensors)
+
+    turn(engine, m, "q", random_prompt(5, 80), state_edit=damaged)
+    assert [q["ref"] for q in m.quarantine.list("q")] == ["main/000004"]
+    m.warm.drop("q", "main/000003")  # turn 3 comes from its file now
+    plan = m.begin("q")
+    assert plan.state_tier == "cold" and plan.state is not None and plan.state.state_len == parent_len
+    before = m.require("q").tokens(m.find_turn(m.require("q"), "main", 3))
+    new = random_prompt(4, 81)
+    engine.add_request("t", before + new, greedy(6), initial_state=plan.state)
+    out = run_to_end(engine)["t"]
+    m.release("q")
+    assert out.token_ids == full(engine, before + new)
+
+
 def test_warm_copy_is_independent_of_the_engine_pool(engine, tmp_path):
     """A captured state is a copy: later steps in the slot it came from do not change it."""
     m = manager_for(engine, None, Clock())

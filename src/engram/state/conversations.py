@@ -440,7 +440,7 @@ class ConversationManager:
                     wanted = False
                     self._unsaved_by_health.add((plan.conversation_id, turn.ref))
                 if state is not None and self.tiers.enabled:
-                    if state.nbytes > self.warm.max_bytes:  # it cannot stay in memory: written now, as any state leaving it
+                    if not self.warm.fits(state):  # it cannot stay in memory: written now, as any state leaving it
                         wanted = wanted or self._written_on_leaving_memory(plan.conversation_id, turn.ref)
                     self.warm.put(plan.conversation_id, turn.ref, state)
                     self.active.keep(plan.conversation_id, turn.ref, now, retained)
@@ -599,10 +599,15 @@ class ConversationManager:
 
     def _resident_prefix(self, conv: Conversation, turn: Turn) -> SequenceState | None:
         """The state in memory of this conversation that shares the longest prefix with the turn's
-        history (a later turn, a sibling branch), whose KV a load takes instead of reading it."""
+        history (a later turn, a sibling branch), whose KV a load takes instead of reading it. Not a
+        quarantined turn's: health checked only the KV that turn added, not the rows it would lend."""
         tokens = conv.tokens(turn)
         with self._lock:
-            candidates = self.warm.states_of(conv.conversation_id)
+            candidates = [
+                state
+                for ref, state in self.warm.states_of(conv.conversation_id).items()
+                if not self.quarantine.is_quarantined(conv.conversation_id, ref)
+            ]
         best, best_len = None, 0
         for state in candidates:
             n = _common_prefix(state.tokens, tokens, state.state_len)

@@ -92,14 +92,20 @@ class WarmCache:
         entry = self._states.get((conversation_id, ref))
         return entry[0] if entry is not None else None
 
-    def states_of(self, conversation_id: str) -> list[SequenceState]:
-        """Every state the conversation holds here, without counting a use."""
-        return [state for (cid, _), (state, _) in self._states.items() if cid == conversation_id]
+    def states_of(self, conversation_id: str) -> dict[str, SequenceState]:
+        """Every state the conversation holds here, by ref, without counting a use."""
+        return {ref: state for (cid, ref), (state, _) in self._states.items() if cid == conversation_id}
+
+    def fits(self, state: SequenceState) -> bool:
+        """Whether the state could stay here alone: the memory blocks it keeps alive are within the budget."""
+        return self.max_conversations > 0 and sum(state.storages().values()) <= self.max_bytes
 
     def put(self, conversation_id: str, ref: str, state: SequenceState) -> None:
-        if self.max_conversations <= 0:
-            return
+        """Keep the state, pushing out the least recently used beyond the budgets; one that does not
+        `fit` is not kept (and pushes nothing out)."""
         self.drop(conversation_id, ref)
+        if not self.fits(state):
+            return
         self._states[(conversation_id, ref)] = (state, self.clock())
         for address, size in state.storages().items():
             held = self._blocks.setdefault(address, [size, 0])
@@ -114,13 +120,12 @@ class WarmCache:
                 victims = [next(iter(self._states))]
             else:
                 break
-            for cid, old_ref in victims:
+            for cid, old_ref in victims:  # never the new state: it fits alone, and it is the latest use
                 if (cid, old_ref) not in self._states:  # dropped by on_evict of an earlier victim
                     continue
                 old_state = self._states[(cid, old_ref)][0]
                 self.drop(cid, old_ref)
-                if (cid, old_ref) != (conversation_id, ref):  # a state larger than the whole budget is just not kept
-                    self.on_evict(cid, old_ref, old_state)
+                self.on_evict(cid, old_ref, old_state)
 
     def _latest_use(self) -> dict[str, int]:
         """Each conversation's most recently used state, as a place in the use order."""
