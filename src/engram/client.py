@@ -1,9 +1,10 @@
 """Python client for an Engram server: chat by conversation, and the snapshot routes.
+For example:
 
-client = EngramClient("http://127.0.0.1:30000")
-conv = client.conversation()
-conv.chat("Hello")          # sends only the new message; the server keeps the state
-SnapshotManager(client).list_conversation(conv.conversation_id)
+    client = EngramClient("http://127.0.0.1:30000")
+    conv = client.conversation()
+    conv.chat("Hello")          # sends only the new message; the server keeps the state
+    SnapshotManager(client).list_conversation(conv.conversation_id)
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """A uvicorn server on a background thread, for tests, notebooks and benchmarks.
+For example:
 
-with BackgroundServer(app) as server:
-    httpx.get(server.url + "/health")
+    with BackgroundServer(app) as server:
+        httpx.get(server.url + "/health")
 """
 
 from __future__ import annotations
