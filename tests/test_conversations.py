@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_utils import greedy, make_engine, random_prompt, run_to_end, store_file
+from engine_utils import greedy, make_engine, manager_of, random_prompt, run_to_end, store_file
 
 from engram.state.conversations import (
     ConversationBusyError,
@@ -22,7 +22,6 @@ from engram.state.conversations import (
     retain_key,
 )
 from engram.state.health import Decision, HealthMonitor
-from engram.state.identity import ModelIdentity, tokenizer_fingerprint
 from engram.state.sequence_state import SequenceState
 from engram.state.snapshot import SnapshotCorruptError
 from engram.state.store import WarmCache
@@ -34,15 +33,7 @@ def engine(checkpoint_dir):
 
 
 def manager_for(engine, root, policy=SnapshotPolicy(), warm_entries=64) -> ConversationManager:
-    return ConversationManager(
-        engine.spec,
-        engine.state_dtypes,
-        ModelIdentity.of(engine.spec, engine.model_path),
-        tokenizer_fingerprint(engine.model_path),
-        policy,
-        root,
-        WarmCache(warm_entries, 1 << 30),
-    )
+    return manager_of(engine, root, policy=policy, warm=WarmCache(warm_entries, 1 << 30))
 
 
 def take_turn(engine, manager, conv_id, new_tokens, branch="main", from_turn=None, max_tokens=8):
@@ -410,15 +401,12 @@ def test_deleting_a_conversation_hands_its_engine_slot_back(engine, tmp_path):
 
 def test_idle_demotion_that_cannot_write_keeps_the_state_warm(engine, tmp_path, monkeypatch):
     now = [0.0]
-    manager = ConversationManager(
-        engine.spec,
-        engine.state_dtypes,
-        ModelIdentity.of(engine.spec, engine.model_path),
-        tokenizer_fingerprint(engine.model_path),
-        SnapshotPolicy(SnapshotTrigger.EVERY_N_TURNS, every_n_turns=2),
+    manager = manager_of(
+        engine,
         tmp_path,
-        WarmCache(8, 1 << 30),
-        TierConfig(active_timeout=10, warm_timeout=20),
+        policy=SnapshotPolicy(SnapshotTrigger.EVERY_N_TURNS, every_n_turns=2),
+        warm=WarmCache(8, 1 << 30),
+        tiers=TierConfig(active_timeout=10, warm_timeout=20),
         clock=lambda: now[0],
     )
     take_turn(engine, manager, "w", random_prompt(4, 1), max_tokens=2)  # turn 1: no snapshot by the policy
@@ -439,15 +427,12 @@ def test_idle_demotion_does_not_write_a_state_the_health_policy_kept_off_disk(en
             return Decision(save=False, restore=True, quarantine=True, log=None)
 
     now = [0.0]
-    manager = ConversationManager(
-        engine.spec,
-        engine.state_dtypes,
-        ModelIdentity.of(engine.spec, engine.model_path),
-        tokenizer_fingerprint(engine.model_path),
-        SnapshotPolicy(),
+    manager = manager_of(
+        engine,
         tmp_path,
-        WarmCache(8, 1 << 30),
-        TierConfig(active_timeout=10, warm_timeout=20),
+        policy=SnapshotPolicy(),
+        warm=WarmCache(8, 1 << 30),
+        tiers=TierConfig(active_timeout=10, warm_timeout=20),
         clock=lambda: now[0],
         health=AlwaysAnomalous(clock=lambda: now[0]),
     )
@@ -504,16 +489,7 @@ def test_a_state_pushed_out_of_memory_by_pressure_is_written_first(engine, tmp_p
 
 def test_closing_writes_a_record_that_async_durability_failed_to_write(engine, tmp_path, monkeypatch):
     """The turn was answered and no later turn of its conversation rewrote the record: closing does."""
-    manager = ConversationManager(
-        engine.spec,
-        engine.state_dtypes,
-        ModelIdentity.of(engine.spec, engine.model_path),
-        tokenizer_fingerprint(engine.model_path),
-        SnapshotPolicy(),
-        tmp_path,
-        WarmCache(8, 1 << 30),
-        TierConfig(durability="async"),
-    )
+    manager = manager_of(engine, tmp_path, policy=SnapshotPolicy(), warm=WarmCache(8, 1 << 30), tiers=TierConfig(durability="async"))
     fail_record_writes(monkeypatch, errno=5)
     _, out, *_ = take_turn(engine, manager, "ur", random_prompt(5, 1), max_tokens=2)
     manager.writer.flush()
@@ -546,16 +522,7 @@ def test_async_durability_keeps_a_turn_whose_record_write_failed(engine, tmp_pat
 
     from engram.state import records
 
-    manager = ConversationManager(
-        engine.spec,
-        engine.state_dtypes,
-        ModelIdentity.of(engine.spec, engine.model_path),
-        tokenizer_fingerprint(engine.model_path),
-        SnapshotPolicy(),
-        tmp_path,
-        WarmCache(8, 1 << 30),
-        TierConfig(durability="async"),
-    )
+    manager = manager_of(engine, tmp_path, policy=SnapshotPolicy(), warm=WarmCache(8, 1 << 30), tiers=TierConfig(durability="async"))
     gate = threading.Event()
     manager.writer.submit(gate.wait)  # the writer is held until both turns are recorded in memory
     real_write, failures = records.atomic_write, []
@@ -591,16 +558,7 @@ def test_a_state_too_large_for_the_warm_budget_is_written_as_any_state_leaving_m
         def decide(self, report):
             return Decision(save=False, restore=True, quarantine=True, log=None)
 
-    manager = ConversationManager(
-        engine.spec,
-        engine.state_dtypes,
-        ModelIdentity.of(engine.spec, engine.model_path),
-        tokenizer_fingerprint(engine.model_path),
-        policy,
-        tmp_path,
-        WarmCache(8, 1),
-        health=AlwaysAnomalous() if health else None,
-    )
+    manager = manager_of(engine, tmp_path, policy=policy, warm=WarmCache(8, 1), health=AlwaysAnomalous() if health else None)
     take_turn(engine, manager, "big", random_prompt(4, 1), max_tokens=2)
     assert len(manager.snapshots("big")) == int(written) and len(manager.warm) == 0
 
