@@ -385,7 +385,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one step. With overlapped scheduling, a step whose sequences all sample on the device
-        (greedy or unseeded, without penalties or logprobs) picks its tokens there and returns before
+        (greedy or unseeded, without penalties or logprobs; grammars' masks applied there, filled
+        once the tokens in flight are taken) picks its tokens there and returns before
         they are read: the next call launches the following step first (feeding those tokens from
         the device), then reads them while the GPU works. A sequence that then turns out to have
         stopped (EOS, stop token or string) has had its last token fed once more: its state covers
@@ -426,6 +427,9 @@ class LLMEngine:
             if all(seq.is_finished for seq in completing):
                 completing = []
             if completing and self._overlap and all(self._overlappable(s.params) for s in completing):
+                if self._inflight is not None and any(s.matcher is not None for s in completing):
+                    outputs += self._collect(self._inflight)  # their masks follow the tokens in flight
+                    self._inflight = None
                 launched = self._sample_on_device(logits, completing)
         if self._inflight is not None:
             outputs += self._collect(self._inflight)
@@ -493,15 +497,19 @@ class LLMEngine:
 
     @staticmethod
     def _overlappable(p: SamplingParams) -> bool:
-        """A constrained row is not: its mask needs its previous token accepted first."""
-        return samples_on_device(p) and p.logprobs is None and p.structured_outputs is None and not p.masks_tokens
+        """Rows sampled on the device. A grammar's row is one too: its mask is filled once the tokens
+        in flight are accepted, while the GPU runs this step's forward, and applied on the device."""
+        return samples_on_device(p) and p.logprobs is None and not p.masks_tokens
 
     def _sample_on_device(self, logits: torch.Tensor, seqs: list[Sequence]) -> InFlightTokens:
         params = [seq.params for seq in seqs]
-        if self.runner.argmax_in_sampled and all(p.greedy for p in params):
+        masked = any(seq.matcher is not None for seq in seqs)
+        if self.runner.argmax_in_sampled and all(p.greedy for p in params) and not masked:
             return InFlightTokens(seqs, *self.runner.argmax_on_host(len(seqs)))  # the decode graph sent them
+        if masked:  # a row that finished meanwhile samples unmasked: its token is never read
+            self.grammars.mask_logits(logits, [None if seq.is_finished else seq.matcher for seq in seqs])
         out = self.runner.writable_sampled(len(seqs))
-        sample_on_device(logits, params, self._default_generator, out=out, argmax_done=self.runner.argmax_in_sampled)
+        sample_on_device(logits, params, self._default_generator, out=out, argmax_done=self.runner.argmax_in_sampled and not masked)
         return InFlightTokens(seqs, *self.runner.copy_sampled_to_host(len(seqs)))
 
     def _mark_inflight(self, launched: InFlightTokens) -> None:

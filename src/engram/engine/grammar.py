@@ -99,11 +99,15 @@ class Grammars:
         if not constrained:
             return
         rows = [i for i, _ in constrained]
-        if self._bitmask.shape[0] < len(matchers):
+        if self._bitmask.shape[0] < len(matchers) or (logits.is_cuda and not self._bitmask.is_pinned()):
             self._bitmask = xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
+            if logits.is_cuda:
+                self._bitmask = self._bitmask.pin_memory()
         bitmask = self._bitmask[: len(matchers)]
         self._batch.batch_fill_next_token_bitmask([m for _, m in constrained], bitmask, rows)
-        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=self.vocab_size, indices=rows)
+        # Pinned and queued: the host refills the buffer only after this step's tokens are read, so after the copy
+        on_device = bitmask.to(logits.device, non_blocking=True)
+        xgr.apply_token_bitmask_inplace(logits, on_device, vocab_size=self.vocab_size, indices=rows)
 
 
 def _json_schema_grammar(schema: str, any_whitespace: bool) -> str:
