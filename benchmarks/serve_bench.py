@@ -301,6 +301,9 @@ async def run_http(a, server: ServerProcess, vocab: int) -> dict:
     out: dict = {"ready_s": server.start(READY_TIMEOUT_S)}
     log(f"server ready in {out['ready_s']:.1f} s")
     client = AsyncOpenAI(base_url=server.url + "/v1", api_key="none", timeout=3600, max_retries=0)
+    first = Timing()  # the first request after ready, against the same request in fixed_c1 (warm before ready)
+    await stream_completion(client, rand_tokens(a.prompt_len, vocab, 1), a.output_len, first)
+    out["first_after_ready"] = summary(first.ttft, first.itl, first.e2e, first.tokens, first.e2e[0])
     for c in a.concurrency:
         (server_cpu, loop_cpu), client_cpu = cpu_seconds(server), time.process_time()
         out[f"fixed_c{c}"] = r = await http_fixed(client, c, max(c * a.rounds, c), a.prompt_len, a.output_len, vocab)
@@ -448,6 +451,12 @@ def print_tables(res: dict) -> None:
             f"{H['restart_ready_s']:.1f} s to ready after the restart"
         )
     print(f"ready after {H['ready_s']:.1f} s; compilations after ready: {H['compilations_after_ready']:g}; preemptions: {H['preemptions']:g}")
+    if "first_after_ready" in H and "fixed_c1" in H:
+        f, steady = H["first_after_ready"], H["fixed_c1"]
+        print(
+            f"first request after ready: E2E {ms(f['e2e_p50'])} ms, TTFT {ms(f['ttft_p50'])} ms; the same request warm (c=1 p50): "
+            f"E2E {ms(steady['e2e_p50'])} ms ({ratio(f['e2e_p50'], steady['e2e_p50'])}), TTFT {ms(steady['ttft_p50'])} ms"
+        )
 
 
 def machine() -> dict:

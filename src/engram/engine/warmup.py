@@ -154,12 +154,14 @@ def warmup_plan(engine: LLMEngine) -> WarmupPlan:
 
 
 def warmup_stages(engine: LLMEngine) -> list[WarmupStage]:
-    """What to run before ready, in order: everything on CUDA, nothing on the CPU."""
+    """What to run before ready, in order: everything on CUDA; on the CPU one short request per
+    sampler path (a first request would otherwise pay torch's first-call costs, ~5x its steady time)."""
+    greedy = SAMPLER_PATHS[0]
+    sampler_paths = WarmupStage("sampler paths", lambda: _run(engine, [(_prompt(engine, 5 + i), p) for i, p in enumerate(SAMPLER_PATHS)]))
     if engine.device.type != "cuda":
-        return []
+        return [sampler_paths]
     plan = warmup_plan(engine)
     buckets = plan.graphs if engine.runner.graphs_on else []
-    greedy = SAMPLER_PATHS[0]
     return [
         WarmupStage(f"CUDA graphs ({len(buckets)} buckets)", lambda: _capture_all(engine, buckets)),
         WarmupStage(
@@ -175,7 +177,7 @@ def warmup_stages(engine: LLMEngine) -> list[WarmupStage]:
             f"prompts completing together ({len(plan.row_counts)} batch sizes)",
             lambda: [_run(engine, [(_prompt(engine, 2), greedy)] * rows) for rows in plan.row_counts],
         ),
-        WarmupStage("sampler paths", lambda: _run(engine, [(_prompt(engine, 5 + i), p) for i, p in enumerate(SAMPLER_PATHS)])),
+        sampler_paths,
     ]
 
 
