@@ -44,6 +44,12 @@ class EngineArgs:
             "help": "run prefill chunks in the same steps as decode rows (as SGLang's flag; such steps run eagerly); off: the two kinds of step take turns, so that decode steps replay their CUDA graph"
         },
     )
+    scheduler_delay_factor: float = field(
+        default=0.0,
+        metadata={
+            "help": "while requests decode, admit waiting ones once the oldest has waited this many times the last admitting step's time (vLLM's flag), so that arrivals share prefill steps; 0: at once"
+        },
+    )
     enable_overlap_schedule: bool = field(
         default=True,
         metadata={

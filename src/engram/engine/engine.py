@@ -141,7 +141,14 @@ class LLMEngine:
         except BaseException:
             self.close()  # the other ranks' processes do not outlive a failed start
             raise
-        self.scheduler = Scheduler(self.state_pool, self.kv_pool, args.max_running_requests, args.max_num_batched_tokens, args.enable_mixed_chunk)
+        self.scheduler = Scheduler(
+            self.state_pool,
+            self.kv_pool,
+            args.max_running_requests,
+            args.max_num_batched_tokens,
+            args.enable_mixed_chunk,
+            args.scheduler_delay_factor,
+        )
         self.copier = HostCopier(self.device)
         self.runner = ModelRunner(
             self.model,

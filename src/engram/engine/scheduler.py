@@ -12,7 +12,9 @@ does not need: they are reclaimed, least recently used first, before anything is
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engram.engine.pools import KVPool, StatePool
@@ -55,13 +57,29 @@ class RetainedSlot:
 
 
 class Scheduler:
-    def __init__(self, state_pool: StatePool, kv_pool: KVPool, max_running: int, max_batched_tokens: int, mixed_chunks: bool = False):
+    def __init__(
+        self,
+        state_pool: StatePool,
+        kv_pool: KVPool,
+        max_running: int,
+        max_batched_tokens: int,
+        mixed_chunks: bool = False,
+        delay_factor: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        if delay_factor < 0:
+            raise ValueError(f"--scheduler-delay-factor must be at least 0, got {delay_factor}")
         self.state_pool = state_pool
         self.kv_pool = kv_pool
         self.max_running = min(max_running, state_pool.num_slots)
         self.max_batched_tokens = max_batched_tokens
         self.mixed_chunks = mixed_chunks
+        self.delay_factor = delay_factor
+        self.clock = clock
         self._prefilled_last = False  # the last step (with mixed_chunks off) ran prefill chunks only
+        self._admitted_at: float | None = None  # when the last step that admitted sequences was scheduled
+        self._admitting_step_seconds = 0.0  # and how long that step took (until the next schedule)
+        self._now = 0.0  # when the step being scheduled began
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.retained: OrderedDict[str, RetainedSlot] = OrderedDict()
@@ -69,6 +87,7 @@ class Scheduler:
         self.num_reclaimed = 0
 
     def add(self, seq: Sequence) -> None:
+        seq.arrival_time = self.clock()
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
@@ -150,18 +169,38 @@ class Scheduler:
         With `mixed_chunks` a step holds decode rows and prefill chunks together. Without it (as
         SGLang without --enable-mixed-chunk) a step holds one or the other, so that decode steps
         replay their CUDA graph; while prefill work lasts the two kinds take turns."""
+        now = self.clock()
+        if self._admitted_at is not None:
+            self._admitting_step_seconds, self._admitted_at = now - self._admitted_at, None
+        admit = self._admission_due(now)
+        self._now = now
         if self.mixed_chunks:
-            return self._schedule(decode=True, prefill=True)
-        if self._prefilled_last and any(seq.num_uncomputed == 1 for seq in self.running):
+            chunks, admitted = self._schedule(decode=True, prefill=True, admit=admit)
+        elif self._prefilled_last and any(seq.num_uncomputed == 1 for seq in self.running):
             self._prefilled_last = False
-            return self._schedule(decode=True, prefill=False)
-        chunks, admitted = self._schedule(decode=False, prefill=True)
-        self._prefilled_last = bool(chunks)
-        return (chunks, admitted) if chunks else self._schedule(decode=True, prefill=False)
+            chunks, admitted = self._schedule(decode=True, prefill=False)
+        else:
+            chunks, admitted = self._schedule(decode=False, prefill=True, admit=admit)
+            self._prefilled_last = bool(chunks)
+            if not chunks:
+                chunks, admitted = self._schedule(decode=True, prefill=False)
+        return chunks, admitted
 
-    def _schedule(self, decode: bool, prefill: bool) -> tuple[list[ScheduledChunk], list[Sequence]]:
+    def _admission_due(self, now: float) -> bool:
+        """vLLM's --scheduler-delay-factor: while sequences run, waiting ones are admitted once the
+        oldest has waited `delay_factor` x the time of the last step that admitted any (or once they
+        fill a step's token budget), so that requests arriving a few steps apart share one prefill
+        step instead of each stopping the decode rows for a step of its own."""
+        if self.delay_factor <= 0 or not self.running or not self.waiting:
+            return True
+        if sum(seq.num_tokens for seq in self.waiting) >= self.max_batched_tokens:
+            return True
+        oldest = min(seq.arrival_time for seq in self.waiting)
+        return now - oldest >= self.delay_factor * self._admitting_step_seconds
+
+    def _schedule(self, decode: bool, prefill: bool, admit: bool = True) -> tuple[list[ScheduledChunk], list[Sequence]]:
         """Decode rows (running sequences with one token to feed) if `decode`; prefill chunks of
-        running sequences and admissions of waiting ones if `prefill`."""
+        running sequences if `prefill`, and admissions of waiting ones if `admit` as well."""
         budget = self.max_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted: set[Sequence] = set()
@@ -186,7 +225,7 @@ class Scheduler:
                 budget -= n
 
         admitted: list[Sequence] = []
-        while prefill and self.waiting and budget > 0 and len(self.running) < self.max_running:
+        while prefill and admit and self.waiting and budget > 0 and len(self.running) < self.max_running:
             seq = self.waiting[0]
             adopted = seq.adopted
             start = adopted.state_len if adopted else (seq.initial_state.state_len if seq.initial_state else 0)
@@ -194,6 +233,7 @@ class Scheduler:
             if adopted is None and not (self._free_slot_available() and self._fits(start + n)):
                 break
             self.waiting.popleft()
+            self._admitted_at = self._now
             if adopted is not None:  # the state is already in this slot and these pages
                 seq.slot, seq.blocks, seq.adopted = adopted.slot, adopted.blocks, None
                 self.state_pool.pending.settle([seq.slot])  # its capture may still be copying
