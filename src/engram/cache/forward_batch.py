@@ -25,7 +25,7 @@ class ForwardBatch:
     positions: torch.Tensor  # [T] position of each token in its sequence
     seq_lens: list[int]  # new tokens per sequence (host data)
     context_lens: list[int]  # tokens each sequence had consumed before this step (host data)
-    state_slots: torch.Tensor  # [S] StatePool slot of each sequence (-1: a padding row of a CUDA graph)
+    state_slots: torch.Tensor  # [S] state cache slot of each sequence (-1: a padding row of a CUDA graph)
     slot_mapping: torch.Tensor  # [T] KV cache slot each new token is written to (-1: padding)
     block_tables: torch.Tensor  # [S, max_blocks] KV pages of each sequence (-1 padded)
     logits_indices: torch.Tensor  # rows of the flat batch whose next-token logits are needed
