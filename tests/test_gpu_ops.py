@@ -145,17 +145,37 @@ def test_linear_conv_update_in_place_by_slot(dtype, K, slots, bias):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("K", [2, 3, 4])
-def test_causal_conv1d_varlen_in_place_by_slot(dtype, K):
+@pytest.mark.parametrize("silu", [True, False])  # Mamba2's conv, LFM2's short conv
+def test_causal_conv1d_varlen_in_place_by_slot(dtype, K, silu):
     g = _gen(4)
     w, b, pool = _conv_inputs(g, dtype, K=K)
-    lens = [1, 2, 70, 5, 3]
-    slots = torch.tensor([5, 1, 3, 0, 2], device=DEV)
+    lens = [1, 2, 70, 5, 3, 4]
+    slots = torch.tensor([5, 1, 3, 0, 2, -1], device=DEV)  # -1: reads zeros, writes nothing
     xbc = _randn(sum(lens), 160, g=g, dtype=dtype)[:, 8:152]
     pool_ref = pool.clone()
-    y = triton_ops.conv.causal_conv1d_varlen(xbc, w, b, pool, slots, lens)
-    y_ref = conv.causal_conv1d_varlen(xbc, w, b, pool_ref, slots, lens)
+    y = triton_ops.conv.causal_conv1d_varlen(xbc, w, b, pool, slots, lens, silu=silu)
+    y_ref = conv.causal_conv1d_varlen(xbc, w, b, pool_ref, slots, lens, silu=silu)
     torch.testing.assert_close(y, y_ref, **_tol(dtype))
     torch.testing.assert_close(pool, pool_ref, **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("K", [2, 3, 4])
+@pytest.mark.parametrize("silu", [True, False])
+@pytest.mark.parametrize("bias", [True, False])
+def test_causal_conv1d_update_in_place_by_slot(dtype, K, silu, bias):
+    """The decode update alone (LFM2's short conv, without the SiLU), padding rows included: the
+    reference gives them a zero window too, and the slot -1 would alias (the last) stays as it was."""
+    g = _gen(5)
+    w, b, pool = _conv_inputs(g, dtype, K=K)
+    slots = torch.tensor([4, -1, 0, 3, -1], device=DEV)
+    x = _randn(len(slots), 144, g=g, dtype=dtype)
+    pool_ref, last = pool.clone(), pool[-1].clone()
+    y = triton_ops.conv.causal_conv1d_update(x, w, b if bias else None, pool, slots, silu=silu)
+    y_ref = conv.causal_conv1d_update(x, w, b if bias else None, pool_ref, slots, silu=silu)
+    torch.testing.assert_close(y, y_ref, **_tol(dtype))
+    torch.testing.assert_close(pool, pool_ref, **_tol(dtype))
+    assert torch.equal(pool[-1], last)
 
 
 def _ssd_params(g, H, G, P, N, slots_total, pool_dtype=torch.float32):
@@ -658,8 +678,7 @@ def test_greedy_tokens_fast_path_equal_reference(kind, checkpoint_dir):
     try:
         ref_tokens, ref_logits, _ = _greedy_run(path, False, False, "float32", prompts, 12)
         fast_tokens, fast_logits, engine = _greedy_run(path, True, True, "float32", prompts, 12)
-        # LFM2's short conv decodes with the torch reference, which CUDA graphs' padding rows would corrupt
-        assert (engine.runner.num_graph_replays > 0) == (kind != "lfm2"), "decode steps ran (or not) from CUDA graphs"
+        assert engine.runner.num_graph_replays > 0, "decode steps ran from CUDA graphs"
         assert fast_tokens == ref_tokens
         diff = max(float((a.cpu() - b.cpu()).abs().max()) for a, b in zip(fast_logits, ref_logits) if a.numel())
         print(f"{kind}: float32 max |logit diff| fast vs reference = {diff:.2e}")
@@ -672,7 +691,7 @@ def test_greedy_tokens_fast_path_equal_reference(kind, checkpoint_dir):
 
 
 @needs_cuda
-@pytest.mark.parametrize("kind", ["granite", "nemotron", "qwen3_next"])
+@pytest.mark.parametrize("kind", ["granite", "nemotron", "qwen3_next", "lfm2"])
 def test_resumed_turn_through_prefill_graphs_equals_reference(kind, checkpoint_dir):
     """A short turn on top of a captured state runs as one single-sequence prefill (a prefill CUDA
     graph on the fast path): same tokens as the reference path, which recomputes nothing either."""

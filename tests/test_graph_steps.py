@@ -10,6 +10,7 @@ import gc
 
 import pytest
 import torch
+from checkpoints import write_checkpoint
 from engine_utils import greedy, make_engine, random_prompt, run_to_end
 
 from engram.engine import runner as runner_mod
@@ -75,6 +76,16 @@ def test_decode_graph_steps_give_the_eager_steps_tokens(cpu_graphs, checkpoint_d
     expected, eager_replays = _workload(make_engine(path, device="cpu", enable_cuda_graph=False, enable_overlap_schedule=True))
     got, replays = _workload(make_engine(path, device="cpu", enable_cuda_graph=True, enable_overlap_schedule=True))
     assert eager_replays == 0 and replays >= 10
+    assert got == expected and len(got) == 4
+
+
+def test_lfm2_decode_steps_run_in_graphs_with_the_eager_steps_tokens(cpu_graphs, tmp_path):
+    """LFM2's short conv on padded decode steps (slot -1 rows). Short-conv layers only: the torch
+    reference of paged attention reads the host lengths, which a graph's batch holds as placeholders."""
+    path = str(write_checkpoint("lfm2", tmp_path, layer_types=["conv"] * 4))
+    expected, _ = _workload(make_engine(path, device="cpu", enable_cuda_graph=False, enable_overlap_schedule=True))
+    got, replays = _workload(make_engine(path, device="cpu", enable_cuda_graph=True, enable_overlap_schedule=True))
+    assert replays >= 10
     assert got == expected and len(got) == 4
 
 

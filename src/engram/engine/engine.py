@@ -155,9 +155,7 @@ class LLMEngine:
             self.state_pool,
             self.kv_pool,
             self.device,
-            # LFM2's short conv decodes with the torch reference on every device, which would write a
-            # captured step's padding rows (slot -1) into the last slot: it runs uncaptured
-            enable_cuda_graph=args.enable_cuda_graph and self.tp_leader is None and not self.spec.short_conv_layers,
+            enable_cuda_graph=args.enable_cuda_graph and self.tp_leader is None,
             max_context_length=self.max_context_length,
             batch_sink=self.tp_leader.forward if self.tp_leader is not None else None,
         )

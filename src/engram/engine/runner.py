@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engram.engine.forward_batch import ForwardBatch, VerifyStates
+from engram.cache.forward_batch import ForwardBatch, VerifyStates
 from engram.engine.pools import KVPool, StatePool
 from engram.engine.scheduler import ScheduledChunk
 from engram.models.base import CausalLM

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engram.cache.forward_batch import VerifyStates
 from engram.engine.drafter import Drafter, NgramDrafter
-from engram.engine.forward_batch import VerifyStates
 from engram.engine.pools import KVPool, StatePool
 from engram.engine.scheduler import ScheduledChunk
 from engram.engine.sequence import Sequence

@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from engram.args import EngineArgs
-from engram.engine.forward_batch import ForwardBatch
+from engram.cache.forward_batch import ForwardBatch
 from engram.engine.pools import KVPool, StatePool
 from engram.layers.parallel import Shard, TensorParallel, local_spec
 from engram.models.base import CausalLM

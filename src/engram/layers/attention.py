@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engram.engine.forward_batch import ForwardBatch
+from engram.cache.forward_batch import ForwardBatch
 from engram.layers import parallel
 from engram.layers.linear import Linear
 from engram.layers.norm import RMSNorm, ZeroCenteredRMSNorm

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engram.engine.forward_batch import ForwardBatch
+from engram.cache.forward_batch import ForwardBatch
 from engram.layers.linear import Linear
 from engram.models.spec import GatedDeltaNetSpec
 from engram.ops.dispatch import kernels

@@ -1,4 +1,4 @@
-"""LFM2's gated short convolution over a flat batch, its conv window in the StatePool by slot.
+"""LFM2's gated short convolution over a flat batch, its conv window in the state cache by slot.
 
 in_proj yields [B | C | x]; the causal depthwise conv (no activation) runs over B * x, from the
 sequence's last `conv_kernel - 1` such inputs, and its output is gated by C before out_proj.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engram.engine.forward_batch import ForwardBatch
+from engram.cache.forward_batch import ForwardBatch
 from engram.layers.linear import Linear
 from engram.models.spec import ShortConvSpec
 from engram.ops.dispatch import kernels

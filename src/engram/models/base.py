@@ -11,7 +11,7 @@ import re
 import torch
 from torch import nn
 
-from engram.engine.forward_batch import ForwardBatch
+from engram.cache.forward_batch import ForwardBatch
 from engram.layers import parallel
 from engram.layers.attention import Attention
 from engram.layers.gated_deltanet import GatedDeltaNet

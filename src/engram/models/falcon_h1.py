@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engram.engine.forward_batch import ForwardBatch
+from engram.cache.forward_batch import ForwardBatch
 from engram.layers.attention import Attention
 from engram.layers.linear import Linear
 from engram.layers.mamba2 import Mamba2Mixer

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engram.engine.forward_batch import ForwardBatch
+from engram.cache.forward_batch import ForwardBatch
 from engram.layers.mlp import FusedGatedMLP, SoftmaxTopKMoE
 from engram.layers.norm import RMSNorm
 from engram.models.base import CausalLM, sequence_mixer

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from engram.engine.forward_batch import ForwardBatch
+from engram.cache.forward_batch import ForwardBatch
 from engram.layers.mlp import PlainMLP, SigmoidGroupedMoE
 from engram.layers.norm import RMSNorm
 from engram.models.base import CausalLM, sequence_mixer

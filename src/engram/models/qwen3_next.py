@@ -9,7 +9,7 @@ import re
 import torch
 from torch import nn
 
-from engram.engine.forward_batch import ForwardBatch
+from engram.cache.forward_batch import ForwardBatch
 from engram.layers.mlp import GatedMLP, SharedExpertGateMoE
 from engram.layers.norm import ZeroCenteredRMSNorm
 from engram.models.base import CausalLM, WeightPlace, sequence_mixer

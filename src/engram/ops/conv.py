@@ -4,7 +4,8 @@ x [L, C], weight [C, K], conv state [K-1, C]: the last K-1 inputs before x. SiLU
 `silu=False` (LFM2's short convolution has no activation).
 
 The batch ops read and write the state in place, in the pool `[num_slots, K-1, C]` at the
-sequences' slots (so a fast kernel never gathers or scatters whole states).
+sequences' slots (so a fast kernel never gathers or scatters whole states). A slot of -1 (a CUDA
+graph's padding row) reads a zero state and writes nothing, as the fast kernels do.
 """
 
 from __future__ import annotations
@@ -33,12 +34,23 @@ def causal_conv1d_step(
     return F.silu(y) if silu else y, window[:, 1:]
 
 
+def _states_at(conv_pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """conv_pool[slots], zeros for slot -1."""
+    return conv_pool[slots.clamp_min(0)].masked_fill((slots < 0)[:, None, None], 0)
+
+
+def _store_states(conv_pool: torch.Tensor, slots: torch.Tensor, states: torch.Tensor) -> None:
+    """conv_pool[slots] = states, rows of slot -1 left out."""
+    real = slots >= 0
+    conv_pool[slots[real]] = states[real].to(conv_pool.dtype)
+
+
 def causal_conv1d_update(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_pool: torch.Tensor, slots: torch.Tensor, silu: bool = True
 ) -> torch.Tensor:
     """Decode: one token for each of S sequences (x [S, C]); conv_pool[slots] is advanced in place."""
-    y, new_state = causal_conv1d_step(x, weight, bias, conv_pool[slots], silu)
-    conv_pool[slots] = new_state.to(conv_pool.dtype)
+    y, new_state = causal_conv1d_step(x, weight, bias, _states_at(conv_pool, slots), silu)
+    _store_states(conv_pool, slots, new_state)
     return y
 
 
@@ -73,7 +85,7 @@ def causal_conv1d_varlen(
 ) -> torch.Tensor:
     """Flat batch: x [T, C] split by seq_lens; conv_pool[slots] is read as the initial states and
     overwritten with the final ones. `cu_seqlens` (device) is for fast kernels; unused here."""
-    states = conv_pool[slots]
+    states = _states_at(conv_pool, slots)
     ys, finals = zip(*(causal_conv1d(xi, weight, bias, states[i], silu) for i, xi in enumerate(x.split(seq_lens))))
-    conv_pool[slots] = torch.stack(finals).to(conv_pool.dtype)
+    _store_states(conv_pool, slots, torch.stack(finals))
     return torch.cat(ys)

@@ -6,7 +6,8 @@
   residual add before them), gated RMS norm, SiLU-and-mul, the single-token SSD state update and
   causal-conv update (in place in the state pool, by slot; up to LINEAR_GEMV_MAX_ROWS rows the
   update also applies Mamba2's gate and norm weight, and the output projection's GEMV the norm's
-  row statistic), the varlen causal conv1d, KV store, paged attention (prefill with context and
+  row statistic), the varlen causal conv1d (both convs with Mamba2's SiLU, or without it as LFM2's
+  short conv), KV store, paged attention (prefill with context and
   decode), router top-k and the fused MoE (per-pair GEMV at small batch, grouped GEMM over the
   expert-sorted routed tokens above), the greedy token's argmax over the vocabulary, and a decode
   graph's inputs taken from pinned host memory.
@@ -30,6 +31,7 @@ then keeps the references.
 from __future__ import annotations
 
 import warnings
+from functools import partial
 
 import torch
 
@@ -144,6 +146,8 @@ def available() -> dict:
         gated_delta_state_update=gated_delta.gated_delta_state_update,
         causal_conv1d_varlen=conv.causal_conv1d_varlen,
         linear_conv_update=linear.linear_conv_update,
+        short_conv1d_varlen=partial(conv.causal_conv1d_varlen, silu=False),
+        short_conv1d_update=partial(conv.causal_conv1d_update, silu=False),
         ssd_state_update=ssd.ssd_state_update,
         ssd_state_update_norm_linear=ssd.ssd_state_update_norm_linear,
         linear=linear.linear,

@@ -30,7 +30,7 @@ class KernelSet:
     gated_delta_state_update: Callable = gated_delta.gated_delta_state_update
     causal_conv1d_varlen: Callable = conv.causal_conv1d_varlen
     linear_conv_update: Callable = conv.linear_conv_update
-    # LFM2's short convolution: the same causal conv without the SiLU (no fast kernel yet)
+    # LFM2's short convolution: the same causal conv without the SiLU
     short_conv1d_varlen: Callable = partial(conv.causal_conv1d_varlen, silu=False)
     short_conv1d_update: Callable = partial(conv.causal_conv1d_update, silu=False)
     rms_norm: Callable = norm.rms_norm

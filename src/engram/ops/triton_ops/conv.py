@@ -1,5 +1,6 @@
-"""Mamba2's short causal conv1d, state in the pool [slots, K-1, C]: the single-token update and the
-varlen prefill.
+"""The short causal conv1d, state in the pool [slots, K-1, C]: the single-token update and the
+varlen prefill, with Mamba2's SiLU or without it (LFM2's short conv: `silu=False`). A slot of -1 (a
+CUDA graph's padding row) reads a zero window and writes nothing.
 
 Each thread owns whole channels: every state row is a 1-D vector over the same channels, loaded
 before any row is stored, so the in-place shift has no cross-thread hazard. K <= 4 (Mamba2 uses 4).
@@ -31,9 +32,9 @@ def conv_window(state, stride_pk, w, stride_wk, m, sm, K: tl.constexpr):
 
 
 @triton.jit
-def conv_apply(x, window, state, stride_pk, bias, sm, K: tl.constexpr):
-    """One token of the causal conv from its `conv_window`: silu(conv) in float32; the window in
-    the pool shifted in place (every row was loaded before any is stored)."""
+def conv_apply(x, window, state, stride_pk, bias, sm, K: tl.constexpr, SILU: tl.constexpr):
+    """One token of the causal conv from its `conv_window`: conv, or silu(conv) with SILU, in float32;
+    the window in the pool shifted in place (every row was loaded before any is stored)."""
     s0, s1, s2, w0, w1, w2, w3 = window
     xdt = x.dtype
     acc = s0.to(xdt).to(tl.float32) * w0.to(tl.float32)
@@ -56,13 +57,15 @@ def conv_apply(x, window, state, stride_pk, bias, sm, K: tl.constexpr):
         tl.store(state, s1.to(pt), mask=sm)
         tl.store(state + stride_pk, s2.to(pt), mask=sm)
         tl.store(state + 2 * stride_pk, x.to(pt), mask=sm)
-    return acc * tl.sigmoid(acc)
+    if SILU:
+        acc = acc * tl.sigmoid(acc)
+    return acc
 
 
 @triton.jit
-def conv_step(x, state, stride_pk, w, stride_wk, bias, m, sm, K: tl.constexpr):
+def conv_step(x, state, stride_pk, w, stride_wk, bias, m, sm, K: tl.constexpr, SILU: tl.constexpr):
     """`conv_apply` of the window loaded here."""
-    return conv_apply(x, conv_window(state, stride_pk, w, stride_wk, m, sm, K), state, stride_pk, bias, sm, K)
+    return conv_apply(x, conv_window(state, stride_pk, w, stride_wk, m, sm, K), state, stride_pk, bias, sm, K, SILU)
 
 
 @triton.jit
@@ -82,6 +85,7 @@ def _conv_update_kernel(
     C,
     K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
     """The window and the weights are read before the wait: the projection before this kernel
@@ -96,11 +100,11 @@ def _conv_update_kernel(
     bias = tl.load(Bias + c, mask=cm, other=0.0).to(tl.float32) if HAS_BIAS else 0.0
     wait_for_previous_kernel()
     x = tl.load(X + s * stride_x + c, mask=cm, other=0.0)
-    y = conv_apply(x, window, state, stride_pk, bias, sm, K)
+    y = conv_apply(x, window, state, stride_pk, bias, sm, K, SILU)
     tl.store(Y + s * stride_y + c, y.to(Y.dtype.element_ty), mask=cm)
 
 
-def launch_conv_update(x, weight, bias, conv_pool, slots, y):
+def launch_conv_update(x, weight, bias, conv_pool, slots, y, silu=True):
     S, C = x.shape
     K = weight.shape[1]
     assert 2 <= K <= 4, "the fused conv update handles kernel widths 2..4"
@@ -122,11 +126,17 @@ def launch_conv_update(x, weight, bias, conv_pool, slots, y):
             C,
             K=K,
             HAS_BIAS=bias is not None,
+            SILU=silu,
             BLOCK_C=block,
             num_warps=4,
             **PDL_LAUNCH,
         )
     return y
+
+
+def causal_conv1d_update(x, weight, bias, conv_pool, slots, silu=True):
+    """Decode: one token for each of S sequences (x [S, C]); conv_pool[slots] is advanced in place."""
+    return launch_conv_update(x, weight, bias, conv_pool, slots, torch.empty_like(x), silu)
 
 
 @triton.jit
@@ -147,6 +157,7 @@ def _conv_varlen_kernel(
     C,
     K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
@@ -161,17 +172,19 @@ def _conv_varlen_kernel(
     slot = tl.load(Slots + s).to(tl.int64)
     tm = t < n
     cm = c < C
+    sm = tm & (slot >= 0)  # a padding row (slot -1) reads a zero window
     acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
     for j in tl.static_range(K):
         p = t - (K - 1) + j  # input position of tap j, relative to the sequence start
         xv = tl.load(X + (start + p)[:, None] * stride_x + c[None, :], mask=(tm & (p >= 0))[:, None] & cm[None, :], other=0.0)
-        sv = tl.load(Pool + slot * stride_ps + (K - 1 + p)[:, None] * stride_pk + c[None, :], mask=(tm & (p < 0))[:, None] & cm[None, :], other=0.0)
+        sv = tl.load(Pool + slot * stride_ps + (K - 1 + p)[:, None] * stride_pk + c[None, :], mask=(sm & (p < 0))[:, None] & cm[None, :], other=0.0)
         wj = tl.load(W + c * stride_wc + j * stride_wk, mask=cm, other=0.0).to(tl.float32)
         acc += (xv.to(tl.float32) + sv.to(xv.dtype).to(tl.float32)) * wj[None, :]
     if HAS_BIAS:
         acc += tl.load(Bias + c, mask=cm, other=0.0).to(tl.float32)[None, :]
-    y = acc * tl.sigmoid(acc)
-    tl.store(Y + (start + t)[:, None] * stride_y + c[None, :], y.to(Y.dtype.element_ty), mask=tm[:, None] & cm[None, :])
+    if SILU:
+        acc = acc * tl.sigmoid(acc)
+    tl.store(Y + (start + t)[:, None] * stride_y + c[None, :], acc.to(Y.dtype.element_ty), mask=tm[:, None] & cm[None, :])
 
 
 @triton.jit
@@ -208,7 +221,7 @@ def _conv_state_kernel(X, Pool, Slots, Cu, stride_x, stride_ps, stride_pk, C, K:
         tl.store(base + 2 * stride_pk + c, r2.to(pt), mask=m)
 
 
-def causal_conv1d_varlen(x, weight, bias, conv_pool, slots, seq_lens, cu_seqlens=None):
+def causal_conv1d_varlen(x, weight, bias, conv_pool, slots, seq_lens, cu_seqlens=None, silu=True):
     T, C = x.shape
     K = weight.shape[1]
     assert 2 <= K <= 4, "the fused conv handles kernel widths 2..4"
@@ -237,6 +250,7 @@ def causal_conv1d_varlen(x, weight, bias, conv_pool, slots, seq_lens, cu_seqlens
         C,
         K=K,
         HAS_BIAS=bias is not None,
+        SILU=silu,
         BLOCK_T=bt,
         BLOCK_C=bc,
         num_warps=4,

@@ -151,6 +151,7 @@ def _gemv_kernel(
             cm,
             cm & (slot >= 0)[:, None],
             CONV_K,
+            True,  # Mamba2's SiLU
         )
         out = tl.where(in_conv[None, :], y.to(out.dtype), out)
     tl.store(Y + m[:, None] * stride_y + n[None, :], out, mask=mm[:, None] & nm[None, :])

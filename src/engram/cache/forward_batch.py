@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engram.engine.pools import KVPool, StatePool
+from engram.cache.views import KVCache, StateCache
 
 
 @dataclass
@@ -25,12 +25,12 @@ class ForwardBatch:
     positions: torch.Tensor  # [T] position of each token in its sequence
     seq_lens: list[int]  # new tokens per sequence (host data)
     context_lens: list[int]  # tokens each sequence had consumed before this step (host data)
-    state_slots: torch.Tensor  # [S] StatePool slot of each sequence (-1: a padding row of a CUDA graph)
+    state_slots: torch.Tensor  # [S] state cache slot of each sequence (-1: a padding row of a CUDA graph)
     slot_mapping: torch.Tensor  # [T] KV cache slot each new token is written to (-1: padding)
     block_tables: torch.Tensor  # [S, max_blocks] KV pages of each sequence (-1 padded)
     logits_indices: torch.Tensor  # rows of the flat batch whose next-token logits are needed
-    state_pool: StatePool
-    kv_pool: KVPool
+    state_pool: StateCache
+    kv_pool: KVCache
     # The lengths again as device tensors, for kernels that must not read host data (a decode
     # step replayed from a CUDA graph sees only these): int64 [S + 1] and int64 [S].
     cu_seqlens: torch.Tensor | None = None
