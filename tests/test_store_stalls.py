@@ -10,8 +10,9 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from engine_utils import greedy, make_engine, manager_of, random_prompt, run_to_end
+from engine_utils import greedy, make_engine, random_prompt, run_to_end
 from test_conversations import full_generation, take_turn
+from test_object_store import replica
 
 from engram.state.conversations import ConversationManager
 from engram.state.turns import retain_key
@@ -24,13 +25,6 @@ WAIT_S = 30.0
 @pytest.fixture(scope="module")
 def engine(checkpoint_dir):
     return make_engine(checkpoint_dir("nemotron"))
-
-
-def replica(engine, cache, shared: ConversationManager | None = None) -> ConversationManager:
-    manager = manager_of(engine, cache, chunk_tokens=16, store_url="memory:///")
-    if shared is not None:
-        manager.store.remote = shared.store.remote
-    return manager
 
 
 class Stall:
