@@ -168,7 +168,7 @@ class ConversationManager:
         with self._held.hold(conversation_id):
             with self._lock:
                 conv = self._conversations.get(conversation_id)
-                busy = conversation_id in self._busy  # set only under this conversation's lock: it stays as read
+                busy = conversation_id in self._busy  # set only under this conversation's lock: it does not become busy meanwhile
             if self.store is None or self.records is None:
                 return conv
             if conv is not None and not busy and not self.store.record_current(conversation_id):
@@ -725,7 +725,7 @@ class ConversationManager:
                     raise
                 conv = None
             with self._lock:
-                if conversation_id in self._busy:  # set only under this conversation's lock: it stays as read
+                if conversation_id in self._busy:  # set only under this conversation's lock: no turn begins meanwhile
                     raise ConversationBusyError(f"conversation {conversation_id!r} has a request in flight")
             if conv is not None:
                 for t in list(conv.turns.values()):
