@@ -24,8 +24,9 @@ def engines(checkpoint_dir):
     return make_engine(path), make_engine(path)
 
 
-def replica(engine, cache, url="memory:///", shared=None) -> ConversationManager:
-    manager = manager_of(engine, cache, chunk_tokens=16, store_url=url)
+def replica(engine, cache, url="memory:///", shared=None, **fields) -> ConversationManager:
+    """A replica with its cache folder `cache`, over the bucket of `shared` if given; `fields`: the manager's keywords."""
+    manager = manager_of(engine, cache, chunk_tokens=16, store_url=url, **fields)
     if shared is not None:
         manager.store.remote = shared.store.remote  # one bucket for both
     return manager

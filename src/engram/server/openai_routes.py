@@ -164,7 +164,7 @@ async def _conversation_turn(
     )
     if isinstance(plan, Turn):
         where = ConversationFields(conversation_id=conversation_id, branch=plan.branch, turn=plan.turn, epoch=s.epoch)
-        return where, _one(turns.replay(conversation_id, plan, messages))
+        return where, _one(await asyncio.to_thread(turns.replay, conversation_id, plan, messages))  # reads the record: off the event loop
     try:
         messages = new_messages(plan.history_messages, messages)
         # the template and tokenizer, off the event loop

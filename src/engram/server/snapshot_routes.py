@@ -91,7 +91,7 @@ async def save_snapshot(body: SaveSnapshotRequest, raw_request: Request) -> dict
         conversation_id, branch, turn = s.conversations.by_request[body.rid]
     else:  # the protocol refuses a request with neither
         raise APIError(404, f"no finished conversation turn was made by request {body.rid!r}")
-    s.conversations.manager.require(conversation_id, caller_of(raw_request).restricted_to)
+    await asyncio.to_thread(s.conversations.manager.require, conversation_id, caller_of(raw_request).restricted_to)
     saved = await asyncio.to_thread(s.conversations.manager.save, conversation_id, branch, turn)
     return {
         "success": True,
@@ -109,26 +109,31 @@ async def list_snapshots(body: ListSnapshotsRequest, raw_request: Request) -> di
     manager = s.conversations.manager
     tenant = caller_of(raw_request).restricted_to
     if body.conversation_id is not None:
-        manager.require(body.conversation_id, tenant)
+        await asyncio.to_thread(manager.require, body.conversation_id, tenant)
     entries = await asyncio.to_thread(manager.snapshots, body.conversation_id)
-    if tenant is not None and body.conversation_id is None:
-        entries = [m for m in entries if _visible(manager, m["conversation_id"], tenant)]
-    return {"success": True, "snapshots": [_entry(s, m) for m in entries]}
+
+    def listed() -> list[dict[str, Any]]:  # records and manifests are read from the store: off the event loop
+        shown = (
+            entries if tenant is None or body.conversation_id is not None else [m for m in entries if _visible(manager, m["conversation_id"], tenant)]
+        )
+        return [_entry(s, m) for m in shown]
+
+    return {"success": True, "snapshots": await asyncio.to_thread(listed)}
 
 
 @admin_router.post("/get_snapshot_info")
 async def get_snapshot_info(body: SnapshotSelector, raw_request: Request) -> dict[str, Any]:
     s = get_serving(raw_request)
-    _, turn = _turn_of(s, body, raw_request)
+    _, turn = await asyncio.to_thread(_turn_of, s, body, raw_request)
     manager = s.conversations.manager
     manifest = await asyncio.to_thread(manager.snapshot_manifest, body.conversation_id, turn)
-    return {"success": True, **_entry(s, manifest)}
+    return {"success": True, **await asyncio.to_thread(_entry, s, manifest)}
 
 
 @admin_router.post("/delete_snapshot")
 async def delete_snapshot(body: SnapshotSelector, raw_request: Request) -> dict[str, Any]:
     s = get_serving(raw_request)
-    _, turn = _turn_of(s, body, raw_request)
+    _, turn = await asyncio.to_thread(_turn_of, s, body, raw_request)
     await asyncio.to_thread(s.conversations.manager.delete_snapshot, body.conversation_id, turn.branch, turn.turn)
     return {"success": True, "message": f"snapshot of turn {turn.ref} deleted"}
 
@@ -140,7 +145,7 @@ async def restore_snapshot(body: RestoreSnapshotRequest, raw_request: Request):
     request of that id) or, with `create_new_request`, restore and generate from
     `fill_ids + continuation_ids` computing only the new tokens."""
     s = get_serving(raw_request)
-    _, turn = _turn_of(s, body, raw_request)
+    _, turn = await asyncio.to_thread(_turn_of, s, body, raw_request)
     manager = s.conversations.manager
     if not manager.health.restore_allowed(manager.quarantine, body.conversation_id, turn.ref):
         raise APIError(
@@ -199,7 +204,7 @@ def _conversation_summary(conv: Conversation) -> dict[str, Any]:
 @router.get("/v1/conversations/{conversation_id}")
 async def get_conversation(conversation_id: str, raw_request: Request) -> dict[str, Any]:
     s = get_serving(raw_request)
-    conv = s.conversations.manager.require(conversation_id, caller_of(raw_request).restricted_to)
+    conv = await asyncio.to_thread(s.conversations.manager.require, conversation_id, caller_of(raw_request).restricted_to)
     return {
         "id": conv.conversation_id,
         "object": "conversation",
@@ -239,8 +244,9 @@ async def state_stats(raw_request: Request) -> dict[str, Any]:
     manager = s.conversations.manager
     stats = manager.state_stats()
     tenant = caller_of(raw_request).restricted_to
-    if tenant is not None:  # other tenants' conversation ids are not shown
-        stats["quarantined"] = [q for q in stats["quarantined"] if _visible(manager, q["conversation_id"], tenant)]
+    if tenant is not None:  # other tenants' conversation ids are not shown (their records are read off the event loop)
+        quarantined = stats["quarantined"]
+        stats["quarantined"] = await asyncio.to_thread(lambda: [q for q in quarantined if _visible(manager, q["conversation_id"], tenant)])
     engine = s.engine.stats()
     stats["tiers"]["active"]["engine_slots"] = engine.retained_slots
     stats["engine"] = {

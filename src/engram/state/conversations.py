@@ -9,6 +9,7 @@ the nearest turn that has one.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -25,6 +26,7 @@ from engram.state.eviction import ComputeSavedPolicy, PrefillCost
 from engram.state.exchange import export_of, read_import, write_imported
 from engram.state.health import HealthMonitor, Quarantine
 from engram.state.identity import ModelIdentity
+from engram.state.keyed_locks import KeyedLocks
 from engram.state.object_store import open_cold_store
 from engram.state.prefix_cache import PrefixCache
 from engram.state.prefix_disk import PrefixDisk
@@ -63,7 +65,16 @@ log = logging.getLogger(__name__)
 
 
 class ConversationManager:
-    """The turn registry, warm states and snapshot files of every conversation. Thread-safe."""
+    """The turn registry, warm states and snapshot files of every conversation. Thread-safe.
+
+    Two kinds of lock. `_lock` (the manager's) guards what memory holds: which conversations are
+    loaded and busy, the WARM and ACTIVE tiers, the counters; it is held only while those change,
+    never across a call to the COLD store. `_held` gives each conversation its own lock, held
+    across its record and manifest round trips (which an object store makes network calls), so
+    that a slow or stalled store delays only the conversation waiting on it. A conversation's
+    record and its `Conversation` are changed only under its own lock (and additions or removals
+    of turns also under `_lock`, which readers of every conversation take). A thread holds at
+    most one conversation's lock, and takes it before `_lock`, never while holding `_lock`."""
 
     def __init__(
         self,
@@ -86,6 +97,7 @@ class ConversationManager:
         self.spec, self.dtypes, self.model, self.tokenizer_sha256 = spec, dtypes, model, tokenizer_sha256
         self.policy = policy
         self._lock = threading.RLock()
+        self._held = KeyedLocks()
         self.stats = TierStats()
         self.root = Path(snapshot_dir) if snapshot_dir is not None else None
         identity = json.dumps(
@@ -129,6 +141,7 @@ class ConversationManager:
         self._busy: dict[str, str | None] = {}  # conversation -> the idempotency key of its request in flight
         self._unsaved_by_health: set[tuple[str, str]] = set()  # turns whose state the health policy kept off disk
         self._unrecorded: set[str] = set()  # async: conversations whose answered turns a failed record write left out
+        self._leaving: list[tuple[str, str, SequenceState]] = []  # states pushed out of memory, to write once no lock is held
 
     def _mark_sweep_due(self) -> None:
         self._sweep_due = True
@@ -152,18 +165,21 @@ class ConversationManager:
         """The conversation, loaded from the store on first access (startup indexes nothing), and
         again when another replica sharing the store has changed it since."""
         validate_id(conversation_id, "conversation_id")
-        with self._lock:
-            conv = self._conversations.get(conversation_id)
+        with self._held.hold(conversation_id):
+            with self._lock:
+                conv = self._conversations.get(conversation_id)
+                busy = conversation_id in self._busy  # set only under this conversation's lock: it does not become busy meanwhile
             if self.store is None or self.records is None:
                 return conv
-            if conv is not None and conversation_id not in self._busy and not self.store.record_current(conversation_id):
+            if conv is not None and not busy and not self.store.record_current(conversation_id):
                 self._drop_stale(conversation_id)
                 conv = None
             if conv is None:
                 data = self.store.read_record(conversation_id)
                 if data is not None:
                     conv = decode_record(conversation_id, data)
-                    self._conversations[conversation_id] = conv
+                    with self._lock:
+                        self._conversations[conversation_id] = conv
                     self._remove_orphans(conv, self.records)
             return conv
 
@@ -171,12 +187,13 @@ class ConversationManager:
         """Forget what memory holds of a conversation another replica changed (its files are the
         store's): its turns' states, which may be of turns the store now records differently; a
         slot still held for one is handed back to the engine."""
-        conv = self._conversations.pop(conversation_id, None)
-        for ref in conv.turns if conv is not None else ():
-            self.active.forget(conversation_id, ref)
-            if self.turn_snapshots is not None:
-                self.turn_snapshots.forget(conversation_id, ref)
-        self.warm.drop(conversation_id)
+        with self._lock:
+            conv = self._conversations.pop(conversation_id, None)
+            for ref in conv.turns if conv is not None else ():
+                self.active.forget(conversation_id, ref)
+                if self.turn_snapshots is not None:
+                    self.turn_snapshots.forget(conversation_id, ref)
+            self.warm.drop(conversation_id)
 
     def _remove_orphans(self, conv: Conversation, records: RecordFiles) -> None:
         """Delete snapshot files the record does not point at: a crash between a snapshot's commit
@@ -201,8 +218,9 @@ class ConversationManager:
         return conv
 
     def _persist(self, conv: Conversation) -> None:
-        """Write the conversation's record (after the snapshot files it lists: the caller's order).
-        A replica sharing the store that changed it first (StaleViewError): this one's copy is dropped."""
+        """Write the conversation's record (after the snapshot files it lists: the caller's order),
+        under its lock. A replica sharing the store that changed it first (StaleViewError): this
+        one's copy is dropped."""
         if self.store is not None:
             try:
                 self.store.write_record(conv.conversation_id, encode_record(conv))
@@ -213,7 +231,8 @@ class ConversationManager:
 
     def list_ids(self) -> list[str]:
         with self._lock:
-            return sorted(set(self._conversations) | set(self.store.record_ids() if self.store is not None else ()))
+            loaded = set(self._conversations)
+        return sorted(loaded | set(self.store.record_ids() if self.store is not None else ()))
 
     def visible(self, tenant: str | None, after: str | None = None, limit: int | None = None) -> list[Conversation]:
         """The conversations `tenant` may see (None: all), in id order, from the first id past
@@ -271,37 +290,45 @@ class ConversationManager:
         it does not depend on the source afterwards."""
         validate_id(conversation_id, "conversation_id")
         validate_id(branch, "branch")
-        with self._lock:
+        # The source is read first: a thread never holds two conversations' locks (one waiting on the other's could deadlock).
+        fork: Conversation | ConversationNotFoundError | None = None
+        if from_conversation is not None:
+            try:
+                fork = self.require(validate_id(from_conversation, "from_conversation"), tenant)
+            except ConversationNotFoundError as e:  # reported after this conversation's own checks
+                fork = e
+        with self._held.hold(conversation_id):
             conv = self.get(conversation_id) or Conversation(conversation_id, owner=tenant)
-            if not conv.visible_to(tenant):
-                raise ConversationNotFoundError(f"conversation {conversation_id!r} not found")
-            made = conv.made_by(idempotency_key) if idempotency_key is not None else None
-            if made is not None:
-                return made
-            if conversation_id in self._busy:
-                if idempotency_key is not None and self._busy[conversation_id] == idempotency_key:
-                    raise ConversationBusyError(
-                        f"the turn with Idempotency-Key {idempotency_key!r} is still in flight; retry once it has finished to get its answer"
-                    )
-                raise ConversationBusyError(f"conversation {conversation_id!r} already has a request in flight")
-            latest = conv.latest(branch)
-            current = latest.turn if latest is not None else 0
-            if expected_turn is not None and expected_turn != current:
-                raise TurnMismatchError(f"expected_turn is {expected_turn} but the latest turn of branch {branch!r} is {current}", current)
-            if from_turn is None and branch != "main" and conv.turns and latest is None:
-                raise ConversationNotFoundError(f"branch {branch!r} does not exist; pass from_turn to fork it")
-            source = conv if from_conversation is None else self._fork_source(conv, from_conversation, tenant)
-            base = self.find_turn(source, branch if source is conv else "main", from_turn)
-            if source is not conv and base is None:
-                raise ConversationNotFoundError(f"conversation {from_conversation!r} has no turns to start from")
-            if base is not None and base.branch == branch and source is conv:
-                self._check_regenerable(conv, base)
-            self._conversations.setdefault(conversation_id, conv)
-            self._busy[conversation_id] = idempotency_key
-            now = self.last_used[conversation_id] = self.clock()
-            adoptable = base is not None and source is conv and not self.health.refuses(self.quarantine, conversation_id, base.ref)
-            claimed = adoptable and base is not None and self.active.claim(conversation_id, base.ref, now)
-            host_base = self.warm.peek(conversation_id, base.ref) if claimed and base is not None else None
+            with self._lock:
+                if not conv.visible_to(tenant):
+                    raise ConversationNotFoundError(f"conversation {conversation_id!r} not found")
+                made = conv.made_by(idempotency_key) if idempotency_key is not None else None
+                if made is not None:
+                    return made
+                if conversation_id in self._busy:
+                    if idempotency_key is not None and self._busy[conversation_id] == idempotency_key:
+                        raise ConversationBusyError(
+                            f"the turn with Idempotency-Key {idempotency_key!r} is still in flight; retry once it has finished to get its answer"
+                        )
+                    raise ConversationBusyError(f"conversation {conversation_id!r} already has a request in flight")
+                latest = conv.latest(branch)
+                current = latest.turn if latest is not None else 0
+                if expected_turn is not None and expected_turn != current:
+                    raise TurnMismatchError(f"expected_turn is {expected_turn} but the latest turn of branch {branch!r} is {current}", current)
+                if from_turn is None and branch != "main" and conv.turns and latest is None:
+                    raise ConversationNotFoundError(f"branch {branch!r} does not exist; pass from_turn to fork it")
+                source = conv if fork is None else self._fork_source(conv, fork)
+                base = self.find_turn(source, branch if source is conv else "main", from_turn)
+                if source is not conv and base is None:
+                    raise ConversationNotFoundError(f"conversation {from_conversation!r} has no turns to start from")
+                if base is not None and base.branch == branch and source is conv:
+                    self._check_regenerable(conv, base)
+                self._conversations.setdefault(conversation_id, conv)
+                self._busy[conversation_id] = idempotency_key
+                now = self.last_used[conversation_id] = self.clock()
+                adoptable = base is not None and source is conv and not self.health.refuses(self.quarantine, conversation_id, base.ref)
+                claimed = adoptable and base is not None and self.active.claim(conversation_id, base.ref, now)
+                host_base = self.warm.peek(conversation_id, base.ref) if claimed and base is not None else None
         forked = source is not conv
         plan = TurnPlan(
             conversation_id=conversation_id,
@@ -360,10 +387,13 @@ class ConversationManager:
                 return "warm"
         return "cold" if turn.snapshot else None
 
-    def _fork_source(self, conv: Conversation, from_conversation: str, tenant: str | None) -> Conversation:
+    @staticmethod
+    def _fork_source(conv: Conversation, source: Conversation | ConversationNotFoundError) -> Conversation:
         if conv.turns:
             raise ConversationConflictError(f"conversation {conv.conversation_id!r} already has turns: from_conversation starts a new one")
-        return self.require(validate_id(from_conversation, "from_conversation"), tenant)
+        if isinstance(source, ConversationNotFoundError):
+            raise source
+        return source
 
     def _check_regenerable(self, conv: Conversation, base: Turn) -> None:
         later = {t.ref for t in conv.turns.values() if t.branch == base.branch and t.turn > base.turn}
@@ -411,39 +441,42 @@ class ConversationManager:
         """Record the turn, keep its state warm (and its engine slot active: `retained`, the
         engine's handle of it, says while it is), snapshot it per the policy (now, or written
         behind with async durability), release the conversation."""
+        cid = plan.conversation_id
         try:
-            with self._lock:
-                conv = self._conversations[plan.conversation_id]
-                turn = Turn(
-                    branch=plan.branch,
-                    turn=plan.turn,
-                    parent=plan.parent,
-                    new_tokens=prompt_tokens[0 if plan.forked_from else len(plan.history_tokens) :] + output_tokens,
-                    new_messages=plan.history_messages + new_messages if plan.forked_from else new_messages,
-                    state_len=state.state_len if state else 0,
-                    tool_calls=tool_calls,
-                    answer=answer,
-                )
-                replaced = [t for t in conv.turns.values() if t.branch == plan.branch and t.turn >= plan.turn]
-                recorded = bool(replaced) and self.writer is None
+            with self._held.hold(cid):
+                with self._lock:
+                    conv = self._conversations[cid]
+                    turn = Turn(
+                        branch=plan.branch,
+                        turn=plan.turn,
+                        parent=plan.parent,
+                        new_tokens=prompt_tokens[0 if plan.forked_from else len(plan.history_tokens) :] + output_tokens,
+                        new_messages=plan.history_messages + new_messages if plan.forked_from else new_messages,
+                        state_len=state.state_len if state else 0,
+                        tool_calls=tool_calls,
+                        answer=answer,
+                    )
+                    replaced = [t for t in conv.turns.values() if t.branch == plan.branch and t.turn >= plan.turn]
+                    recorded = bool(replaced) and self.writer is None
                 if recorded:  # sync: the regenerated turns are forgotten only once the record no longer lists them
                     self._persist_replacing(conv, replaced, turn)
                 for t in replaced:
                     self._forget_turn(conv, t)
-                conv.turns[turn.ref] = turn
-                self.active.renamed(plan.conversation_id, turn.ref)  # a forgotten turn's key, now naming this turn's slot
-                now = self.clock()
-                self.last_used[plan.conversation_id] = now
-                wanted = state is not None and self.persistent and self.policy.wants_snapshot(turn.turn, tool_calls)
-                parent = conv.turns.get(plan.parent) if plan.parent else None
-                if state is not None and not self._healthy(plan.conversation_id, turn, state, parent.state_len if parent else 0):
-                    wanted = False
-                    self._unsaved_by_health.add((plan.conversation_id, turn.ref))
-                if state is not None and self.tiers.enabled:
-                    if not self.warm.fits(state):  # it cannot stay in memory: written now, as any state leaving it
-                        wanted = wanted or self._written_on_leaving_memory(plan.conversation_id, turn.ref)
-                    self.warm.put(plan.conversation_id, turn.ref, state)
-                    self.active.keep(plan.conversation_id, turn.ref, now, retained)
+                with self._lock:
+                    conv.turns[turn.ref] = turn
+                    self.active.renamed(cid, turn.ref)  # a forgotten turn's key, now naming this turn's slot
+                    now = self.clock()
+                    self.last_used[cid] = now
+                    wanted = state is not None and self.persistent and self.policy.wants_snapshot(turn.turn, tool_calls)
+                    parent = conv.turns.get(plan.parent) if plan.parent else None
+                    if state is not None and not self._healthy(cid, turn, state, parent.state_len if parent else 0):
+                        wanted = False
+                        self._unsaved_by_health.add((cid, turn.ref))
+                    if state is not None and self.tiers.enabled:
+                        if not self.warm.fits(state):  # it cannot stay in memory: written now, as any state leaving it
+                            wanted = wanted or self._written_on_leaving_memory(cid, turn.ref)
+                        self.warm.put(cid, turn.ref, state)
+                        self.active.keep(cid, turn.ref, now, retained)
             job = lambda: self._commit(conv, turn, state if wanted else None, recorded)  # noqa: E731
             if self.writer is not None:
                 self.writer.submit(job)
@@ -451,7 +484,8 @@ class ConversationManager:
                 job()
             return turn
         finally:
-            self.release(plan.conversation_id)
+            self.release(cid)
+            self._write_leaving()
 
     def _healthy(self, conversation_id: str, turn: Turn, state: SequenceState, kv_from: int) -> bool:
         """Check the state's norms (its KV from `kv_from`: what the turn added) against the
@@ -473,7 +507,8 @@ class ConversationManager:
         try:
             self._persist(Conversation(conv.conversation_id, {**turns, turn.ref: turn}, conv.created_at))
         except (OSError, StaleViewError):
-            self.active.hand_back(conv.conversation_id, turn.ref)
+            with self._lock:
+                self.active.hand_back(conv.conversation_id, turn.ref)
             raise
 
     def _commit(self, conv: Conversation, turn: Turn, state: SequenceState | None, recorded: bool = False) -> None:
@@ -483,11 +518,13 @@ class ConversationManager:
         turn, so that memory never holds a turn the disk lacks; unless the record already holds
         it (`recorded`: a regenerate's, see `_persist_replacing`), then only its snapshot is left out.
 
-        The snapshot file (the whole history's KV) is written outside the manager's lock, so other
-        conversations' turns begin meanwhile; this one is still reserved (sync) or is checked
+        The snapshot file (the whole history's KV) is written outside both locks, so other
+        conversations' turns go on meanwhile; this one is still reserved (sync) or is checked
         again after the write (async: a turn forgotten meanwhile leaves an orphan file, removed on
-        the next load, and its manifest names the old turn, so it is never loaded for a new one)."""
-        with self._lock:
+        the next load, and its manifest names the old turn, so it is never loaded for a new one).
+        The record is written under the conversation's lock alone."""
+        cid = conv.conversation_id
+        with self._held.hold(cid):
             if conv.turns.get(turn.ref) is not turn:  # forgotten meanwhile (regenerated or deleted)
                 return
             base = self._saved().stored_base(conv, turn) if state is not None else None
@@ -497,8 +534,8 @@ class ConversationManager:
                 self._save_file(conv, turn, state, base)
                 written = True
             except (SnapshotError, OSError) as e:
-                log.warning("snapshot of conversation %r turn %s not written, the turn is recorded without it: %s", conv.conversation_id, turn.ref, e)
-        with self._lock:
+                log.warning("snapshot of conversation %r turn %s not written, the turn is recorded without it: %s", cid, turn.ref, e)
+        with self._held.hold(cid):
             if conv.turns.get(turn.ref) is not turn:
                 return
             turn.snapshot = turn.snapshot or written
@@ -514,7 +551,7 @@ class ConversationManager:
                 if self.writer is None:  # sync: the request fails; async: it was answered, a later write records it
                     self._forget_turn(conv, turn)
                 else:
-                    self._unrecorded.add(conv.conversation_id)
+                    self._unrecorded.add(cid)
                 raise
 
     def release(self, conversation_id: str) -> None:
@@ -573,7 +610,7 @@ class ConversationManager:
     def save(self, conversation_id: str, branch: str = "main", turn: int | None = None) -> Turn:
         """Write a snapshot of a turn whose state is still held (the manual trigger)."""
         self._saved()
-        with self._lock:
+        with self._held.hold(conversation_id):
             conv = self.require(conversation_id)
             target = self.find_turn(conv, branch, turn)
             if target is None:
@@ -584,7 +621,8 @@ class ConversationManager:
                         f"turn {target.ref} is older than the {self.policy.retention_count} newest snapshots of branch "
                         f"{target.branch!r} that --snapshot-retention-count keeps: its snapshot would be deleted at once"
                     )
-                state = self.warm.get(conversation_id, target.ref)
+                with self._lock:
+                    state = self.warm.get(conversation_id, target.ref)
                 if state is None:
                     raise ConversationConflictError(f"the state of turn {target.ref} is no longer held in memory; it cannot be saved now")
                 self._write_snapshot(conv, target, state)
@@ -646,7 +684,8 @@ class ConversationManager:
 
     def load_into_warm(self, conversation_id: str, turn: Turn) -> SequenceState:
         """The turn's state, from the warm cache or its verified snapshot file (then kept warm).
-        The file is read without holding the manager's lock."""
+        The file is read without holding the manager's lock; the caller holds no conversation's lock
+        (the states this one pushes out of memory are written here)."""
         with self._lock:
             state = self.warm.get(conversation_id, turn.ref)
         if state is not None:
@@ -658,11 +697,12 @@ class ConversationManager:
             with self._lock:
                 self.warm.put(conversation_id, turn.ref, state)
                 self._count("promotions", "cold_to_warm")
+            self._write_leaving()
         return state
 
     def delete_snapshot(self, conversation_id: str, branch: str, turn: int) -> None:
         saved = self._saved()
-        with self._lock:
+        with self._held.hold(conversation_id):
             saved.delete(conversation_id, branch, turn)
             self._sweep_due = True
             conv = self.get(conversation_id)
@@ -675,7 +715,7 @@ class ConversationManager:
         """Forget the conversation and delete its files (also when its record is unreadable, unless
         for a `tenant`: whose it is cannot be told); a link in its folder refuses it all, before
         anything is forgotten."""
-        with self._lock:
+        with self._held.hold(conversation_id):
             if self.records is not None:
                 self.records.check_folder(conversation_id)
             try:
@@ -684,8 +724,9 @@ class ConversationManager:
                 if tenant is not None:
                     raise
                 conv = None
-            if conversation_id in self._busy:
-                raise ConversationBusyError(f"conversation {conversation_id!r} has a request in flight")
+            with self._lock:
+                if conversation_id in self._busy:  # set only under this conversation's lock: no turn begins meanwhile
+                    raise ConversationBusyError(f"conversation {conversation_id!r} has a request in flight")
             if conv is not None:
                 for t in list(conv.turns.values()):
                     self._forget_turn(conv, t)
@@ -694,46 +735,53 @@ class ConversationManager:
                     self.records.remove_branch_files(conversation_id)
                 self.store.delete_record(conversation_id)
                 self.records.remove_empty_folders(conversation_id)
-            self._conversations.pop(conversation_id, None)
-            self._sweep_due = True
-            self.health.forget(conversation_id)
-            self.last_used.pop(conversation_id, None)
+            with self._lock:
+                self._conversations.pop(conversation_id, None)
+                self._sweep_due = True
+                self.health.forget(conversation_id)
+                self.last_used.pop(conversation_id, None)
 
     def _forget_turn(self, conv: Conversation, turn: Turn) -> None:
-        self.warm.drop(conv.conversation_id, turn.ref)
-        self.active.forget(conv.conversation_id, turn.ref)
-        self._unsaved_by_health.discard((conv.conversation_id, turn.ref))
-        self.quarantine.release(conv.conversation_id, turn.ref)
+        """Delete the turn's snapshot, then forget the turn; under the conversation's lock (the
+        manager's is taken after the store's answer)."""
         if turn.snapshot and self.persistent:
             self._delete_turn_file(conv.conversation_id, turn)
-        del conv.turns[turn.ref]
+        with self._lock:
+            self.warm.drop(conv.conversation_id, turn.ref)
+            self.active.forget(conv.conversation_id, turn.ref)
+            self._unsaved_by_health.discard((conv.conversation_id, turn.ref))
+            self.quarantine.release(conv.conversation_id, turn.ref)
+            del conv.turns[turn.ref]
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
     def maintain(self) -> list[str]:
         """Demote by idle time: ACTIVE -> WARM (returns the engine slots to release), WARM -> COLD
         (the snapshot is written first unless the policy is manual_only), and expire conversations
-        idle past the cold retention. Run periodically."""
+        idle past the cold retention. Run periodically; the store is written and read outside the
+        manager's lock."""
         now = self.clock()
         with self._lock:
             self.stats.demotions["active_to_warm"] += self.active.demote_idle(now - self.tiers.active_timeout)
-            for cid, ref in self.warm.idle(now - self.tiers.warm_timeout):
-                state = self.warm.peek(cid, ref)
-                if cid in self._busy or state is None or not self._demote_to_cold(cid, ref, state):
-                    continue
-                self.warm.drop(cid, ref)
-                self._count("demotions", "warm_to_cold")
-            if self.tiers.cold_retention > 0 and now >= self._next_expiry_scan:
-                # Scanning every record on disk is the one costly step here: at most every minute.
-                self._next_expiry_scan = now + min(60.0, self.tiers.cold_retention / 10)
-                for cid in self.list_ids():
-                    if cid not in self._busy and now - self._last_use(cid) > self.tiers.cold_retention:
-                        try:
-                            self.delete_conversation(cid)
-                        except UNUSABLE_CONVERSATION as e:
-                            log.warning("not expiring conversation %r: %s", cid, e)
-                            continue
+            idle = [(cid, ref, self.warm.peek(cid, ref)) for cid, ref in self.warm.idle(now - self.tiers.warm_timeout) if cid not in self._busy]
+        for cid, ref, state in idle:
+            if state is not None and self._demote_to_cold(cid, ref, state):
+                with self._lock:
+                    self.warm.drop(cid, ref)
+                    self._count("demotions", "warm_to_cold")
+        if self.tiers.cold_retention > 0 and now >= self._next_expiry_scan:
+            # Scanning every record on disk is the one costly step here: at most every minute.
+            self._next_expiry_scan = now + min(60.0, self.tiers.cold_retention / 10)
+            for cid in self.list_ids():
+                if cid not in self._busy and now - self._last_use(cid) > self.tiers.cold_retention:
+                    try:
+                        self.delete_conversation(cid)
+                    except UNUSABLE_CONVERSATION as e:
+                        log.warning("not expiring conversation %r: %s", cid, e)
+                        continue
+                    with self._lock:
                         self.stats.expired_conversations += 1
+        with self._lock:
             release = self.active.take_released()
             sweep = self.store is not None and self._sweep_due and now >= self._next_sweep
             if sweep:
@@ -749,44 +797,53 @@ class ConversationManager:
         for now (an I/O error) stops the sweep: nothing is deleted that it might reference."""
         referenced: set[str] = set()
         for cid in self.list_ids():
+            try:
+                conv = self.get(cid)
+            except UNUSABLE_CONVERSATION as e:
+                log.warning("store sweep: %s", e)
+                conv = None
             with self._lock:
+                saved = [t for t in conv.turns.values() if t.snapshot] if conv is not None else []
+            for t in saved:
                 try:
-                    conv = self.get(cid)
-                except UNUSABLE_CONVERSATION as e:
-                    log.warning("store sweep: %s", e)
-                    conv = None
-                for t in [t for t in conv.turns.values() if t.snapshot] if conv is not None else ():
-                    try:
-                        stored = self._stored_of(cid, t)
-                    except SnapshotCorruptError as e:
-                        if isinstance(e.__cause__, OSError):
-                            log.warning("store sweep skipped: %s", e)
-                            return 0
-                        continue  # damaged: it cannot be loaded, what it names is no one's
-                    except SnapshotNotFoundError:
-                        continue
-                    if stored is not None:
-                        referenced |= stored.keys
+                    stored = self._stored_of(cid, t)
+                except SnapshotCorruptError as e:
+                    if isinstance(e.__cause__, OSError):
+                        log.warning("store sweep skipped: %s", e)
+                        return 0
+                    continue  # damaged: it cannot be loaded, what it names is no one's
+                except SnapshotNotFoundError:
+                    continue
+                if stored is not None:
+                    referenced |= stored.keys
         if self.prefix_disk is not None:
             referenced |= self.prefix_disk.referenced()
-        removed = self._saved().store.sweep(referenced, self.orphan_grace_s)
+        try:
+            removed = self._saved().store.sweep(referenced, self.orphan_grace_s)
+        except OSError as e:  # an object store that failed midway: every delete done was justified on its own
+            log.warning("store sweep stopped: %s", e)
+            self._sweep_due = True
+            return 0
         if removed:
             log.info("store sweep: %d unreferenced files removed", removed)
         return removed
 
     def _evicted(self, conversation_id: str, ref: str, state: SequenceState) -> None:
-        """A state pushed out of the warm cache by pressure goes to disk first, as an idle one does
-        (written behind with async durability)."""
+        """A state pushed out of the warm cache by pressure goes to disk, as an idle one does: it
+        is set aside now (under the manager's lock) and written by `_write_leaving`."""
         self._count("demotions", "warm_evicted")
+        self._leaving.append((conversation_id, ref, state))
 
-        def write() -> None:
-            with self._lock:
-                self._demote_to_cold(conversation_id, ref, state)
-
-        if self.writer is not None:
-            self.writer.submit(write)
-        else:
-            write()
+    def _write_leaving(self) -> None:
+        """Write the states pushed out of memory so far (behind, with async durability). The caller
+        holds no lock: each write takes its own conversation's."""
+        with self._lock:
+            leaving, self._leaving = self._leaving, []
+        for cid, ref, state in leaving:
+            if self.writer is not None:
+                self.writer.submit(functools.partial(self._demote_to_cold, cid, ref, state))
+            else:
+                self._demote_to_cold(cid, ref, state)
 
     def _written_on_leaving_memory(self, conversation_id: str, ref: str) -> bool:
         """Whether a state leaving memory is written first: with persistence, unless the policy is
@@ -801,19 +858,21 @@ class ConversationManager:
 
     def _demote_to_cold(self, conversation_id: str, ref: str, state: SequenceState) -> bool:
         """Write the snapshot a state leaving the warm cache still lacks (`_written_on_leaving_memory`).
-        False if the write fails."""
-        if not self._unwritten(conversation_id, ref):
+        False if the write fails. The caller holds no lock."""
+        with self._held.hold(conversation_id):
+            with self._lock:
+                if not self._unwritten(conversation_id, ref):
+                    return True
+                conv = self._conversations[conversation_id]
+                turn = conv.turns[ref]
+            try:
+                self._write_snapshot(conv, turn, state)
+                self._persist_and_prune(conv, turn.branch)
+            except (SnapshotError, OSError, StaleViewError) as e:  # StaleViewError: memory's copy is dropped, the store's read next
+                turn.snapshot = False
+                log.warning("snapshot of conversation %r turn %s leaving memory not written: %s", conversation_id, ref, e)
+                return False
             return True
-        conv = self._conversations[conversation_id]
-        turn = conv.turns[ref]
-        try:
-            self._write_snapshot(conv, turn, state)
-            self._persist_and_prune(conv, turn.branch)
-        except (SnapshotError, OSError, StaleViewError) as e:  # StaleViewError: memory's copy is dropped, the store's read next
-            turn.snapshot = False
-            log.warning("snapshot of conversation %r turn %s leaving memory not written: %s", conversation_id, ref, e)
-            return False
-        return True
 
     def _last_use(self, conversation_id: str) -> float:
         if conversation_id in self.last_used:
@@ -890,9 +949,13 @@ class ConversationManager:
     def _write_unrecorded(self) -> None:
         """Write the records that a failed write left behind memory (async durability)."""
         with self._lock:
-            for cid in sorted(self._unrecorded & self._conversations.keys()):  # not deleted meanwhile
+            unrecorded = sorted(self._unrecorded & self._conversations.keys())  # not deleted meanwhile
+        for cid in unrecorded:
+            with self._held.hold(cid):
+                conv = self._conversations.get(cid)
                 try:
-                    self._persist(self._conversations[cid])
+                    if conv is not None:
+                        self._persist(conv)
                 except OSError as e:
                     log.warning("shutdown: the record of conversation %r is still not written: %s", cid, e)
 
@@ -900,14 +963,14 @@ class ConversationManager:
         """Write the snapshot every warm state still lacks (`_unwritten`), most recently used first."""
         deadline = time.monotonic() + budget_s
         with self._lock:
-            unwritten = [key for key in reversed(self.warm.idle(math.inf)) if self._unwritten(*key)]
-            written = 0
-            for cid, ref in unwritten:
-                if time.monotonic() >= deadline:
-                    break
-                state = self.warm.peek(cid, ref)
-                if state is not None:
-                    self._demote_to_cold(cid, ref, state)
+            unwritten = [(cid, ref, self.warm.peek(cid, ref)) for cid, ref in reversed(self.warm.idle(math.inf)) if self._unwritten(cid, ref)]
+        written = 0
+        for cid, ref, state in unwritten:
+            if time.monotonic() >= deadline:
+                break
+            if state is not None:
+                self._demote_to_cold(cid, ref, state)
+            with self._lock:
                 written += not self._unwritten(cid, ref)
         if unwritten:
             log.info(
@@ -923,7 +986,7 @@ class ConversationManager:
         """Write the conversation as one file (state/exchange.py): its record, every snapshot and
         the store files they name."""
         saved = self._saved()
-        with self._lock:
+        with self._held.hold(conversation_id):
             export = export_of(self.require(conversation_id, tenant), saved)
         write_export(export, out)
 
@@ -934,26 +997,29 @@ class ConversationManager:
         saved = self._saved()
         conv, snapshots = read_import(src, saved, tenant, conversation_id)
         cid = conv.conversation_id
-        with self._lock:
-            if cid in self._busy or self.get(cid) is not None:
-                raise ConversationConflictError(f"conversation {cid!r} exists already; import it under another conversation_id")
-            self._busy[cid] = None
-            self._conversations[cid] = conv
+        with self._held.hold(cid):
+            existing = self.get(cid)
+            with self._lock:
+                if cid in self._busy or existing is not None:
+                    raise ConversationConflictError(f"conversation {cid!r} exists already; import it under another conversation_id")
+                self._busy[cid] = None
+                self._conversations[cid] = conv
         written: list[tuple[str, str]] = []  # (location, ref)
         try:
             for t in (t for t in conv.turns.values() if t.snapshot):
                 written.append((write_imported(saved, conv, t.ref, *snapshots[t.ref]), t.ref))
                 self._load_turn(cid, t)  # checked like any snapshot; refused whole otherwise
-            with self._lock:
+            with self._held.hold(cid):
                 self._persist(conv)
         except BaseException:
             with self._lock:
                 self._conversations.pop(cid, None)
+                self._sweep_due = True
+            with self._held.hold(cid):
                 for location, ref in written:
                     with contextlib.suppress(SnapshotNotFoundError):
                         saved.store.delete(location)
                     saved.forget(cid, ref)
-                self._sweep_due = True
             raise
         finally:
             self.release(cid)

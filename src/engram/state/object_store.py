@@ -14,8 +14,12 @@ cannot both record turn n: the loser gets `StaleViewError` (409), and its next r
 conversation reads the record again (`record_current`). A manifest is created the same way, so a
 racing replica never overwrites the winner's.
 
-The prefix cache's entries, the quarantine list and sweeps stay per replica, in the folder: the
-bucket's unreferenced objects are left to its lifecycle rules (docs/DEPLOYMENT.md).
+The prefix cache's entries and the quarantine list stay per replica, in the folder. A sweep
+clears the folder and then the bucket (state/bucket_gc.py): a store file there goes when no
+manifest in the bucket names it and the bucket got it more than the grace period ago. So that a
+save whose manifest is not written yet never loses a file it names, every save makes sure the
+bucket got each of them within `refresh_s` (half the grace): one it lacks is uploaded, one it got
+longer ago is refreshed (copied away and back, server side: same bytes, a new time).
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from __future__ import annotations
 import errno
 import json
 import os
+import time
+import uuid
 from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -30,7 +36,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
 from engram.models.spec import ModelSpec
-from engram.state.chunks import PrefixHasher, StoredState
+from engram.state.bucket_gc import REFRESH_PREFIX, BucketSweeper
+from engram.state.chunks import ORPHAN_GRACE_S, PrefixHasher, StoredState
 from engram.state.cold import FilesystemColdStore
 from engram.state.identity import ModelIdentity
 from engram.state.manifest import stored_state
@@ -48,6 +55,7 @@ from engram.state.snapshot import (
 from engram.state.turns import StaleViewError
 
 if TYPE_CHECKING:
+    from obstore import ObjectMeta
     from obstore.store import ClientConfig, ObjectStore, RetryConfig, S3Config
 
 REMOTE_SCHEMES = ("s3", "s3a", "gs", "az", "abfs", "abfss", "memory")
@@ -121,11 +129,13 @@ class ObjectColdStore(FilesystemColdStore):
         super().__init__(cache, spec, dtypes, hasher, model, tokenizer_sha256)
         self.remote, self.url = remote, url
         self._versions: dict[str, str | None] = {}  # conversation -> its record's ETag as last read or written here (None: it had none)
-        self._in_bucket: set[str] = set()  # store files known to be in the bucket (uploaded or downloaded here)
+        self._in_bucket: dict[str, float] = {}  # store file -> when the bucket last got it, as far as this process knows
+        self.refresh_s = ORPHAN_GRACE_S / 2  # a file the bucket got longer ago is refreshed before a new manifest names it
+        self.sweeper = BucketSweeper(self)
 
     # ---- the bucket --------------------------------------------------------------------------
 
-    def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """One obstore call; a failure other than a missing object or a failed condition is
         StoreUnavailableError naming the store and the reason."""
         from obstore.exceptions import AlreadyExistsError, PreconditionError
@@ -140,22 +150,37 @@ class ObjectColdStore(FilesystemColdStore):
     def _key(self, path: str | Path) -> str:
         return Path(path).relative_to(self.root).as_posix()
 
-    def _get(self, key: str) -> tuple[bytes, str | None]:
+    def get_object(self, key: str) -> tuple[bytes, ObjectMeta]:
         import obstore
 
-        result = self._call(obstore.get, key)
-        return bytes(result.bytes()), result.meta["e_tag"]
+        result = self.call(obstore.get, key)
+        return bytes(result.bytes()), result.meta
 
-    def _put(self, key: str, data: bytes, mode: Any = "overwrite") -> str | None:
+    def put_object(self, key: str, data: bytes, mode: Any = "overwrite") -> str | None:
+        """Its ETag; `mode` "create" (If-None-Match) or {"e_tag": ...} (If-Match) for a conditional write."""
         import obstore
 
-        return self._call(obstore.put, key, data, mode=mode)["e_tag"]
+        return self.call(obstore.put, key, data, mode=mode)["e_tag"]
+
+    def head_object(self, key: str) -> ObjectMeta:
+        import obstore
+
+        return self.call(obstore.head, key)
+
+    def delete_object(self, key: str) -> None:
+        import obstore
+
+        self.call(obstore.delete, key)
+
+    def listing(self, prefix: str) -> list[ObjectMeta]:
+        """Every object under `prefix`."""
+        import obstore
+
+        return self.call(lambda store: [entry for batch in obstore.list(store, prefix) for entry in batch])
 
     def _exists(self, key: str) -> bool:
-        import obstore
-
         try:
-            self._call(obstore.head, key)
+            self.head_object(key)
         except FileNotFoundError:
             return False
         return True
@@ -164,7 +189,7 @@ class ObjectColdStore(FilesystemColdStore):
         """The bucket's copy of a manifest, written over the folder's (which goes if the bucket has none)."""
         path = Path(location)
         try:
-            data, _ = self._get(self._key(path))
+            data, _ = self.get_object(self._key(path))
         except FileNotFoundError:
             path.unlink(missing_ok=True)
             raise SnapshotNotFoundError(f"{snapshot_label(location)}: not in the store") from None
@@ -172,18 +197,43 @@ class ObjectColdStore(FilesystemColdStore):
         return path
 
     def _push_files(self, stored: StoredState) -> None:
-        """Upload the store files `stored` names that the bucket may lack (an existing one is kept:
-        same key, same content)."""
+        """Make sure the bucket got every store file `stored` names within `refresh_s`: upload one
+        it lacks (an existing one is kept: same key, same content), refresh one it got longer ago
+        (a sweep spares what the bucket got within its grace, state/bucket_gc.py)."""
         from obstore.exceptions import AlreadyExistsError
 
         for path in self._store_files(stored):
-            if path.name in self._in_bucket:
+            now, known = time.time(), self._in_bucket.get(path.name)
+            if known is not None and now - known < self.refresh_s:
                 continue
+            key = self._key(path)
             try:
-                self._put(self._key(path), path.read_bytes(), mode="create")
-            except AlreadyExistsError:
+                if known is None:  # most likely new: uploaded
+                    self.put_object(key, path.read_bytes(), mode="create")
+                else:
+                    self._refresh(key)
+            except AlreadyExistsError:  # another turn, branch or replica uploaded it
+                self._refresh(key)
                 self.stats.files_reused += 1
-            self._in_bucket.add(path.name)
+            except FileNotFoundError:  # swept since this process knew it
+                self.put_object(key, path.read_bytes(), mode="create")
+            self._in_bucket[path.name] = now
+
+    def _refresh(self, key: str) -> None:
+        """Give an object a new time without changing its bytes: copied away and back, server side
+        (S3 refuses a copy onto itself); FileNotFoundError if it is not there."""
+        import obstore
+
+        temp = f"{REFRESH_PREFIX}{uuid.uuid4().hex}"
+        self.call(obstore.copy, key, temp)
+        try:
+            self.call(obstore.copy, temp, key)
+        finally:
+            self.delete_object(temp)
+
+    def forget_uploaded(self, name: str) -> None:
+        """A store file the sweep deleted from the bucket: the next save that names it uploads it."""
+        self._in_bucket.pop(name, None)
 
     def _store_files(self, stored: StoredState) -> list[Path]:
         return [self.chunks.piece_path(p.key) for p in stored.pieces] + [self.chunks.checkpoint_path(stored.checkpoint)]
@@ -194,10 +244,11 @@ class ObjectColdStore(FilesystemColdStore):
         for path in self._store_files(stored):
             if not path.is_file():
                 try:
-                    atomic_write(path, self._get(self._key(path))[0])
+                    data, meta = self.get_object(self._key(path))
                 except FileNotFoundError:
                     continue
-                self._in_bucket.add(path.name)
+                atomic_write(path, data)
+                self._in_bucket[path.name] = meta["last_modified"].timestamp()
 
     def _fetch_referenced(self, location: str) -> Path:
         path = self._pull(location)
@@ -221,7 +272,7 @@ class ObjectColdStore(FilesystemColdStore):
         self._push_files(stored)
         location = self.locate(meta.conversation_id, meta.branch, meta.turn)
         try:
-            self._put(self._key(location), Path(location).read_bytes(), mode="create")
+            self.put_object(self._key(location), Path(location).read_bytes(), mode="create")
         except AlreadyExistsError:
             Path(location).unlink(missing_ok=True)
             raise SnapshotError(f"{snapshot_label(location)}: another replica stored this turn first") from None
@@ -242,21 +293,14 @@ class ObjectColdStore(FilesystemColdStore):
         return super().tokens(manifest)
 
     def delete(self, location: str) -> None:
-        import obstore
-
         if not self.exists(location):
             raise SnapshotNotFoundError(f"{snapshot_label(location)}: not in the store")
-        self._call(obstore.delete, self._key(location))
+        self.delete_object(self._key(location))
         Path(location).unlink(missing_ok=True)
 
     def snapshots(self, conversation_id: str) -> list[dict]:
-        import obstore
-
         folder = self.root / validate_id(conversation_id, "conversation_id")
-        listed = {
-            entry["path"] for entry in self._call(lambda store, prefix: [e for b in obstore.list(store, prefix) for e in b], f"{conversation_id}/")
-        }
-        manifests = {self.root / key for key in listed if key.count("/") == 2 and key.endswith(".json")}
+        manifests = {self.root / key for key in self.manifest_keys(conversation_id)}
         for stale in set(folder.glob("*/*.json")) - manifests:
             stale.unlink(missing_ok=True)
         for path in manifests:
@@ -266,12 +310,14 @@ class ObjectColdStore(FilesystemColdStore):
                 continue
         return super().snapshots(conversation_id)
 
+    def manifest_keys(self, conversation_id: str) -> list[str]:
+        """The keys of the conversation's turn manifests in the bucket."""
+        return [e["path"] for e in self.listing(f"{conversation_id}/") if e["path"].count("/") == 2 and e["path"].endswith(".json")]
+
     def written_within(self, location: str, seconds: float) -> bool:
         """By the bucket's time of the object (replicas write records after their manifests)."""
-        import obstore
-
         try:
-            modified = self._call(obstore.head, self._key(location))["last_modified"]
+            modified = self.head_object(self._key(location))["last_modified"]
         except FileNotFoundError:
             return False
         return (datetime.now(timezone.utc) - modified).total_seconds() < seconds
@@ -280,8 +326,12 @@ class ObjectColdStore(FilesystemColdStore):
         self._fetch_files(stored)  # an export reads them from the folder
         return super().store_members(stored)
 
+    def sweep(self, referenced: set[str], grace_s: float) -> int:
+        """The folder's files no key in `referenced` names, then the bucket's that no manifest there names."""
+        return super().sweep(referenced, grace_s) + self.sweeper.sweep(referenced, grace_s)
+
     def read(self, location: str) -> bytes:
-        return self._get(self._key(location))[0]
+        return self.get_object(self._key(location))[0]
 
     def write(self, location: str, data: bytes) -> None:
         """An imported manifest (the store files it names adopted before it), or v1 file; created
@@ -294,7 +344,7 @@ class ObjectColdStore(FilesystemColdStore):
         if stored is not None:
             self._push_files(stored)
         try:
-            self._put(self._key(location), data, mode="create")
+            self.put_object(self._key(location), data, mode="create")
         except AlreadyExistsError:
             Path(location).unlink(missing_ok=True)
             raise StaleViewError(f"{snapshot_label(location)}: another replica stored this turn first") from None
@@ -306,12 +356,12 @@ class ObjectColdStore(FilesystemColdStore):
 
     def read_record(self, conversation_id: str) -> bytes | None:
         try:
-            data, version = self._get(self._record_key(conversation_id))
+            data, meta = self.get_object(self._record_key(conversation_id))
         except FileNotFoundError:
             self._versions[conversation_id] = None
             super().delete_record(conversation_id)
             return None
-        self._versions[conversation_id] = version
+        self._versions[conversation_id] = meta["e_tag"]
         super().write_record(conversation_id, data)  # the folder's copy: its time is the conversation's last use
         return data
 
@@ -320,7 +370,7 @@ class ObjectColdStore(FilesystemColdStore):
 
         known = self._versions.get(conversation_id)
         try:
-            version = self._put(self._record_key(conversation_id), data, mode="create" if known is None else {"e_tag": known})
+            version = self.put_object(self._record_key(conversation_id), data, mode="create" if known is None else {"e_tag": known})
         except (AlreadyExistsError, PreconditionError):
             self._versions.pop(conversation_id, None)
             raise StaleViewError(
@@ -331,25 +381,21 @@ class ObjectColdStore(FilesystemColdStore):
         super().write_record(conversation_id, data)
 
     def delete_record(self, conversation_id: str) -> None:
-        import obstore
-
-        self._call(obstore.delete, self._record_key(conversation_id))
+        self.delete_object(self._record_key(conversation_id))
         self._versions[conversation_id] = None
         super().delete_record(conversation_id)
 
     def record_ids(self) -> list[str]:
         import obstore
 
-        listing = self._call(obstore.list_with_delimiter, None)
+        listing = self.call(obstore.list_with_delimiter, None)
         return sorted(p.rstrip("/") for p in listing["common_prefixes"] if not p.startswith("."))
 
     def record_current(self, conversation_id: str) -> bool:
-        import obstore
-
         if conversation_id not in self._versions:
             return False
         try:
-            version = self._call(obstore.head, self._record_key(conversation_id))["e_tag"]
+            version = self.head_object(self._record_key(conversation_id))["e_tag"]
         except FileNotFoundError:
             version = None
         return version == self._versions[conversation_id]

@@ -151,11 +151,11 @@ class SnapshotWriter:
     loses only writes still queued; every file it did write is complete (atomic commit)."""
 
     def __init__(self) -> None:
-        self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._jobs: queue.Queue[Callable[[], object] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="engram-snapshot-writer", daemon=True)
         self._thread.start()
 
-    def submit(self, job: Callable[[], None]) -> None:
+    def submit(self, job: Callable[[], object]) -> None:
         self._jobs.put(job)
 
     def flush(self) -> None:
