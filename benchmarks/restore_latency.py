@@ -16,13 +16,33 @@ on the same tensors). On CPU use --scale to shrink the model to something a CPU 
         --scale cpu --histories 1024 4096 16384
     python benchmarks/restore_latency.py --config tests/data/configs/granite-4.0-h-tiny.json \\
         --device cuda --histories 1024 8192 32768 131072
+
+--cold-store: the COLD tier alone, without a model (random state of the config's shape, in the
+dtypes a GPU engine uses: bf16 KV and conv state, float32 SSM state). The state is stored in the
+chunk store (state store v2), then, with each file's page cache dropped before each read
+(posix_fadvise DONTNEED after the fsync of its write; best effort, the kernel may keep pages):
+the files' sequential read bandwidth (one thread, one file after another, in piece order); the
+cold restore from disk into the engine's pools (ChunkStore.load, staged on the device while it
+reads as the server does on CUDA, then restore_state, until the device is done); the same with
+the copy after the whole read (the path before staging; CUDA only: on the CPU there is no
+staging, the restore is that path); and the host-to-device copy alone
+(restore_state from the loaded host state: pinned on CUDA). The ratio is the issue's figure:
+restore / (bytes / read bandwidth + copy alone), at most 2 to pass.
+
+    python benchmarks/restore_latency.py --cold-store --config tests/data/configs/granite-4.0-h-tiny.json \\
+        --histories 4096 --tiny
+    python benchmarks/restore_latency.py --cold-store --config tests/data/configs/granite-4.0-h-tiny.json \\
+        --device cuda --histories 100000 --dir /path/on/the/store/disk --json benchmarks/results/h200-cold-restore.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -31,9 +51,14 @@ import torch
 
 from engram.args import EngineArgs
 from engram.engine.engine import LLMEngine
+from engram.engine.pools import KVPool, StatePool, restore_state
 from engram.engine.request import SamplingParams
+from engram.models.spec import ModelSpec, parse_model_spec
+from engram.state.chunks import DEFAULT_CHUNK_TOKENS, ChunkStore, PrefixHasher, StoredState
 from engram.state.identity import ModelIdentity
+from engram.state.sequence_state import SequenceState, StateDtypes, expected_tensors, is_kv_name
 from engram.state.snapshot import SnapshotMeta, load_snapshot, save_snapshot
+from engram.state.staging import DeviceStaging
 
 NEW_TOKENS = 16
 # A Granite-4.0-H-shaped model small enough for a CPU: same layer pattern kinds, fewer and narrower layers.
@@ -146,18 +171,162 @@ def model_arguments(doc: str, histories: list[int], max_batched_tokens: int) -> 
     return args, config
 
 
+def machine_label(device: str) -> str:
+    cpu = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+    return f"{torch.cuda.get_device_name()} ({cpu})" if device == "cuda" else cpu
+
+
+def random_state(spec: ModelSpec, dtypes: StateDtypes, history: int) -> SequenceState:
+    g = torch.Generator().manual_seed(history)
+    tokens = torch.randint(1, spec.vocab_size, (history + 1,), generator=g).tolist()
+    tensors = {name: torch.randn(shape, generator=g).to(dtype) for name, (shape, dtype) in expected_tensors(spec, dtypes, history).items()}
+    return SequenceState(tokens, history, tensors)
+
+
+def store_files(store: ChunkStore, stored: StoredState) -> list[Path]:
+    return [store.piece_path(p.key) for p in stored.pieces] + [store.checkpoint_path(stored.checkpoint)]
+
+
+def drop_page_cache(paths: list[Path]) -> None:
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def sequential_read_seconds(paths: list[Path]) -> float:
+    """One thread reading the files whole, one after another (their page cache dropped first)."""
+    drop_page_cache(paths)
+    started = time.perf_counter()
+    for path in paths:
+        with open(path, "rb", buffering=0) as f:
+            data = bytearray(os.fstat(f.fileno()).st_size)
+            f.readinto(data)
+    return time.perf_counter() - started
+
+
+def cold_restore_seconds(
+    store: ChunkStore, stored: StoredState, pools: tuple[StatePool, KVPool], device: torch.device, staged: bool
+) -> tuple[float, SequenceState]:
+    """Disk to the pools: the load (staged on the device while it reads, or not) and the restore, until the device is done."""
+    drop_page_cache(store_files(store, stored))
+    state_pool, kv_pool = pools
+    started = time.perf_counter()
+    staging = DeviceStaging(device) if staged else None
+    host = store.load(stored, staging=staging)
+    source = staging.take() if staging is not None else None
+    restore_state(state_pool, kv_pool, 0, list(range(kv_pool.num_blocks)), source or host)
+    sync(device)
+    return time.perf_counter() - started, host
+
+
+def copy_seconds(host: SequenceState, pools: tuple[StatePool, KVPool], device: torch.device) -> float:
+    """The host-to-device copy alone: restore_state from a loaded host state."""
+    state_pool, kv_pool = pools
+    sync(device)
+    started = time.perf_counter()
+    restore_state(state_pool, kv_pool, 0, list(range(kv_pool.num_blocks)), host)
+    sync(device)
+    return time.perf_counter() - started
+
+
+def measure_cold_store(spec: ModelSpec, dtypes: StateDtypes, device: torch.device, history: int, root: Path, repeats: int, chunk_tokens: int) -> dict:
+    state = random_state(spec, dtypes, history)
+    store = ChunkStore(root, spec, dtypes, PrefixHasher(b"restore_latency", chunk_tokens))
+    started = time.perf_counter()
+    stored = store.save(state)
+    write_s = time.perf_counter() - started
+    del state
+    paths = store_files(store, stored)
+    nbytes = sum(p.stat().st_size for p in paths)
+    block = EngineArgs.kv_block_size
+    pools = StatePool(spec, 1, dtypes, device), KVPool(spec, -(-history // block), block, dtypes.kv, device)
+    staged = device.type == "cuda"  # as the server: on the CPU the host copy is the device's
+    read = [sequential_read_seconds(paths) for _ in range(repeats)]
+    restore, host = zip(*(cold_restore_seconds(store, stored, pools, device, staged) for _ in range(repeats)))
+    unstaged = [cold_restore_seconds(store, stored, pools, device, False)[0] for _ in range(repeats if staged else 0)]  # the CPU's is the same path
+    copy = [copy_seconds(host[-1], pools, device) for _ in range(repeats)]
+    read_s, restore_s, copy_s = statistics.median(read), statistics.median(restore), statistics.median(copy)
+    bandwidth = nbytes / read_s
+    return {
+        "history": history,
+        "files": len(paths),
+        "bytes_on_disk": nbytes,
+        "kv_bytes": sum(t.nbytes for name, t in host[-1].flat_tensors().items() if is_kv_name(name)),
+        "write_s": write_s,
+        "disk_read_bandwidth_bytes_per_s": bandwidth,
+        "read_s": read_s,
+        "restore_s": restore_s,
+        "restore_staged": staged,
+        "restore_read_then_copy_s": statistics.median(unstaged) if unstaged else None,
+        "copy_to_device_s": copy_s,
+        "bound_s": nbytes / bandwidth + copy_s,
+        "ratio": restore_s / (nbytes / bandwidth + copy_s),
+        "runs": {"read_s": read, "restore_s": list(restore), "restore_read_then_copy_s": unstaged, "copy_to_device_s": copy},
+    }
+
+
+def cold_store_main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cold-store", action="store_true", required=True)
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--histories", type=int, nargs="+", default=[100_000])
+    parser.add_argument("--tiny", action="store_true", help="the config shrunk to CPU_SCALE")
+    parser.add_argument("--chunk-tokens", type=int, default=DEFAULT_CHUNK_TOKENS)
+    parser.add_argument("--repeats", type=int, default=3, help="each figure is the median of this many runs")
+    parser.add_argument("--dir", help="where the store is written (default: a temporary folder); the disk measured")
+    parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument("--label", default="", help="the machine and disk, in words, for the JSON file")
+    args = parser.parse_args()
+    config = json.loads(Path(args.config).read_text())
+    if args.tiny:
+        config.update(CPU_SCALE)
+    spec = parse_model_spec(config)
+    dtypes = StateDtypes(conv=torch.bfloat16, ssm=torch.float32, kv=torch.bfloat16)  # a GPU engine's defaults
+    device = torch.device(args.device)
+    machine = machine_label(args.device)
+    print(f"# cold restore: {Path(args.config).name}{' (tiny)' if args.tiny else ''}, chunks of {args.chunk_tokens} tokens, {machine}")
+    print("| history | files | MB on disk | read MB/s | restore ms | read, then copy ms | copy alone ms | bound ms | ratio |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    rows = []
+    ms = lambda x: "-" if x is None else f"{x * 1e3:.1f}"  # noqa: E731
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        for n in args.histories:
+            r = measure_cold_store(spec, dtypes, device, n, Path(tmp) / str(n), args.repeats, args.chunk_tokens)
+            rows.append(r)
+            print(
+                f"| {n} | {r['files']} | {r['bytes_on_disk'] / 1e6:.1f} | {r['disk_read_bandwidth_bytes_per_s'] / 1e6:.0f} | "
+                f"{r['restore_s'] * 1e3:.1f} | {ms(r['restore_read_then_copy_s'])} | {r['copy_to_device_s'] * 1e3:.1f} | "
+                f"{r['bound_s'] * 1e3:.1f} | {r['ratio']:.2f} |",
+                flush=True,
+            )
+    if args.json:
+        report = {
+            "machine": machine,
+            "label": args.label,
+            "device": args.device,
+            "config": Path(args.config).name,
+            "tiny": args.tiny,
+            "dir": args.dir,
+            "rows": rows,
+        }
+        Path(args.json).write_text(json.dumps(report, indent=2))
+
+
 def main() -> None:
+    if "--cold-store" in sys.argv[1:]:
+        cold_store_main()
+        return
     args, config = model_arguments(__doc__, [1024, 4096, 16384], 2048)
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         (workdir / "model").mkdir()
         engine = build_engine(config, workdir / "model", args.device, max(args.histories), args.max_batched_tokens)
         first_token_seconds(engine, [1, 2, 3])  # warm-up
-        machine = (
-            torch.cuda.get_device_name()
-            if args.device == "cuda"
-            else f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
-        )
+        machine = machine_label(args.device) if args.device != "cuda" else torch.cuda.get_device_name()
         print(f"# {Path(args.config).name} ({args.scale}), {engine.dtype}, {machine}, prefill chunk {args.max_batched_tokens}")
         print(f"# continuation: {NEW_TOKENS} new tokens; times to the first new token, in ms")
         header = "| history | state MiB | recompute | active | warm (copy) | cold (read) | snapshot write | recompute / warm | recompute / cold |"

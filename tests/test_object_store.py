@@ -65,6 +65,25 @@ def test_an_export_from_a_replica_that_never_held_the_state_has_every_file(engin
     assert imported.tokens(imported.latest("main")) == a.require("e").tokens(a.require("e").latest("main"))
 
 
+def test_a_replica_downloads_only_the_store_files_no_warm_state_holds(engines, pair, tmp_path):
+    from engram.state.chunks import STORE_NAME
+
+    (ea, eb), (a, b) = engines, pair
+    take_turn(ea, a, "w", random_prompt(40, 20))
+    take_turn(ea, a, "w", random_prompt(20, 21))
+    conv = b.require("w")
+    first, second = conv.turns["main/000001"], conv.turns["main/000002"]
+    b.load_into_warm("w", second)  # warm on B: it holds turn 1's whole prefix
+    for path in (tmp_path / "b" / STORE_NAME).glob("*/*/*"):
+        path.unlink()  # B's folder, a cache, has lost the files
+    state = b.load_into_warm("w", first)
+    fetched = [p.parent.parent.name for p in (tmp_path / "b" / STORE_NAME).glob("*/*/*")]
+    assert fetched == ["ckpt"]  # turn 1's checkpoint; its KV pieces came from turn 2's warm state
+    prompt = state.tokens + random_prompt(5, 22)
+    eb.add_request("r", prompt, greedy(4), initial_state=state)
+    assert run_to_end(eb)["r"].token_ids == full_generation(eb, prompt, 4)
+
+
 def test_two_replicas_racing_one_turn_exactly_one_records_it(engines, pair):
     (ea, eb), (a, b) = engines, pair
     take_turn(ea, a, "r", random_prompt(12, 4))

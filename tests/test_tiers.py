@@ -327,9 +327,9 @@ def counting_loads(manager) -> list[str]:
     loads: list[str] = []
     real = manager.store.load
 
-    def load(location, resident=None):
+    def load(location, resident=None, staging=None):
         loads.append(location)
-        return real(location, resident)
+        return real(location, resident, staging)
 
     manager.store.load = load
     return loads

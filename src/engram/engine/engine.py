@@ -41,6 +41,7 @@ from engram.models.loader import load_model, load_model_from_state_dict
 from engram.models.spec import LayerKind, load_model_spec
 from engram.ops.dispatch import select_kernels, use_kernels
 from engram.state.sequence_state import SequenceState, check_state
+from engram.state.staging import DeviceStaging
 
 if TYPE_CHECKING:
     from engram.engine.grammar import Grammars
@@ -261,6 +262,7 @@ class LLMEngine:
         resume_key: str | None = None,
         require_adoption: bool = False,
         host_base: SequenceState | None = None,
+        staged: DeviceStaging | None = None,
         internal: bool = False,
         grammar: Any = None,
         embed: bool = False,
@@ -270,8 +272,10 @@ class LLMEngine:
         still there, else `initial_state` is used; with `require_adoption`, SlotNotRetainedError
         instead, so that the caller fetches the fallback state only then); `host_base`, the host copy of
         the retained slot's state (or of a prefix of it), lets the captures copy from the device
-        only the KV past it (a restored `initial_state` serves so itself). `capture_state` returns the final state in
-        the output; `capture_prompt_state` returns the state after the prompt (`prompt_state`: a
+        only the KV past it (a restored `initial_state` serves so itself). `staged`: the load that
+        read `initial_state` also copied it to this engine's device (`restore_device`,
+        state/staging.py); its state is taken, the first restore copies from it on the device and
+        drops it. `capture_state` returns the final state in the output; `capture_prompt_state` returns the state after the prompt (`prompt_state`: a
         prefix-cache entry; its recurrent part is copied when the prefill ends, its KV at finish);
         `retain_key` keeps the final state in its slot under that key. An `internal`
         request (the server's own, such as a prefill shared by several choices) is left out of
@@ -301,6 +305,9 @@ class LLMEngine:
             # Structure only: values were checked where the state came from (a verified snapshot
             # load, or this engine's own capture, which the health monitor also watches).
             check_state(self.spec, self.state_dtypes, initial_state, check_finite=False)
+        staged_state = staged.take() if staged is not None else None
+        if staged_state is not None:
+            self._check_staged(staged_state, initial_state)
         if params.structured_outputs is not None and grammar is None:
             grammar = self.compile_grammar(params.structured_outputs)
         generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
@@ -309,6 +316,7 @@ class LLMEngine:
         seq.embed, seq.bad_words_ids = embed, bad_words
         seq.adopted = self.scheduler.adopt(resume_key) if resume_key is not None and kept is not None else None
         seq.host_base = host_base if kept is not None else None
+        seq.staged_state = staged_state if kept is None else None  # an adopted slot needs no copy
         seq.matcher = self.grammars.matcher(grammar) if params.structured_outputs is not None else None
         seq.num_cached_tokens = seq.adopted.state_len if seq.adopted else (initial_state.state_len if initial_state else 0)
         self._requests[request_id] = seq
@@ -371,6 +379,23 @@ class LLMEngine:
             raise ValueError("host_base must be in host memory")
         check_state(self.spec, self.state_dtypes, base, check_finite=False)
 
+    def _check_staged(self, staged: SequenceState, state: SequenceState | None) -> None:
+        """`staged`'s state must be `initial_state`'s copy (its tokens and length) on the restore device."""
+        if state is None:
+            raise ValueError("staged: a copy of initial_state, which is missing")
+        if staged.state_len != state.state_len or staged.tokens[: staged.state_len] != state.tokens[: state.state_len]:
+            raise ValueError("staged: its state does not hold initial_state's tokens")
+        if self.restore_device is None or any(t.device != self.device for t in staged.all_tensors()):
+            raise ValueError(f"staged: its state must be on {self.restore_device or 'the restore device (this engine has none)'}")
+        check_state(self.spec, self.state_dtypes, staged, check_finite=False)
+
+    @property
+    def restore_device(self) -> torch.device | None:
+        """Where a load may copy a state for this engine while reading it (`staged`): the
+        GPU of a one-rank engine; None on the CPU (the host copy is the device's) and under tensor
+        parallelism (a restore broadcasts host tensors to the ranks)."""
+        return self.device if self.device.type == "cuda" and self.tp_leader is None else None
+
     def release_retained(self, key: str) -> bool:
         """Free a retained slot (its state moves to the WARM tier through the captured copy)."""
         return self.scheduler.drop_retained(key)
@@ -404,9 +429,10 @@ class LLMEngine:
             if seq.initial_state is not None:
                 assert seq.slot is not None, "an admitted sequence holds a slot"
                 started = time.perf_counter()
-                restore_state(self.state_pool, self.kv_pool, seq.slot, seq.blocks, seq.initial_state)
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)  # a real load into the pool, not a queued copy
+                restore_state(self.state_pool, self.kv_pool, seq.slot, seq.blocks, seq.staged_state or seq.initial_state)
+                seq.staged_state = None  # a readmission (after a preemption) copies from the host state
+                if self.device.type == "cuda":  # a real load into the pool, not a queued copy; this stream only:
+                    torch.cuda.current_stream(self.device).synchronize()  # not the other loads' copies in flight
                 seq.restore_seconds = time.perf_counter() - started
         logits, completing, launched = None, [], None
         verify = self.speculator.propose(chunks) if self.speculator is not None else None

@@ -198,7 +198,12 @@ def capture_state(
 
 
 def restore_state(state_pool: StatePool, kv_pool: KVPool, slot: int, blocks: list[int], state: SequenceState) -> None:
-    if state.ready is not None:  # a capture still being copied: order the restore after it, on the GPU
+    """Write a state into a slot and its pages: from host memory, or from a copy on the device (a
+    staged load, whose tensors another stream made)."""
+    if state.ready is not None:  # a copy still in flight (a capture, a staged load): order the restore after it, on the GPU
         torch.cuda.current_stream().wait_event(state.ready)
     state_pool.write(slot, state.tensors)
     kv_pool.write(blocks, state.state_len, state.kv_pieces())
+    for t in state.all_tensors():
+        if t.is_cuda:  # made on another stream: not reused before this stream's copies from it are done
+            t.record_stream(torch.cuda.current_stream())

@@ -36,6 +36,7 @@ class Sequence:
     internal: bool = False  # made by the server for itself: its tokens count as neither received nor generated
     adopted: RetainedSlot | None = None  # a retained slot this request continues (until admitted)
     host_base: SequenceState | None = None  # a host state whose KV the pages hold for its positions (captures share it)
+    staged_state: SequenceState | None = None  # initial_state's copy on the device, made by its load (until the first restore)
     retained: RetainedSlot | None = None  # where its final state was kept under retain_key (at finish)
     num_cached_tokens: int = 0  # prompt tokens whose state was restored or adopted, not computed
     restore_seconds: float = 0.0  # time to copy the restored state into the pools

@@ -87,6 +87,7 @@ def build_manager(engine: LLMEngine, args: ServerArgs) -> ConversationManager:
         prefix_cache_min_tokens=args.prefix_cache_min_tokens,
         prefix_cache_disk_bytes=int(args.prefix_cache_disk_gb * (1 << 30)),
         store_url=store_url,
+        staging_device=engine.restore_device,
     )
 
 
@@ -209,6 +210,7 @@ class ConversationTurns:
             "resume_key": plan.resume_key,
             "require_adoption": plan.resume_key is not None and plan.state is None,
             "host_base": plan.host_base,
+            "staged": plan.staging,
         }
         if self.manager.tiers.enabled:
             kwargs["retain_key"] = retain_key(plan.conversation_id, plan.ref)

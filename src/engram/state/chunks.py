@@ -19,10 +19,11 @@ import array
 import hashlib
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -32,7 +33,7 @@ import torch
 
 from engram.models.spec import ModelSpec
 from engram.state.identity import safetensors_header
-from engram.state.sequence_state import KVSegment, SequenceState, StateDtypes, check_state, has_non_finite
+from engram.state.sequence_state import KVSegment, SequenceState, StateDtypes, check_state, has_non_finite, recurrent_tensors
 from engram.state.snapshot import (
     SnapshotCorruptError,
     SnapshotIncompatibleError,
@@ -44,6 +45,7 @@ from engram.state.snapshot import (
     reason_without_paths,
     tensor_checksum,
 )
+from engram.state.staging import DeviceStaging
 
 STORE_NAME = ".store"  # a leading dot: no conversation id can take it
 PIECE_FORMAT = "engram-kv/2"
@@ -139,6 +141,7 @@ class StoreStats:
     files_swept: int = 0
     pieces_read: int = 0  # by loads
     pieces_resident: int = 0  # by loads: copied from a state in memory instead
+    bytes_read: int = 0  # by loads: the pieces' and checkpoints' files
 
 
 def kv_tensor_names(spec: ModelSpec) -> list[str]:
@@ -263,30 +266,53 @@ class ChunkStore:
 
     # ---- load --------------------------------------------------------------------------------
 
-    def load(self, stored: StoredState, tail_tokens: Sequence[int] = (), resident: SequenceState | None = None) -> SequenceState:
+    def load(
+        self,
+        stored: StoredState,
+        tail_tokens: Sequence[int] = (),
+        resident: SequenceState | None = None,
+        staging: DeviceStaging | None = None,
+    ) -> SequenceState:
         """The state `stored` names, every file verified: complete, this store's identity, its
         checksum, tokens whose prefix hashes are the keys, shapes and dtypes. `resident`: a state
         in memory; the leading pieces whose prefix it holds are not read: the state shares that
-        state's KV of their positions (host memory, immutable) and holds the rest as one segment."""
+        state's KV of their positions (host memory, immutable) and holds the rest as one segment.
+        `staging`: also copy the state to a device while reading (see state/staging.py): each
+        piece's copy is issued once it is read and verified; `staging.state` is set only when the
+        whole state has been verified."""
         pieces = stored.pieces
         if [p.start for p in pieces] != [0, *(p.end for p in pieces[:-1])] or (pieces[-1].end if pieces else 0) != stored.state_len:
             raise SnapshotCorruptError(f"the pieces {[(p.start, p.end) for p in pieces]} do not cover 0..{stored.state_len} in order")
         # The KV goes straight from each piece's file buffer into one tensor per layer (its rows
         # [start, end)), in the readers' threads: one read, one hash, one copy per byte.
-        held = self._resident_pieces(pieces, resident)
+        held = self.resident_pieces(pieces, resident)
         rows = pieces[held - 1].end if held else 0
         shared = resident.kv_pieces(0, rows) if resident is not None and held and self._kv else []
-        kv = {name: self._empty_kv(stored.state_len - rows) for name in self._kv}  # positions rows..state_len-1
+        stage = staging if staging is not None and staging.reserve(self._kv_shapes(stored.state_len), self._recurrent_bytes()) else None
+        pinned = stage is not None and stage.pinned
+        kv = {name: self._empty_kv(stored.state_len - rows, pinned) for name in self._kv}  # positions rows..state_len-1
+        if stage is not None:
+            for segment in shared:  # in memory already: its copy goes first
+                stage.kv(segment.start, segment.tensors)
         self.stats.pieces_resident += held
         self.stats.pieces_read += len(pieces) - held
+        piece_tokens: dict[int, list[int]] = {}
         with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-            piece_tokens = list(pool.map(lambda p: self._read_piece(p, kv, rows), pieces[held:]))
-            recurrent = {
-                name: t.clone()
-                for name, t in self._read(self.checkpoint_path(stored.checkpoint), stored.checkpoint_checksum, CHECKPOINT_FORMAT).items()
-            }
+            checkpoint = pool.submit(self._read, self.checkpoint_path(stored.checkpoint), stored.checkpoint_checksum, CHECKPOINT_FORMAT)
+            reads = {pool.submit(self._read_piece, p, kv, rows): p for p in pieces[held:]}
+            for done in as_completed(reads):
+                p = reads[done]
+                piece_tokens[p.start], nbytes = done.result()
+                self.stats.bytes_read += nbytes
+                if stage is not None:  # read and verified: its copy starts while the others are read
+                    stage.kv(p.start, {name: t[p.start - rows : p.end - rows] for name, t in kv.items()})
+            tensors, nbytes = checkpoint.result()
+            self.stats.bytes_read += nbytes
+            recurrent = {name: _host_copy(t, pinned) for name, t in tensors.items()}
+            if stage is not None:
+                stage.recurrent(recurrent)
         tokens = list(resident.tokens[:rows]) if resident is not None else []
-        tokens += [t for part in piece_tokens for t in part]
+        tokens += [t for start in sorted(piece_tokens) for t in piece_tokens[start]]
         chain = self.hasher.chain(tokens, stored.state_len)
         for p in pieces:
             if self.hasher.piece_key(tokens, p.start, p.end, chain) != p.key:
@@ -302,9 +328,11 @@ class ChunkStore:
             check_state(self.spec, self.dtypes, state, check_finite=False)
         except ValueError as e:
             raise SnapshotCorruptError(f"stored state: {e}") from e
+        if stage is not None:
+            stage.finish(state.tokens, state.state_len)
         return state
 
-    def _resident_pieces(self, pieces: Sequence[PieceRef], resident: SequenceState | None) -> int:
+    def resident_pieces(self, pieces: Sequence[PieceRef], resident: SequenceState | None) -> int:
         """How many leading pieces `resident` holds: the prefix their keys name is its tokens' (a
         piece's KV depends only on its prefix) and its KV tensors are this store's shapes."""
         if resident is None or not pieces or pieces[0].end > resident.state_len:
@@ -314,9 +342,8 @@ class ChunkStore:
             segments = resident.kv_pieces()
         except (KeyError, ValueError):  # a resident whose KV does not cover its positions
             return 0
-        row_shape = tuple(self._empty_kv(0).shape[1:]) if self._kv else ()
         if any(
-            set(s.tensors) != set(self._kv) or any(t.dtype != self.dtypes.kv or tuple(t.shape[1:]) != row_shape for t in s.tensors.values())
+            set(s.tensors) != set(self._kv) or any(t.dtype != self.dtypes.kv or tuple(t.shape[1:]) != self._kv_row for t in s.tensors.values())
             for s in segments
         ):
             return 0
@@ -328,14 +355,26 @@ class ChunkStore:
             held += 1
         return held
 
-    def _empty_kv(self, rows: int) -> torch.Tensor:
+    def _empty_kv(self, rows: int, pinned: bool = False) -> torch.Tensor:
         attention = self.spec.attention
         assert attention is not None
-        return torch.empty(rows, attention.num_kv_heads, attention.head_dim, dtype=self.dtypes.kv)
+        return torch.empty(rows, attention.num_kv_heads, attention.head_dim, dtype=self.dtypes.kv, pin_memory=pinned)
 
-    def _read_piece(self, piece: PieceRef, kv: dict[str, torch.Tensor], offset: int) -> list[int]:
-        """Read and verify one piece, copy its KV into rows [start, end) - offset of `kv`; its tokens."""
-        tensors = self._read(self.piece_path(piece.key), piece.checksum, PIECE_FORMAT)
+    @property
+    def _kv_row(self) -> tuple[int, ...]:
+        """The shape of one position's KV in one tensor (heads, dim)."""
+        return tuple(self._empty_kv(0).shape[1:]) if self._kv else ()
+
+    def _kv_shapes(self, state_len: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return {name: ((state_len, *self._kv_row), self.dtypes.kv) for name in self._kv}
+
+    def _recurrent_bytes(self) -> int:
+        return sum(dtype.itemsize * math.prod(shape) for shape, dtype in recurrent_tensors(self.spec, self.dtypes).values())
+
+    def _read_piece(self, piece: PieceRef, kv: dict[str, torch.Tensor], offset: int) -> tuple[list[int], int]:
+        """Read and verify one piece, copy its KV into rows [start, end) - offset of `kv`; its
+        tokens and the bytes read."""
+        tensors, nbytes = self._read(self.piece_path(piece.key), piece.checksum, PIECE_FORMAT)
         rows = piece.end - piece.start
         tokens = tensors.pop("tokens", None)
         if tokens is None or tokens.dtype != torch.int32 or tuple(tokens.shape) != (rows,):
@@ -349,10 +388,11 @@ class ChunkStore:
                     f"store piece {piece.key[:12]}: {name} is {t.dtype} {tuple(t.shape)}, expected {target.dtype} {tuple(target.shape)}"
                 )
             target.copy_(t)
-        return tokens.tolist()
+        return tokens.tolist(), nbytes
 
-    def _read(self, path: Path, checksum: str, fmt: str) -> dict[str, torch.Tensor]:
-        """A stored file's tensors, after every check; views of the file's bytes (read once)."""
+    def _read(self, path: Path, checksum: str, fmt: str) -> tuple[dict[str, torch.Tensor], int]:
+        """A stored file's tensors, after every check, as views of the file's bytes (read once);
+        and how many bytes were read."""
         where = f"store file {path.name[:12]}"
         try:
             data = read_no_follow(path)
@@ -378,7 +418,7 @@ class ChunkStore:
         if tensor_checksum(tensors, threads=1) != checksum:
             self._set_aside(path)
             raise SnapshotCorruptError(f"{where}: checksum mismatch: the data is not what was saved")
-        return tensors
+        return tensors, len(data)
 
     def _set_aside(self, path: Path) -> None:
         """Move a damaged file out of the way (to `.store/damaged/`), so that the next save of the
@@ -463,3 +503,8 @@ def _complete_header(data: bytes | bytearray, where: str) -> dict:
     if len(data) < 8 + length:
         raise SnapshotCorruptError(f"{where}: truncated header")
     return check_header(data[8 : 8 + length], where, len(data))
+
+
+def _host_copy(t: torch.Tensor, pinned: bool) -> torch.Tensor:
+    """A copy of a tensor that views a file's buffer (so the buffer can go), pinned if asked."""
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned).copy_(t) if pinned else t.clone()

@@ -32,6 +32,7 @@ from engram.state.snapshot import (
     read_no_follow,
     snapshot_label,
 )
+from engram.state.staging import DeviceStaging
 
 PREFIX_NAME = "prefix"  # <root>/.store/prefix/<key>.json: the prefix cache's entries on disk
 
@@ -52,9 +53,10 @@ class ColdStore(Protocol):
         """Store what `base` lacks of the state, then commit the turn's manifest."""
         ...
 
-    def load(self, location: str, resident: SequenceState | None = None) -> tuple[SequenceState, dict]:
+    def load(self, location: str, resident: SequenceState | None = None, staging: DeviceStaging | None = None) -> tuple[SequenceState, dict]:
         """The verified state and its manifest (SnapshotError subclasses say what failed); the KV
-        pieces whose prefix `resident` (a state in memory) holds are taken from it, not read."""
+        pieces whose prefix `resident` (a state in memory) holds are taken from it, not read.
+        `staging`: copy the state to a device as it is read (state/staging.py; v2 only)."""
         ...
 
     def manifest(self, location: str) -> dict: ...
@@ -163,8 +165,8 @@ class FilesystemColdStore:
     def save(self, state: SequenceState, meta: SnapshotMeta, base: StoredState | None) -> StoredState:
         return save_turn(self.chunks, state, meta, self.model, self.tokenizer_sha256, base)[1]
 
-    def load(self, location: str, resident: SequenceState | None = None) -> tuple[SequenceState, dict]:
-        return load_turn(self.chunks, Path(location), self.spec, self.dtypes, self.model, self.tokenizer_sha256, resident)
+    def load(self, location: str, resident: SequenceState | None = None, staging: DeviceStaging | None = None) -> tuple[SequenceState, dict]:
+        return load_turn(self.chunks, Path(location), self.spec, self.dtypes, self.model, self.tokenizer_sha256, resident, staging)
 
     def manifest(self, location: str) -> dict:
         return read_manifest(location)

@@ -17,7 +17,7 @@ import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import IO, overload
+from typing import IO, TYPE_CHECKING, overload
 
 from engram.models.spec import ModelSpec
 from engram.state.chunks import DEFAULT_CHUNK_TOKENS, ORPHAN_GRACE_S, PrefixHasher, StoredState
@@ -42,6 +42,7 @@ from engram.state.snapshot import (
 )
 from engram.state.snapshot import RECORD_NAME as RECORD_NAME  # re-exported: the record's name, as this module's callers know it
 from engram.state.snapshots import TurnSnapshots
+from engram.state.staging import DeviceStaging
 from engram.state.store import Clock, SnapshotWriter, TierStats, WarmCache
 from engram.state.tiers import ActiveTier, EngineSlot, SnapshotPolicy, SnapshotTrigger, TierConfig
 from engram.state.transfer import write_export
@@ -60,6 +61,9 @@ from engram.state.turns import (
     ref_name,
     retain_key,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +97,7 @@ class ConversationManager:
         prefix_cache_min_tokens: int = 1,
         prefix_cache_disk_bytes: int = 0,
         store_url: str | None = None,
+        staging_device: torch.device | None = None,
     ):
         self.spec, self.dtypes, self.model, self.tokenizer_sha256 = spec, dtypes, model, tokenizer_sha256
         self.policy = policy
@@ -131,6 +136,8 @@ class ConversationManager:
         self.warm.clock = clock
         self.warm.on_evict = self._evicted
         self.active = ActiveTier()
+        # Cold loads copy the state to this device (the engine's) while they read it; None: the engine copies the host state.
+        self.staging_device = staging_device
         self.last_used: dict[str, float] = {}  # conversation -> last use (for cold expiry)
         self._next_expiry_scan = 0.0
         self.writer = SnapshotWriter() if tiers.durability == "async" and self.root is not None else None
@@ -369,7 +376,9 @@ class ConversationManager:
     def _fetch_state(self, plan: TurnPlan, conv: Conversation, base: Turn | None) -> None:
         """Put into `plan` the nearest state of `base`'s chain (warm, or read from the cold tier) and count its tier."""
         started = time.perf_counter()
-        plan.state, plan.state_tier = self._nearest_state(conv, base)
+        staging = DeviceStaging(self.staging_device) if self.staging_device is not None else None
+        plan.state, plan.state_tier = self._nearest_state(conv, base, staging)
+        plan.staging = staging if staging is not None and staging.state is not None and plan.state_tier == "cold" else None
         plan.load_seconds = time.perf_counter() - started if plan.state_tier == "cold" else 0.0
         with self._lock:
             if base is not None and plan.state_tier is None:
@@ -401,8 +410,9 @@ class ConversationManager:
             if t.parent in later and t.branch != base.branch:
                 raise ConversationConflictError(f"turn {t.parent} is the parent of branch {t.branch!r}; continue into a new branch instead")
 
-    def _nearest_state(self, conv: Conversation, base: Turn | None) -> tuple[SequenceState | None, str | None]:
-        """The state of the latest turn in the base's chain that still has one, and its tier."""
+    def _nearest_state(self, conv: Conversation, base: Turn | None, staging: DeviceStaging | None = None) -> tuple[SequenceState | None, str | None]:
+        """The state of the latest turn in the base's chain that still has one, and its tier
+        (`staging`: where a cold load also copies it to the device)."""
         for turn in reversed(conv.chain(base)):
             if not self.health.restore_allowed(self.quarantine, conv.conversation_id, turn.ref):
                 continue  # quarantined under refuse_restore: an earlier state, or recomputation
@@ -411,7 +421,7 @@ class ConversationManager:
             if state is not None:
                 return state, "warm"
             try:
-                return self.load_into_warm(conv.conversation_id, turn), "cold"
+                return self.load_into_warm(conv.conversation_id, turn, staging), "cold"
             except SnapshotNotFoundError:
                 continue
             except SnapshotCorruptError as e:  # a damaged file costs a recomputation, not the conversation
@@ -629,23 +639,21 @@ class ConversationManager:
                 self._persist_and_prune(conv, target.branch)
             return target
 
-    def _load_turn(self, conversation_id: str, turn: Turn) -> SequenceState:
-        """Load and verify the turn's snapshot, taking the KV a warm state of the conversation holds from it."""
+    def _load_turn(self, conversation_id: str, turn: Turn, staging: DeviceStaging | None = None) -> SequenceState:
+        """Load and verify the turn's snapshot, taking the KV a warm state holds from it."""
         saved = self._saved()
         conv = self.require(conversation_id)
-        return saved.load(conv, turn, self._resident_prefix(conv, turn))
+        return saved.load(conv, turn, self._resident_prefix(conv, turn), staging)
 
     def _resident_prefix(self, conv: Conversation, turn: Turn) -> SequenceState | None:
-        """The state in memory of this conversation that shares the longest prefix with the turn's
-        history (a later turn, a sibling branch), whose KV a load takes instead of reading it. Not a
-        quarantined turn's: health checked only the KV that turn added, not the rows it would lend."""
+        """The warm state that shares the longest prefix with the turn's history (a later turn, a
+        sibling branch, another conversation with the same system prompt), whose KV a load takes
+        instead of reading it (a position's KV depends only on the tokens before it, as the store's
+        shared pieces do). Not a quarantined turn's: health checked only the KV that turn added,
+        not the rows it would lend."""
         tokens = conv.tokens(turn)
         with self._lock:
-            candidates = [
-                state
-                for ref, state in self.warm.states_of(conv.conversation_id).items()
-                if not self.quarantine.is_quarantined(conv.conversation_id, ref)
-            ]
+            candidates = [state for cid, ref, state in self.warm.states() if not self.quarantine.is_quarantined(cid, ref)]
         best, best_len = None, 0
         for state in candidates:
             n = _common_prefix(state.tokens, tokens, state.state_len)
@@ -682,17 +690,17 @@ class ConversationManager:
         """The token ids a snapshot covers (its `fill_ids`), read without the state tensors."""
         return self._saved().store.tokens(manifest)
 
-    def load_into_warm(self, conversation_id: str, turn: Turn) -> SequenceState:
-        """The turn's state, from the warm cache or its verified snapshot file (then kept warm).
-        The file is read without holding the manager's lock; the caller holds no conversation's lock
-        (the states this one pushes out of memory are written here)."""
+    def load_into_warm(self, conversation_id: str, turn: Turn, staging: DeviceStaging | None = None) -> SequenceState:
+        """The turn's state, from the warm cache or its verified snapshot file (then kept warm;
+        `staging` gets its device copy). The file is read without holding the manager's lock; the
+        caller holds no conversation's lock (the states this one pushes out of memory are written here)."""
         with self._lock:
             state = self.warm.get(conversation_id, turn.ref)
         if state is not None:
             return state
         if not turn.snapshot:
             raise SnapshotNotFoundError(f"turn {turn.ref} of conversation {conversation_id!r} has no snapshot and no state in memory")
-        state = self._load_turn(conversation_id, turn)
+        state = self._load_turn(conversation_id, turn, staging)
         if self.tiers.enabled:
             with self._lock:
                 self.warm.put(conversation_id, turn.ref, state)
@@ -1027,6 +1035,13 @@ class ConversationManager:
 
 
 def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
-    """How many leading tokens `a` and `b` share, at most `limit`."""
-    n = min(len(a), len(b), limit)
-    return next((i for i in range(n) if a[i] != b[i]), n)
+    """How many leading tokens `a` and `b` share, at most `limit` (by halving slice comparisons,
+    which run in C: every warm state is a candidate, with up to a whole history each)."""
+    lo, hi = 0, min(len(a), len(b), limit)
+    while lo < hi:  # a[:lo] == b[:lo]; the first difference, if any, is before hi
+        mid = (lo + hi + 1) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

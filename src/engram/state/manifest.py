@@ -32,6 +32,7 @@ from engram.state.snapshot import (
     snapshot_label,
     snapshot_path,
 )
+from engram.state.staging import DeviceStaging
 
 FORMAT_V2 = "engram-state/2"
 
@@ -85,9 +86,10 @@ def load_turn(
     model: ModelIdentity,
     tokenizer_sha256: str,
     resident: SequenceState | None = None,
+    staging: DeviceStaging | None = None,
 ) -> tuple[SequenceState, dict]:
     """Load and verify a turn's state from its v2 manifest or v1 file (see `ChunkStore.load`;
-    `resident` lends the KV pieces it holds, v2 only)."""
+    `resident` lends the KV pieces it holds and `staging` copies it to a device, v2 only)."""
     if path.suffix != ".json":
         return load_snapshot(path, spec, dtypes, model, tokenizer_sha256)
     where = snapshot_label(path)
@@ -99,7 +101,7 @@ def load_turn(
     if not isinstance(tail, list) or stored.state_len != manifest.get("state_len") or stored.digest != manifest.get("checksum"):
         raise SnapshotCorruptError(f"{where}: the manifest's state_len, checksum or tail tokens do not agree with its store references")
     try:
-        state = store.load(stored, tail, resident)
+        state = store.load(stored, tail, resident, staging)
     except SnapshotError as e:
         raise type(e)(f"{where}: {e}") from e
     if len(state.tokens) != manifest.get("token_count") or any(not 0 <= t < spec.vocab_size for t in tail):

@@ -52,6 +52,7 @@ from engram.state.snapshot import (
     snapshot_label,
     validate_id,
 )
+from engram.state.staging import DeviceStaging
 from engram.state.turns import StaleViewError
 
 if TYPE_CHECKING:
@@ -235,13 +236,15 @@ class ObjectColdStore(FilesystemColdStore):
         """A store file the sweep deleted from the bucket: the next save that names it uploads it."""
         self._in_bucket.pop(name, None)
 
-    def _store_files(self, stored: StoredState) -> list[Path]:
-        return [self.chunks.piece_path(p.key) for p in stored.pieces] + [self.chunks.checkpoint_path(stored.checkpoint)]
+    def _store_files(self, stored: StoredState, skip: int = 0) -> list[Path]:
+        """The files `stored` names (past its first `skip` pieces)."""
+        return [self.chunks.piece_path(p.key) for p in stored.pieces[skip:]] + [self.chunks.checkpoint_path(stored.checkpoint)]
 
-    def _fetch_files(self, stored: StoredState) -> None:
-        """Download the store files `stored` names that the folder lacks (one the bucket lacks too
-        is left for the load to report as missing)."""
-        for path in self._store_files(stored):
+    def _fetch_files(self, stored: StoredState, resident: SequenceState | None = None) -> None:
+        """Download the store files `stored` names that the folder lacks, but for the pieces
+        `resident` holds (a load takes those from memory); one the bucket lacks too is left for
+        the load to report as missing."""
+        for path in self._store_files(stored, self.chunks.resident_pieces(stored.pieces, resident)):
             if not path.is_file():
                 try:
                     data, meta = self.get_object(self._key(path))
@@ -250,11 +253,11 @@ class ObjectColdStore(FilesystemColdStore):
                 atomic_write(path, data)
                 self._in_bucket[path.name] = meta["last_modified"].timestamp()
 
-    def _fetch_referenced(self, location: str) -> Path:
+    def _fetch_referenced(self, location: str, resident: SequenceState | None = None) -> Path:
         path = self._pull(location)
         stored = stored_state(read_manifest(path), snapshot_label(location))
         if stored is not None:
-            self._fetch_files(stored)
+            self._fetch_files(stored, resident)
         return path
 
     # ---- turn states ---------------------------------------------------------------------------
@@ -278,9 +281,9 @@ class ObjectColdStore(FilesystemColdStore):
             raise SnapshotError(f"{snapshot_label(location)}: another replica stored this turn first") from None
         return stored
 
-    def load(self, location: str, resident: SequenceState | None = None) -> tuple[SequenceState, dict]:
-        self._fetch_referenced(location)
-        return super().load(location, resident)
+    def load(self, location: str, resident: SequenceState | None = None, staging: DeviceStaging | None = None) -> tuple[SequenceState, dict]:
+        self._fetch_referenced(location, resident)
+        return super().load(location, resident, staging)
 
     def manifest(self, location: str) -> dict:
         return read_manifest(self._pull(location))

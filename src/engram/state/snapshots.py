@@ -14,6 +14,7 @@ from engram.state.cold import ColdStore
 from engram.state.manifest import stored_state
 from engram.state.sequence_state import SequenceState
 from engram.state.snapshot import SnapshotCorruptError, SnapshotError, SnapshotMeta, SnapshotNotFoundError, snapshot_label
+from engram.state.staging import DeviceStaging
 from engram.state.store import TierStats
 from engram.state.turns import Conversation, Turn, ref_name
 
@@ -71,11 +72,12 @@ class TurnSnapshots:
             self.stats.snapshot_write_seconds.observe(time.perf_counter() - started)
         return stored
 
-    def load(self, conv: Conversation, turn: Turn, resident: SequenceState | None) -> SequenceState:
+    def load(self, conv: Conversation, turn: Turn, resident: SequenceState | None, staging: DeviceStaging | None = None) -> SequenceState:
         """Load and verify the turn's snapshot, which must be this turn's and hold its recorded
-        history's tokens; the KV that `resident` holds is taken from it, not read."""
+        history's tokens; the KV that `resident` holds is taken from it, not read; `staging`
+        copies it to a device as it is read (its `state` is the engine's only if this returns)."""
         path = self.locate(conv.conversation_id, turn)
-        state, manifest = self.store.load(path, resident)
+        state, manifest = self.store.load(path, resident, staging)
         self._check_belongs(manifest, path, conv, turn)
         stored = stored_state(manifest, snapshot_label(path))
         if stored is not None:

@@ -92,9 +92,9 @@ class WarmCache:
         entry = self._states.get((conversation_id, ref))
         return entry[0] if entry is not None else None
 
-    def states_of(self, conversation_id: str) -> dict[str, SequenceState]:
-        """Every state the conversation holds here, by ref, without counting a use."""
-        return {ref: state for (cid, ref), (state, _) in self._states.items() if cid == conversation_id}
+    def states(self) -> list[tuple[str, str, SequenceState]]:
+        """Every state here as (conversation, ref, state), without counting a use."""
+        return [(cid, ref, state) for (cid, ref), (state, _) in self._states.items()]
 
     def fits(self, state: SequenceState) -> bool:
         """Whether the state could stay here alone: the memory blocks it keeps alive are within the budget."""

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 
 from engram.state.sequence_state import SequenceState
 from engram.state.snapshot import SnapshotCorruptError, SnapshotLinkError
+from engram.state.staging import DeviceStaging
 
 
 class ConversationError(Exception):
@@ -164,6 +165,7 @@ class TurnPlan:
     resume_key: str | None = None  # the engine slot still holding the base turn's state, if any
     host_base: SequenceState | None = None  # that state's warm copy: the turn's capture copies only the KV past it
     load_seconds: float = 0.0  # time spent reading and verifying a snapshot file
+    staging: DeviceStaging | None = None  # a cold load's copy of `state` on the engine's device, for the engine to take
     idempotency_key: str | None = None  # the request's, recorded with the turn
     history_ends_with_reply: bool = False  # the base turn's messages end with the model's reply
     forked_from: str | None = None  # "<conversation>@<ref>": the first turn of a conversation that starts from another's turn

@@ -1,0 +1,193 @@
+"""Cold restores that read only what memory lacks and copy to the device while they read
+(state/staging.py): exact, refusing damage, and overlapped (a slow reader's last piece is still
+being read when the first copies are issued)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from engine_utils import greedy, make_engine, random_prompt, run_to_end, store_file
+from test_conversations import full_generation, take_turn
+from test_store import CHUNK, manifest_of, store_manager
+
+from engram.state import chunks
+from engram.state.snapshot import SnapshotCorruptError
+from engram.state.staging import DeviceStaging
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint_dir):
+    return make_engine(checkpoint_dir("nemotron"))
+
+
+@pytest.fixture
+def staging_engine(engine, monkeypatch):
+    """The CPU engine taking staged states as a GPU engine does (its "device" is the CPU)."""
+    monkeypatch.setattr(type(engine), "restore_device", property(lambda self: self.device))
+    return engine
+
+
+def three_turns(engine, manager, cid: str = "s") -> list:
+    return [take_turn(engine, manager, cid, random_prompt(2 * CHUNK, 50 + i), max_tokens=3)[0] for i in range(3)]
+
+
+def store_file_sizes(root, cid: str, turn: int, pieces: slice) -> int:
+    refs = manifest_of(root, cid, turn)["store"]["pieces"]
+    manifest = root / cid / "main" / f"{turn:06d}.json"
+    return sum(store_file(manifest, piece=i).stat().st_size for i in range(len(refs))[pieces]) + store_file(manifest).stat().st_size
+
+
+def test_a_cold_load_takes_the_kv_another_conversations_warm_state_holds(engine, tmp_path):
+    manager = store_manager(engine, tmp_path)
+    system = random_prompt(4 * CHUNK + 3, 20)
+    take_turn(engine, manager, "a", system + random_prompt(7, 21), max_tokens=3)
+    b = take_turn(engine, manager, "b", system + random_prompt(CHUNK + 9, 22), max_tokens=3)[0]
+    manager.warm.drop("b", b.ref)  # b is cold; a, warm, holds the system prompt's four whole chunks
+    stats = manager.store.stats
+    before = (stats.bytes_read, stats.pieces_resident)
+    state = manager.load_into_warm("b", b)
+    assert stats.pieces_resident - before[1] == 4
+    assert stats.bytes_read - before[0] == store_file_sizes(tmp_path, "b", 1, slice(4, None))  # b's own pieces and checkpoint only
+    longer = state.tokens + random_prompt(5, 23)
+    engine.add_request("r", longer, greedy(4), initial_state=state)
+    assert run_to_end(engine)["r"].token_ids == full_generation(engine, longer, 4)
+
+
+def test_a_staged_load_equals_the_plain_one_and_restores_exactly(staging_engine, tmp_path):
+    engine = staging_engine
+    manager = store_manager(engine, tmp_path)
+    turns = three_turns(engine, manager)
+    stored = manager._stored_of("s", turns[2])
+    store = manager.store.chunks
+    plain = store.load(stored)
+    staging = DeviceStaging(torch.device("cpu"))
+    read, resident = store.stats.pieces_read, store.stats.pieces_resident
+    host = store.load(stored, resident=manager.warm.peek("s", turns[0].ref), staging=staging)
+    assert store.stats.pieces_read > read and store.stats.pieces_resident > resident  # pieces from memory and from disk
+    staged = staging.state
+    assert staged is not None
+    for name, t in plain.flat_tensors().items():
+        assert torch.equal(staged.tensors[name], t) and torch.equal(host.flat_tensors()[name], t), name
+    longer = plain.tokens + random_prompt(6, 60)
+    engine.add_request("r", longer, greedy(5), initial_state=host, staged=staging)
+    assert staging.take() is None  # the engine took it
+    assert run_to_end(engine)["r"].token_ids == full_generation(engine, longer, 5)
+
+
+def test_the_engine_refuses_a_staged_state_that_is_not_its_initial_state(staging_engine, tmp_path):
+    engine = staging_engine
+    manager = store_manager(engine, tmp_path)
+    turns = three_turns(engine, manager)
+    store = manager.store.chunks
+    staging = DeviceStaging(torch.device("cpu"))
+    store.load(manager._stored_of("s", turns[1]), staging=staging)
+    first = store.load(manager._stored_of("s", turns[0]))
+    with pytest.raises(ValueError, match="staged: its state does not hold initial_state's tokens"):
+        engine.add_request("bad", first.tokens + [1, 2], greedy(2), initial_state=first, staged=staging)
+
+
+def test_an_engine_without_a_restore_device_refuses_a_staged_state(engine, tmp_path):
+    manager = store_manager(engine, tmp_path)
+    turns = three_turns(engine, manager)
+    staging = DeviceStaging(torch.device("cpu"))
+    state = manager.store.chunks.load(manager._stored_of("s", turns[0]), staging=staging)
+    assert engine.restore_device is None  # the CPU's
+    with pytest.raises(ValueError, match="staged: its state must be on the restore device"):
+        engine.add_request("bad", state.tokens + [1, 2], greedy(2), initial_state=state, staged=staging)
+
+
+def test_copies_start_before_the_last_piece_is_read(engine, tmp_path, monkeypatch):
+    manager = store_manager(engine, tmp_path)
+    turns = three_turns(engine, manager)
+    stored = manager._stored_of("s", turns[2])
+    last = stored.pieces[-1].key
+    events: list[str] = []
+    lock = threading.Lock()
+    real = chunks.read_no_follow
+
+    def slow_read(path):
+        time.sleep(0.3 if path.name.startswith(last) else 0.01)
+        with lock:
+            events.append(f"read {path.name[:8]}")
+        return real(path)
+
+    class Spy(DeviceStaging):
+        def kv(self, start, tensors):
+            events.append(f"copy {start}")
+            super().kv(start, tensors)
+
+    monkeypatch.setattr(chunks, "read_no_follow", slow_read)
+    staging = Spy(torch.device("cpu"))
+    host = manager.store.chunks.load(stored, staging=staging)
+    copies = [i for i, e in enumerate(events) if e.startswith("copy")]
+    assert len(copies) == len(stored.pieces) >= 4
+    assert copies[0] < events.index(f"read {last[:8]}")  # the first copy went out while the last piece was still being read
+    assert staging.state is not None
+    assert all(torch.equal(staging.state.tensors[n], t) for n, t in host.flat_tensors().items())
+
+
+def test_a_damaged_piece_is_refused_and_nothing_of_it_is_staged(staging_engine, tmp_path):
+    engine = staging_engine
+    manager = store_manager(engine, tmp_path)
+    turns = three_turns(engine, manager, "d")
+    one = manifest_of(tmp_path, "d", 1)
+    later = next(i for i, p in enumerate(manifest_of(tmp_path, "d", 3)["store"]["pieces"]) if p[0] >= one["state_len"])
+    path = store_file(tmp_path / "d" / "main" / "000003.json", piece=later)  # turns 2 and 3 hold it
+    data = bytearray(path.read_bytes())
+    data[-2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    staging = DeviceStaging(torch.device("cpu"))
+    with pytest.raises(SnapshotCorruptError, match="checksum mismatch"):
+        manager.store.chunks.load(manager._stored_of("d", turns[2]), staging=staging)
+    assert staging.state is None and not path.exists()  # set aside
+    path.write_bytes(bytes(data))  # damaged again, for a restarted manager that stages its loads
+    restarted = store_manager(engine, tmp_path)
+    restarted.staging_device = torch.device("cpu")
+    conv = restarted.require("d")
+    history, new = conv.tokens(conv.latest("main")), random_prompt(6, 70)
+    plan = restarted.begin("d")
+    assert plan.state_tier == "cold" and plan.state is not None and plan.state.state_len == one["state_len"]  # turn 1's: it lacks the piece
+    assert plan.staging is not None and plan.staging.state is not None and plan.staging.state.state_len == plan.state.state_len
+    assert sorted(q["ref"] for q in restarted.quarantine.list("d")) == ["main/000002", "main/000003"]
+    prompt = plan.history_tokens + new
+    engine.add_request("t", prompt, greedy(3), initial_state=plan.state, staged=plan.staging)
+    out = run_to_end(engine)["t"]
+    restarted.release("d")
+    assert out.token_ids == full_generation(engine, history + new, max_tokens=3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_load_staged_on_the_gpu_reads_into_pinned_memory_and_equals_the_host_state(engine, tmp_path):
+    manager = store_manager(engine, tmp_path)
+    turns = three_turns(engine, manager)
+    stored = manager._stored_of("s", turns[2])
+    staging = DeviceStaging(torch.device("cuda"))
+    host = manager.store.chunks.load(stored, staging=staging)
+    staged = staging.take()
+    assert staged is not None and staged.ready is not None
+    staged.wait()
+    assert all(t.is_pinned() for t in host.all_tensors())
+    for name, t in host.flat_tensors().items():
+        assert torch.equal(staged.tensors[name].cpu(), t), name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_turn_restored_from_a_staged_load_after_a_restart_equals_a_full_prefill_on_the_gpu(checkpoint_dir, tmp_path):
+    engine = make_engine(checkpoint_dir("nemotron"), device="cuda", dtype="float32", max_running_requests=2)
+    assert engine.restore_device is not None and engine.restore_device.type == "cuda"
+    manager = store_manager(engine, tmp_path)
+    three_turns(engine, manager)
+    restarted = store_manager(engine, tmp_path)
+    restarted.staging_device = engine.restore_device
+    conv = restarted.require("s")
+    history, new = conv.tokens(conv.latest("main")), random_prompt(6, 90)
+    plan = restarted.begin("s")
+    assert plan.state_tier == "cold" and plan.staging is not None and plan.staging.state is not None
+    engine.add_request("t", plan.history_tokens + new, greedy(6), initial_state=plan.state, staged=plan.staging)
+    out = run_to_end(engine)["t"]
+    restarted.release("s")
+    assert plan.staging.state is None  # taken by the engine, dropped after the restore
+    assert out.token_ids == full_generation(engine, history + new, max_tokens=6)
