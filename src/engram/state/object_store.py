@@ -227,17 +227,17 @@ class ObjectColdStore(FilesystemColdStore):
             raise SnapshotError(f"{snapshot_label(location)}: another replica stored this turn first") from None
         return stored
 
-    def load(self, location: str, resident: SequenceState | None = None) -> tuple[SequenceState, dict]:
+    def load(self, location: str, resident: SequenceState | None = None) -> tuple[SequenceState, dict[str, Any]]:
         self._fetch_referenced(location)
         return super().load(location, resident)
 
-    def manifest(self, location: str) -> dict:
+    def manifest(self, location: str) -> dict[str, Any]:
         return read_manifest(self._pull(location))
 
     def references(self, location: str) -> StoredState | None:
         return stored_state(self.manifest(location), snapshot_label(location))
 
-    def tokens(self, manifest: dict) -> list[int]:
+    def tokens(self, manifest: dict[str, Any]) -> list[int]:
         self._fetch_referenced(manifest["path"])
         return super().tokens(manifest)
 
@@ -249,7 +249,7 @@ class ObjectColdStore(FilesystemColdStore):
         self._call(obstore.delete, self._key(location))
         Path(location).unlink(missing_ok=True)
 
-    def snapshots(self, conversation_id: str) -> list[dict]:
+    def snapshots(self, conversation_id: str) -> list[dict[str, Any]]:
         import obstore
 
         folder = self.root / validate_id(conversation_id, "conversation_id")
