@@ -54,5 +54,5 @@ def _as_batch(prompts: Prompt | list[Prompt]) -> list[Prompt]:
     if isinstance(prompts, (str, dict)):
         return [prompts]
     if prompts and isinstance(prompts[0], int):
-        return [cast(list[int], prompts)]
+        return [prompts]
     return cast(list[Prompt], prompts)

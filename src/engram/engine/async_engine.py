@@ -86,7 +86,7 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self._cond = threading.Condition()
-        self._commands: list[tuple[Callable[[], Any], Future]] = []
+        self._commands: list[tuple[Callable[[], Any], Future[Any]]] = []
         self._streams: dict[str, _Stream] = {}  # live requests; loop thread only
         self._stats = engine.stats()
         self._thread: threading.Thread | None = None
@@ -183,7 +183,7 @@ class AsyncEngine:
 
     # -- loop thread -----------------------------------------------------------------------
 
-    def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, stream: _Stream, kwargs: dict) -> None:
+    def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, stream: _Stream, kwargs: dict[str, Any]) -> None:
         self.engine.add_request(request_id, prompt_token_ids, params, **kwargs)
         self._streams[request_id] = stream
 

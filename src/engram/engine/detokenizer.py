@@ -7,13 +7,15 @@ sequence."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
 from engram.engine.sequence import Sequence
 
 
-def detokenize_step(tokenizer, seq: Sequence) -> None:
+def detokenize_step(tokenizer: Any, seq: Sequence) -> None:
     """Extend `seq.text` with the text of the newly generated token."""
     if tokenizer is None:
         return

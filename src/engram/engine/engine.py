@@ -44,6 +44,9 @@ from engram.state.sequence_state import SequenceState, check_state
 from engram.state.staging import DeviceStaging
 
 if TYPE_CHECKING:
+    import xgrammar as xgr
+    from transformers import PreTrainedTokenizerBase
+
     from engram.engine.grammar import Grammars
 
 logger = logging.getLogger(__name__)
@@ -97,7 +100,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return memory_planner.resolve_dtype(name, "--dtype", torch.bfloat16 if device.type == "cuda" else torch.float32)
 
 
-def load_tokenizer(model_path: Path):
+def load_tokenizer(model_path: Path) -> PreTrainedTokenizerBase | None:
     """The checkpoint's tokenizer, or None for a folder without one (token-id-only use)."""
     if not any((model_path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return None
@@ -626,7 +629,7 @@ class LLMEngine:
         early = seq.num_output_tokens < p.min_tokens
         stop_token = not early and ((not p.ignore_eos and token in self.eos_token_ids) or token in (p.stop_token_ids or ()))
         if seq.matcher is not None:
-            stop_token |= self._grammar_ends(seq, token)
+            stop_token |= self._grammar_ends(seq.matcher, seq.request_id, token)
         if not stop_token or p.include_stop_str_in_output:  # a stop token's text is left out, as in vLLM
             detokenize_step(self.tokenizer, seq)
         if stop_token:
@@ -637,12 +640,12 @@ class LLMEngine:
             self._finish(seq, FinishReason.LENGTH)
 
     @staticmethod
-    def _grammar_ends(seq: Sequence, token: int) -> bool:
-        """Advance the sequence's grammar by its token; True once the grammar has ended (it accepts an
+    def _grammar_ends(matcher: xgr.GrammarMatcher, request_id: str, token: int) -> bool:
+        """Advance a request's grammar by its token; True once the grammar has ended (it accepts an
         EOS token only where the output is complete, even under ignore_eos)."""
-        if not seq.matcher.accept_token(token):  # the mask allowed it: a bug, not the request's fault
-            raise RuntimeError(f"the grammar of request {seq.request_id} rejected token {token} that its mask allowed")
-        return seq.matcher.is_terminated()
+        if not matcher.accept_token(token):  # the mask allowed it: a bug, not the request's fault
+            raise RuntimeError(f"the grammar of request {request_id} rejected token {token} that its mask allowed")
+        return matcher.is_terminated()
 
     def _finish(self, seq: Sequence, reason: FinishReason, stop_reason: str | int | None = None) -> None:
         if reason != FinishReason.ABORT and seq.slot is not None:

@@ -15,6 +15,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -138,7 +139,7 @@ def _config_numel(spec: ModelSpec) -> int:
     fields = {k: v for k, v in spec.config.items() if k != "model_type"}
     config = AutoConfig.for_model(spec.config["model_type"], **fields)  # a multimodal checkpoint's text model
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model: torch.nn.Module = AutoModelForCausalLM.from_config(config)
     persistent = set(model.state_dict())
     buffers = sum(b.numel() for name, b in model.named_buffers() if name in persistent)
     return sum(p.numel() for p in model.parameters()) + buffers
@@ -261,7 +262,7 @@ class MemoryPlan:
     def fits(self) -> bool:
         return self.error is None
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {**vars(self), "fits": self.fits}
 
 

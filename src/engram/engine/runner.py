@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import gc
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -44,7 +44,7 @@ _PACKED_ROWS = TOKEN_ROW + 1  # int64 rows of a decode graph's packed inputs (`_
 
 
 @contextmanager
-def _garbage_collection_paused():
+def _garbage_collection_paused() -> Iterator[None]:
     """Python's cyclic collector paused: run inside a capture it could free CUDA objects (another
     engine's graphs, events), a call that invalidates the capture."""
     enabled = gc.isenabled()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -12,6 +12,7 @@ from engram.engine.request import FinishReason, SamplingParams, TokenLogprob
 from engram.state.sequence_state import SequenceState
 
 if TYPE_CHECKING:
+    import xgrammar as xgr
     from tokenizers.decoders import DecodeStream
 
     from engram.engine.scheduler import RetainedSlot
@@ -47,7 +48,7 @@ class Sequence:
     prompt_state: SequenceState | None = None  # and with the prompt's KV, at finish
     prompt_mask: torch.Tensor | None = None  # the prompt's tokens over the vocabulary, for the repetition penalty
     output_counts: torch.Tensor | None = None  # each token's count in the output, for the penalties (once one needs it)
-    matcher: Any = None  # xgrammar's GrammarMatcher of a request with structured outputs (engine/grammar.py)
+    matcher: xgr.GrammarMatcher | None = None  # of a request with structured outputs (engine/grammar.py)
     bad_words_ids: list[list[int]] = field(default_factory=list)  # params.bad_words as token ids (engine/token_masks.py)
     allowed_mask: torch.Tensor | None = None  # [V] bool, True outside params.allowed_token_ids (made on first use)
     embed: bool = False  # an embedding request: the prompt's last hidden states are summed

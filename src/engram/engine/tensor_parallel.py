@@ -181,7 +181,7 @@ class RankState:
         return self._gather_all(KVPool.gather(self.kv_pool, blocks, length, start), self._kv_shapes(length - start))
 
 
-def _run_op(state: RankState, op: Op, host: tuple) -> None:
+def _run_op(state: RankState, op: Op, host: tuple[Any, ...]) -> None:
     """A follower's side of one operation (rank 0's is in `Leader`)."""
     if op == Op.FORWARD:
         state.run_batch(*host)

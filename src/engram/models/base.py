@@ -7,6 +7,7 @@ Internal parameter names are uniform (`embed_tokens`, `layers.<i>.input_norm`, `
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -72,6 +73,10 @@ class CausalLM(nn.Module):
         """Share the embedding with the LM head (again after `to_empty`, which unties them)."""
         if self.spec.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    if TYPE_CHECKING:  # nn.Module types its __call__ as returning Any; a call runs `forward`
+
+        def __call__(self, batch: ForwardBatch) -> torch.Tensor: ...
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Next-token logits for the rows `batch.logits_indices`, in the LM head's dtype (float32

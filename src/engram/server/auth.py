@@ -130,7 +130,8 @@ def _bearer(scope: Scope) -> str | None:
 
 
 def caller_of(request: Request) -> Caller:
-    return request.scope.get("state", {}).get("caller", OPEN)
+    caller: Caller = request.scope.get("state", {}).get("caller", OPEN)
+    return caller
 
 
 def caller_is_admin(request: Request) -> bool:

@@ -26,20 +26,13 @@ from engram.models.embedded import default_cache_dir
 from engram.server.chat_reply import ReplyFormat
 from engram.server.errors import APIError
 from engram.server.tokens import encode
-from engram.state.conversations import (
-    ConversationManager,
-    SnapshotPolicy,
-    SnapshotTrigger,
-    TierConfig,
-    Turn,
-    TurnAnswer,
-    TurnPlan,
-    retain_key,
-)
+from engram.state.conversations import ConversationManager
 from engram.state.health import HealthConfig, HealthMonitor, HealthPolicy
 from engram.state.identity import ModelIdentity, tokenizer_fingerprint
 from engram.state.object_store import StoreConfigError, local_folder, remote_url
 from engram.state.store import WarmCache
+from engram.state.tiers import SnapshotPolicy, SnapshotTrigger, TierConfig
+from engram.state.turns import Turn, TurnAnswer, TurnPlan, retain_key
 
 log = logging.getLogger(__name__)
 RECENT_REQUESTS = 4096  # request ids remembered for /save_snapshot by rid
@@ -96,7 +89,7 @@ def build_manager(engine: LLMEngine, args: ServerArgs) -> ConversationManager:
 REPLY_MARKER = "engramReplyMarker7f3a"
 
 
-def new_messages(history: list[dict], messages: list[dict]) -> list[dict]:
+def new_messages(history: list[dict[str, Any]], messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The messages a turn adds: past the stored history when the request repeats it first (a
     client that sends the whole conversation every time). One message is always new; a request
     that repeats only part of the history, or nothing past it, is ambiguous (400)."""
@@ -165,11 +158,11 @@ class ConversationTurns:
             work.add_done_callback(self._release_unused)
             raise
 
-    def _release_unused(self, work: asyncio.Future) -> None:
-        if not work.cancelled() and work.exception() is None and isinstance(work.result(), TurnPlan):
-            self.manager.release(work.result().conversation_id)
+    def _release_unused(self, work: asyncio.Future[TurnPlan | Turn]) -> None:
+        if not work.cancelled() and work.exception() is None and isinstance(plan := work.result(), TurnPlan):
+            self.manager.release(plan.conversation_id)
 
-    def replay(self, conversation_id: str, turn: Turn, messages: list[dict]) -> RequestOutput:
+    def replay(self, conversation_id: str, turn: Turn, messages: list[dict[str, Any]]) -> RequestOutput:
         """The answer of a turn made by a request with the same idempotency key, as its output was
         (without logprobs). The retry must send the same messages (alone, or after the history)."""
         conv = self.manager.require(conversation_id)
@@ -226,7 +219,7 @@ class ConversationTurns:
             await asyncio.to_thread(self.manager.fall_back, plan)
             return await generate(**self.engine_kwargs(plan))
 
-    def prompt(self, plan: TurnPlan, new_messages: list[dict], generate: bool = True, options: dict[str, Any] | None = None) -> list[int]:
+    def prompt(self, plan: TurnPlan, new_messages: list[dict[str, Any]], generate: bool = True, options: dict[str, Any] | None = None) -> list[int]:
         """The history's exact tokens followed by the template rendering of only the new messages
         (and the generation prompt, unless the turn only appends them). The template is rendered
         over the last messages only (O(new tokens), not O(history)) when two windows of them give
@@ -242,7 +235,9 @@ class ConversationTurns:
             delta = self._delta(plan.history_messages, new_messages, plan, generate, options)
         return plan.history_tokens + encode(self.tokenizer, delta, add_special_tokens=False)
 
-    def _delta(self, history: list[dict], new_messages: list[dict], plan: TurnPlan, generate: bool, options: dict[str, Any] | None = None) -> str:
+    def _delta(
+        self, history: list[dict[str, Any]], new_messages: list[dict[str, Any]], plan: TurnPlan, generate: bool, options: dict[str, Any] | None = None
+    ) -> str:
         """What the history's rendering lacks of the conversation's: the last reply's closing the
         model did not generate (if the history ends with a reply), then the new messages and the
         generation prompt."""
@@ -255,7 +250,7 @@ class ConversationTurns:
         closing = self._unclosed_reply(history, plan.history_tokens, options) if plan.history_ends_with_reply else ""
         return closing + after[len(before) :]
 
-    def _tail_delta(self, plan: TurnPlan, new_messages: list[dict], generate: bool, options: dict[str, Any]) -> str | None:
+    def _tail_delta(self, plan: TurnPlan, new_messages: list[dict[str, Any]], generate: bool, options: dict[str, Any]) -> str | None:
         """`_delta` from two windows of the history: its system message (if first) and its last 2,
         then its last 4 messages. Their agreement says the template renders the new messages
         without reading what lies before the window; None when they differ or one fails."""
@@ -271,13 +266,14 @@ class ConversationTurns:
                 return None
         return deltas[0] if all(d == deltas[0] for d in deltas) else None
 
-    def _render(self, messages: list[dict], add_generation_prompt: bool, options: dict[str, Any] | None = None) -> str:
+    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool, options: dict[str, Any] | None = None) -> str:
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False, **(options or {}))
+            text: str = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False, **(options or {}))
+            return text
         except (ValueError, TypeError, jinja2.TemplateError) as e:
             raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
 
-    def _unclosed_reply(self, messages: list[dict], history_tokens: list[int], options: dict[str, Any] | None = None) -> str:
+    def _unclosed_reply(self, messages: list[dict[str, Any]], history_tokens: list[int], options: dict[str, Any] | None = None) -> str:
         """What the template puts after the last reply that the model did not generate itself: it
         has to be fed before the new messages. The template's closing text is found after a marker
         rendered in the reply's place, whatever the reply's text (empty, or a piece of the
@@ -300,7 +296,7 @@ class ConversationTurns:
         self,
         rid: str,
         plan: TurnPlan,
-        new_messages: list[dict],
+        new_messages: list[dict[str, Any]],
         outputs: RequestOutputs,
         reply: ReplyFormat | None = None,
     ) -> RequestOutputs:
@@ -327,7 +323,7 @@ class ConversationTurns:
             if not recording:
                 self.manager.release(plan.conversation_id)
 
-    async def finish(self, plan: TurnPlan, new_messages: list[dict], out: RequestOutput, fmt: ReplyFormat) -> Turn:
+    async def finish(self, plan: TurnPlan, new_messages: list[dict[str, Any]], out: RequestOutput, fmt: ReplyFormat) -> Turn:
         """Record the turn in a task of the server's own: a client that leaves meanwhile (which
         cancels its request) neither stops the record nor leaves the conversation reserved. A turn
         that generated nothing records no reply; a reply is recorded as the message a client sends
@@ -357,7 +353,7 @@ class ConversationTurns:
             raise
 
 
-def _log_unheard_failure(work: asyncio.Future) -> None:
+def _log_unheard_failure(work: asyncio.Future[Turn]) -> None:
     """A turn's record failed after its client left: nobody else hears of it."""
     if not work.cancelled() and work.exception() is not None:
         log.warning("a turn whose client had left was not recorded: %s", work.exception())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from http import HTTPStatus
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -45,7 +46,7 @@ SNAPSHOT_TAG = "snapshots"  # routes with this tag answer invalid bodies with 42
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None, extra: dict | None = None) -> None:
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None, extra: dict[str, Any] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -87,7 +88,7 @@ def error_for(exc: Exception) -> APIError:
     return APIError(500, f"internal error: {exc!r}")
 
 
-def error_body(err: APIError) -> dict:
+def error_body(err: APIError) -> dict[str, Any]:
     kind = _ERROR_TYPES.get(err.status, "invalid_request_error" if err.status < 500 else "server_error")
     # `success` is the snapshot API's field (its predecessor's clients test it).
     return {"success": False, "error": {"message": err.message, "type": kind, "param": err.param, "code": err.code, **err.extra}}

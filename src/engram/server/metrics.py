@@ -180,7 +180,7 @@ class Metrics:
         self.registry.register(_EngineCollector(engine, model_name))
         self.registry.register(_StateCollector(manager, model_name))
 
-        def histogram(name: str, doc: str):
+        def histogram(name: str, doc: str) -> Histogram:
             return Histogram(name, doc, ["model_name"], buckets=_LATENCY_BUCKETS, registry=self.registry).labels(model_name)
 
         self.ttft = histogram("engram:time_to_first_token_seconds", "time from arrival to the first token")

@@ -13,7 +13,7 @@ from contextlib import aclosing
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from engram.engine.async_engine import RequestOutputs
@@ -35,7 +35,7 @@ TokenText = Callable[[int], str]
 
 @router.post("/generate", response_model=None)
 @cancel_on_disconnect
-async def generate(request: GenerateRequest, raw_request: Request):
+async def generate(request: GenerateRequest, raw_request: Request) -> StreamingResponse | GenerateResponse | list[GenerateResponse]:
     s = get_serving(raw_request)
     s.check_model(request.model)
     prompts = [await s.encode_prompt(prompt) for prompt in request.prompts]

@@ -15,6 +15,7 @@ from contextlib import aclosing
 from typing import Any
 
 from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
 
 from engram.engine.async_engine import RequestOutputs
 from engram.engine.request import RequestOutput, SamplingParams, TokenLogprob
@@ -60,7 +61,7 @@ from engram.server.serving import (
 from engram.server.streaming import TextEvents, cancel_on_disconnect, sse, sse_response
 from engram.server.tool_parsers import ToolCall
 from engram.server.tools import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCallMessage
-from engram.state.conversations import Turn
+from engram.state.turns import Turn
 
 router = APIRouter()
 
@@ -98,7 +99,7 @@ async def detokenize(request: DetokenizeRequest, raw_request: Request) -> Detoke
 
 @router.post("/v1/chat/completions", response_model=None)
 @cancel_on_disconnect
-async def chat_completions(request: ChatCompletionRequest, raw_request: Request):
+async def chat_completions(request: ChatCompletionRequest, raw_request: Request) -> StreamingResponse | ChatCompletionResponse:
     s = get_serving(raw_request)
     s.check_model(request.model)
     messages = [m.template_dict() for m in request.messages]
@@ -148,7 +149,7 @@ async def _conversation_turn(
     request: ChatCompletionRequest,
     conversation_id: str,
     rid: str,
-    messages: list[dict],
+    messages: list[dict[str, Any]],
     params: SamplingParams,
     caller: Caller,
     idempotency_key: str | None,
@@ -247,7 +248,7 @@ async def _chat_events(
 
 @router.post("/v1/completions", response_model=None)
 @cancel_on_disconnect
-async def completions(request: CompletionRequest, raw_request: Request):
+async def completions(request: CompletionRequest, raw_request: Request) -> StreamingResponse | CompletionResponse:
     s = get_serving(raw_request)
     s.check_model(request.model)
     prompts = [await s.encode_prompt(prompt, request.add_special_tokens) for prompt in request.prompts]

@@ -12,9 +12,20 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Annotated, Any, ClassVar, Literal, TypeAlias
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, TypeAlias
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, Strict, model_serializer, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    SerializerFunctionWrapHandler,
+    Strict,
+    model_serializer,
+    model_validator,
+)
 
 from engram.engine.request import RequestOutput, StructuredOutputsParams
 from engram.server.tools import (
@@ -28,6 +39,9 @@ from engram.server.tools import (
     template_tool_calls,
     tool_grammar,
 )
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs  # typing's from Python 3.13; mypy's stubs carry it
 
 MAX_CHOICES = 64  # OpenAI's `n`: each choice is its own engine request
 MAX_PROMPTS = 64  # a batch of prompts on /v1/completions, /generate and /v1/embeddings
@@ -65,12 +79,15 @@ LogitBias = dict[Annotated[int, Strict(False)], float]
 IDEMPOTENCY_KEY_PATTERN = r"^[\x21-\x7e]{1,256}$"  # visible ASCII, as a header value can carry it; anchored: pydantic searches
 
 
-def is_prompt_batch(prompt: Any) -> bool:
+Prompt: TypeAlias = str | list[int]  # one prompt: text or token ids
+
+
+def is_prompt_batch(prompt: Prompt | list[str] | list[list[int]]) -> TypeIs[list[str] | list[list[int]]]:
     """A list of strings or of token-id lists, not one prompt (a string or token ids; [] is an empty one)."""
     return isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
 
 
-def prompt_batch(prompt: Any) -> Any:
+def prompt_batch(prompt: Prompt | list[str] | list[list[int]]) -> Sequence[Prompt]:
     """A request's prompts: its batch, or its one prompt in a list."""
     return prompt if is_prompt_batch(prompt) else [prompt]
 
@@ -448,7 +465,7 @@ class CompletionRequest(_OpenAIRequest):
         return self
 
     @property
-    def prompts(self) -> list[str | list[int]]:
+    def prompts(self) -> Sequence[Prompt]:
         return prompt_batch(self.prompt)
 
     def sampling_fields(self) -> dict[str, Any]:
@@ -594,8 +611,8 @@ class CompletionChoice(BaseModel):
     prompt_logprobs: PromptLogprobs | None = None
 
     @model_serializer(mode="wrap")
-    def _drop_unasked(self, handler: Any) -> dict[str, Any]:
-        data = handler(self)
+    def _drop_unasked(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
         if data.get("prompt_logprobs") is None:
             data.pop("prompt_logprobs", None)
         return data
@@ -617,8 +634,8 @@ class ConversationFields(BaseModel):
     _DROP_IF_UNSET: ClassVar[tuple[str, ...]] = ("conversation_id", "branch", "turn", "epoch")
 
     @model_serializer(mode="wrap")
-    def _drop_unset_conversation(self, handler: Any) -> dict[str, Any]:
-        data = handler(self)
+    def _drop_unset_conversation(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
         for key in self._DROP_IF_UNSET:
             if data.get(key) is None:
                 data.pop(key, None)
@@ -685,7 +702,7 @@ class EmbeddingRequest(_Request):
     conversation_id: ConversationIdElsewhere = None
 
     @property
-    def inputs(self) -> list[str | list[int]]:
+    def inputs(self) -> Sequence[Prompt]:
         return prompt_batch(self.input)
 
 
@@ -799,13 +816,20 @@ class GenerateRequest(_Request):
         return self
 
     @property
-    def is_batch(self) -> bool:
-        """A list of prompts: the response is a list too."""
-        return is_prompt_batch(self.text if self.text is not None else self.input_ids)
+    def _given(self) -> Prompt | list[str] | list[list[int]]:
+        """`text` or `input_ids`, whichever was given (`_one_prompt` checks that one was)."""
+        given = self.text if self.text is not None else self.input_ids
+        assert given is not None
+        return given
 
     @property
-    def prompts(self) -> list[str | list[int]]:
-        return prompt_batch(self.text if self.text is not None else self.input_ids)
+    def is_batch(self) -> bool:
+        """A list of prompts: the response is a list too."""
+        return is_prompt_batch(self._given)
+
+    @property
+    def prompts(self) -> Sequence[Prompt]:
+        return prompt_batch(self._given)
 
     def sampling_fields(self) -> dict[str, Any]:
         fields = self.sampling_params.model_dump(

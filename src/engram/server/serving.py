@@ -57,7 +57,8 @@ class Serving:
         self.replies = replies or ReplyParsers()  # --tool-call-parser, --reasoning-parser
         self.model_name = model_name
         self.metrics = Metrics(engine, conversations.manager, model_name)
-        self.tokenizer = engine.engine.tokenizer
+        # Any: transformers types decode's and apply_chat_template's results as unions with their batched forms
+        self.tokenizer: Any = engine.engine.tokenizer
         self.max_prompt_chars = engine.engine.max_context_length * _longest_token(self.tokenizer)
         self.conversations = conversations
         self.staged_states: OrderedDict[tuple[str | None, str], Any] = OrderedDict()  # (tenant, rid) -> state from /restore_snapshot
@@ -346,4 +347,5 @@ async def interleave(streams: list[RequestOutputs]) -> AsyncGenerator[tuple[int,
 
 
 def get_serving(request: Request) -> Serving:
-    return request.app.state.serving
+    serving: Serving = request.app.state.serving
+    return serving

@@ -12,6 +12,7 @@ import uuid
 from typing import Any
 
 from fastapi import APIRouter, Query, Request
+from fastapi.responses import StreamingResponse
 
 from engram.server import native_routes
 from engram.server.auth import caller_of
@@ -24,13 +25,9 @@ from engram.server.protocol import (
 )
 from engram.server.serving import Serving, collect, engine_request_id, get_serving
 from engram.server.streaming import cancel_on_disconnect, sse_response
-from engram.state.conversations import (
-    Conversation,
-    ConversationManager,
-    ConversationRecordError,
-    Turn,
-)
+from engram.state.conversations import ConversationManager
 from engram.state.snapshot import snapshot_label, validate_id
+from engram.state.turns import Conversation, ConversationRecordError, Turn
 
 admin_router = APIRouter(tags=[SNAPSHOT_TAG])  # guarded by --admin-api-key
 router = APIRouter()
@@ -54,7 +51,7 @@ def _visible(manager: ConversationManager, conversation_id: str, tenant: str | N
     return conv is not None and conv.visible_to(tenant)
 
 
-def _snapshot_entry(manifest: dict, tokens: list[int], quarantine: dict | None, model_name: str) -> dict[str, Any]:
+def _snapshot_entry(manifest: dict[str, Any], tokens: list[int], quarantine: dict[str, Any] | None, model_name: str) -> dict[str, Any]:
     """`timestamp` and `model_name` are the predecessor's names (its clients read them)."""
     return {
         "quarantined": quarantine is not None,
@@ -73,7 +70,7 @@ def _snapshot_entry(manifest: dict, tokens: list[int], quarantine: dict | None, 
     }
 
 
-def _entry(s: Serving, manifest: dict) -> dict[str, Any]:
+def _entry(s: Serving, manifest: dict[str, Any]) -> dict[str, Any]:
     manager = s.conversations.manager
     ref = f"{manifest['branch']}/{manifest['turn']:06d}"
     held = [q for q in manager.quarantine.list(manifest["conversation_id"]) if q["ref"] == ref]
@@ -140,7 +137,7 @@ async def delete_snapshot(body: SnapshotSelector, raw_request: Request) -> dict[
 
 @admin_router.post("/restore_snapshot", response_model=None)
 @cancel_on_disconnect
-async def restore_snapshot(body: RestoreSnapshotRequest, raw_request: Request):
+async def restore_snapshot(body: RestoreSnapshotRequest, raw_request: Request) -> StreamingResponse | dict[str, Any]:
     """Restore-only (load, verify, keep the state warm; with `rid`, stage it for the `/generate`
     request of that id) or, with `create_new_request`, restore and generate from
     `fill_ids + continuation_ids` computing only the new tokens."""

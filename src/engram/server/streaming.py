@@ -12,7 +12,7 @@ import functools
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, ParamSpec, TypeVar, cast
 
 from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
@@ -21,6 +21,8 @@ from pydantic import BaseModel
 from engram.server.errors import error_body, error_for
 
 logger = logging.getLogger(__name__)
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -28,7 +30,7 @@ TEXT_MARK = "\ue000engram-text\ue000"  # private-use characters: stands for the 
 _encode_string = json.JSONEncoder(ensure_ascii=False).encode  # pydantic's escaping: only what JSON requires
 
 
-def sse(data: BaseModel | dict) -> str:
+def sse(data: BaseModel | dict[str, Any]) -> str:
     payload = data.model_dump_json() if isinstance(data, BaseModel) else json.dumps(data, separators=(",", ":"))
     return f"data: {payload}\n\n"
 
@@ -76,14 +78,14 @@ async def _client_gone(request: Request) -> None:
         pass
 
 
-def cancel_on_disconnect(handler: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+def cancel_on_disconnect(handler: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R | Response]]:
     """Run a route handler (which takes `raw_request: Request`) as a task that is cancelled if the
     client disconnects first; cancelling it aborts its engine request and frees the slot."""
 
     @functools.wraps(handler)
-    async def wrapper(*args: Any, **kwargs: Any) -> Any:
+    async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R | Response:
         work = asyncio.ensure_future(handler(*args, **kwargs))
-        watch = asyncio.ensure_future(_client_gone(kwargs["raw_request"]))
+        watch = asyncio.ensure_future(_client_gone(cast(Request, kwargs["raw_request"])))
         try:
             done, _ = await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
         finally:

@@ -9,7 +9,8 @@ from engram.server.errors import APIError
 
 def encode(tokenizer: Any, text: str, add_special_tokens: bool = True) -> list[int]:
     try:
-        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        ids: list[int] = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return ids
     except (TypeError, UnicodeError):  # a lone surrogate ("\ud800") reaches the tokenizer as a TypeError
         try:
             text.encode("utf-8")

@@ -26,7 +26,7 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import safetensors.torch
 import torch
@@ -106,7 +106,7 @@ class StoredState:
     checkpoint: str
     checkpoint_checksum: str
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {
             "state_len": self.state_len,
             "pieces": [[p.start, p.end, p.key, p.checksum] for p in self.pieces],
@@ -114,7 +114,7 @@ class StoredState:
         }
 
     @classmethod
-    def from_json(cls, data: dict) -> StoredState:
+    def from_json(cls, data: dict[str, Any]) -> StoredState:
         try:
             pieces = tuple(PieceRef(int(a), int(b), str(k), str(c)) for a, b, k, c in data["pieces"])
             key, checksum = data["checkpoint"]
@@ -214,7 +214,7 @@ class ChunkStore:
         checksum = self._save_file(self.piece_path(key), tensors, {"format": PIECE_FORMAT, "start": start, "end": end})
         return PieceRef(start, end, key, checksum)
 
-    def _save_file(self, path: Path, tensors: dict[str, torch.Tensor], meta: dict) -> str:
+    def _save_file(self, path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> str:
         """Write one immutable file unless it is stored already (then refreshed, so that a sweep
         running meanwhile keeps it); returns its checksum."""
         stored = self._stored_checksum(path)
@@ -480,7 +480,7 @@ _DTYPES = {
 }
 
 
-def _tensor_views(data: bytearray, header: dict) -> dict[str, torch.Tensor]:
+def _tensor_views(data: bytearray, header: dict[str, Any]) -> dict[str, torch.Tensor]:
     """The tensors of a complete safetensors file's bytes (`header`: its parsed header), as views
     of them (no copy)."""
     base, out = 8 + int.from_bytes(data[:8], "little"), {}
@@ -497,7 +497,7 @@ def _tensor_views(data: bytearray, header: dict) -> dict[str, torch.Tensor]:
     return out
 
 
-def _complete_header(data: bytes | bytearray, where: str) -> dict:
+def _complete_header(data: bytes | bytearray, where: str) -> dict[str, Any]:
     """The parsed header of a whole safetensors file's bytes, checked to describe all of them."""
     length = int.from_bytes(data[:8], "little")
     if len(data) < 8 + length:

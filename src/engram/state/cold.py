@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import IO, Protocol
+from typing import IO, Any, Protocol
 
 from engram.models.spec import ModelSpec
 from engram.state.chunks import ChunkStore, PrefixHasher, StoredState, StoreStats
@@ -53,19 +53,19 @@ class ColdStore(Protocol):
         """Store what `base` lacks of the state, then commit the turn's manifest."""
         ...
 
-    def load(self, location: str, resident: SequenceState | None = None, staging: DeviceStaging | None = None) -> tuple[SequenceState, dict]:
+    def load(self, location: str, resident: SequenceState | None = None, staging: DeviceStaging | None = None) -> tuple[SequenceState, dict[str, Any]]:
         """The verified state and its manifest (SnapshotError subclasses say what failed); the KV
         pieces whose prefix `resident` (a state in memory) holds are taken from it, not read.
         `staging`: copy the state to a device as it is read (state/staging.py; v2 only)."""
         ...
 
-    def manifest(self, location: str) -> dict: ...
+    def manifest(self, location: str) -> dict[str, Any]: ...
 
     def references(self, location: str) -> StoredState | None:
         """The store files the snapshot names (None: a v1 file, which names none)."""
         ...
 
-    def tokens(self, manifest: dict) -> list[int]:
+    def tokens(self, manifest: dict[str, Any]) -> list[int]:
         """The token ids a snapshot covers, read without its state tensors."""
         ...
 
@@ -73,7 +73,7 @@ class ColdStore(Protocol):
         """Delete the snapshot (SnapshotNotFoundError if there is none); its store files stay until a sweep."""
         ...
 
-    def snapshots(self, conversation_id: str) -> list[dict]:
+    def snapshots(self, conversation_id: str) -> list[dict[str, Any]]:
         """The manifest (with "path") of every readable snapshot the conversation has stored."""
         ...
 
@@ -165,22 +165,22 @@ class FilesystemColdStore:
     def save(self, state: SequenceState, meta: SnapshotMeta, base: StoredState | None) -> StoredState:
         return save_turn(self.chunks, state, meta, self.model, self.tokenizer_sha256, base)[1]
 
-    def load(self, location: str, resident: SequenceState | None = None, staging: DeviceStaging | None = None) -> tuple[SequenceState, dict]:
+    def load(self, location: str, resident: SequenceState | None = None, staging: DeviceStaging | None = None) -> tuple[SequenceState, dict[str, Any]]:
         return load_turn(self.chunks, Path(location), self.spec, self.dtypes, self.model, self.tokenizer_sha256, resident, staging)
 
-    def manifest(self, location: str) -> dict:
+    def manifest(self, location: str) -> dict[str, Any]:
         return read_manifest(location)
 
     def references(self, location: str) -> StoredState | None:
         return stored_state(read_manifest(location), snapshot_label(location))
 
-    def tokens(self, manifest: dict) -> list[int]:
+    def tokens(self, manifest: dict[str, Any]) -> list[int]:
         return turn_tokens(self.chunks, Path(manifest["path"]), manifest)
 
     def delete(self, location: str) -> None:
         delete_snapshot(location)
 
-    def snapshots(self, conversation_id: str) -> list[dict]:
+    def snapshots(self, conversation_id: str) -> list[dict[str, Any]]:
         return list_snapshots(self.root, conversation_id)
 
     def written_within(self, location: str, seconds: float) -> bool:

@@ -17,7 +17,7 @@ import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, overload
+from typing import IO, TYPE_CHECKING, Any, overload
 
 from engram.models.spec import ModelSpec
 from engram.state.chunks import DEFAULT_CHUNK_TOKENS, ORPHAN_GRACE_S, PrefixHasher, StoredState
@@ -442,7 +442,7 @@ class ConversationManager:
         plan: TurnPlan,
         prompt_tokens: list[int],
         output_tokens: list[int],
-        new_messages: list[dict],
+        new_messages: list[dict[str, Any]],
         state: SequenceState | None,
         tool_calls: bool = False,
         answer: TurnAnswer | None = None,
@@ -487,7 +487,7 @@ class ConversationManager:
                             wanted = wanted or self._written_on_leaving_memory(cid, turn.ref)
                         self.warm.put(cid, turn.ref, state)
                         self.active.keep(cid, turn.ref, now, retained)
-            job = lambda: self._commit(conv, turn, state if wanted else None, recorded)  # noqa: E731
+            job = functools.partial(self._commit, conv, turn, state if wanted else None, recorded)
             if self.writer is not None:
                 self.writer.submit(job)
             else:
@@ -661,7 +661,7 @@ class ConversationManager:
                 best, best_len = state, n
         return best
 
-    def snapshots(self, conversation_id: str | None = None) -> list[dict]:
+    def snapshots(self, conversation_id: str | None = None) -> list[dict[str, Any]]:
         """Manifest and path of every snapshot the conversation records point at, in order of
         conversation, branch and turn (the records are the source of truth, see `get`). An
         unreadable record or snapshot is logged and left out."""
@@ -682,11 +682,11 @@ class ConversationManager:
                     log.warning("listing snapshots: %s", e)
         return out
 
-    def snapshot_manifest(self, conversation_id: str, turn: Turn) -> dict:
+    def snapshot_manifest(self, conversation_id: str, turn: Turn) -> dict[str, Any]:
         saved = self._saved()
         return saved.manifest(self.require(conversation_id), turn)
 
-    def snapshot_tokens(self, manifest: dict) -> list[int]:
+    def snapshot_tokens(self, manifest: dict[str, Any]) -> list[int]:
         """The token ids a snapshot covers (its `fill_ids`), read without the state tensors."""
         return self._saved().store.tokens(manifest)
 
@@ -911,7 +911,7 @@ class ConversationManager:
                         log.warning("preload skipped %s %s: %s", conv.conversation_id, turn.ref, e)
         return loaded
 
-    def state_stats(self) -> dict:
+    def state_stats(self) -> dict[str, Any]:
         """Conversations and bytes per tier, tier hits, moves, latencies and health, as plain data."""
         with self._lock:
             st = self.stats
@@ -936,7 +936,7 @@ class ConversationManager:
                 "quarantined": self.quarantine.list(),
             }
 
-    def _prefix_cache_stats(self) -> dict | None:
+    def _prefix_cache_stats(self) -> dict[str, Any] | None:
         cache, disk = self.prefix_cache, self.prefix_disk
         if cache is None:
             return None

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import IO, cast
+from typing import IO, Any, cast
 
 from engram.state.manifest import stored_state
 from engram.state.snapshot import SnapshotCorruptError, snapshot_label, validate_id
@@ -40,11 +40,11 @@ def read_import(
     """The conversation an export holds, as `conversation_id` (default: its own id), belonging
     to `tenant`, and its turns' snapshot files by ref (suffix, bytes); the store files are adopted
     into the store as they come (unreferenced until a snapshot naming them is written)."""
-    record: dict | None = None
+    record: dict[str, Any] | None = None
     snapshots: dict[str, tuple[str, bytes]] = {}
     for kind, item in read_export(src):
         if kind == "index":
-            record = cast(dict, item)
+            record = cast(dict[str, Any], item)
         elif kind == "turn":
             branch, number, suffix, data = cast(tuple[str, int, str, bytes], item)
             snapshots[ref_name(validate_id(branch, "branch"), number)] = (suffix, data)

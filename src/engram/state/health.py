@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -284,7 +285,7 @@ class Quarantine:
             data = {"quarantined": [vars(e) for e in self._loaded().values()]}
             atomic_write(self.path, json.dumps(data, indent=1).encode())
 
-    def add(self, conversation_id: str, ref: str, reason: str) -> dict:
+    def add(self, conversation_id: str, ref: str, reason: str) -> dict[str, Any]:
         with self._lock:
             entry = _Entry(conversation_id, ref, reason, self._clock())
             self._loaded()[(conversation_id, ref)] = entry
@@ -295,7 +296,7 @@ class Quarantine:
         with self._lock:
             return (conversation_id, ref) in self._loaded()
 
-    def list(self, conversation_id: str | None = None) -> list[dict]:
+    def list(self, conversation_id: str | None = None) -> list[dict[str, Any]]:
         """Entries sorted by conversation and ref, each {conversation_id, ref, reason, at}."""
         with self._lock:
             entries = [e for e in self._loaded().values() if conversation_id in (None, e.conversation_id)]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from engram.models.spec import ModelSpec
 from engram.state.chunks import ChunkStore, StoredState
@@ -50,7 +51,7 @@ def turn_file(root: Path, conversation_id: str, branch: str, turn: int) -> Path:
 
 def save_turn(
     store: ChunkStore, state: SequenceState, meta: SnapshotMeta, model: ModelIdentity, tokenizer_sha256: str, base: StoredState | None
-) -> tuple[dict, StoredState]:
+) -> tuple[dict[str, Any], StoredState]:
     """Store the state (only what the store lacks) and then commit the turn's manifest, atomically."""
     state.wait()
     try:
@@ -68,7 +69,7 @@ def save_turn(
     return manifest, stored
 
 
-def stored_state(manifest: dict, where: str) -> StoredState | None:
+def stored_state(manifest: dict[str, Any], where: str) -> StoredState | None:
     """The store references of a v2 manifest (None for a v1 file's)."""
     if manifest.get("format") != FORMAT_V2:
         return None
@@ -87,7 +88,7 @@ def load_turn(
     tokenizer_sha256: str,
     resident: SequenceState | None = None,
     staging: DeviceStaging | None = None,
-) -> tuple[SequenceState, dict]:
+) -> tuple[SequenceState, dict[str, Any]]:
     """Load and verify a turn's state from its v2 manifest or v1 file (see `ChunkStore.load`;
     `resident` lends the KV pieces it holds and `staging` copies it to a device, v2 only)."""
     if path.suffix != ".json":
@@ -109,7 +110,7 @@ def load_turn(
     return state, manifest
 
 
-def turn_tokens(store: ChunkStore, path: Path, manifest: dict) -> list[int]:
+def turn_tokens(store: ChunkStore, path: Path, manifest: dict[str, Any]) -> list[int]:
     """The token ids a turn's snapshot covers (its `fill_ids`), read without the state tensors."""
     stored = stored_state(manifest, snapshot_label(path))
     if stored is None:

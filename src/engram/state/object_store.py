@@ -281,17 +281,17 @@ class ObjectColdStore(FilesystemColdStore):
             raise SnapshotError(f"{snapshot_label(location)}: another replica stored this turn first") from None
         return stored
 
-    def load(self, location: str, resident: SequenceState | None = None, staging: DeviceStaging | None = None) -> tuple[SequenceState, dict]:
+    def load(self, location: str, resident: SequenceState | None = None, staging: DeviceStaging | None = None) -> tuple[SequenceState, dict[str, Any]]:
         self._fetch_referenced(location, resident)
         return super().load(location, resident, staging)
 
-    def manifest(self, location: str) -> dict:
+    def manifest(self, location: str) -> dict[str, Any]:
         return read_manifest(self._pull(location))
 
     def references(self, location: str) -> StoredState | None:
         return stored_state(self.manifest(location), snapshot_label(location))
 
-    def tokens(self, manifest: dict) -> list[int]:
+    def tokens(self, manifest: dict[str, Any]) -> list[int]:
         self._fetch_referenced(manifest["path"])
         return super().tokens(manifest)
 
@@ -301,7 +301,7 @@ class ObjectColdStore(FilesystemColdStore):
         self.delete_object(self._key(location))
         Path(location).unlink(missing_ok=True)
 
-    def snapshots(self, conversation_id: str) -> list[dict]:
+    def snapshots(self, conversation_id: str) -> list[dict[str, Any]]:
         folder = self.root / validate_id(conversation_id, "conversation_id")
         manifests = {self.root / key for key in self.manifest_keys(conversation_id)}
         for stale in set(folder.glob("*/*.json")) - manifests:

@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from engram.state.chunks import PrefixHasher, StoredState
 from engram.state.cold import ColdStore
@@ -44,7 +45,7 @@ class DiskEntry:
     sizes: dict[str, int]  # store key -> the bytes of that file (entries that share a prefix share its pieces)
     last_use: float
 
-    def to_json(self, identity: str) -> dict:
+    def to_json(self, identity: str) -> dict[str, Any]:
         return {
             "format": ENTRY_FORMAT,
             "identity": identity,
@@ -57,7 +58,7 @@ class DiskEntry:
         }
 
     @classmethod
-    def from_json(cls, data: dict) -> DiskEntry:
+    def from_json(cls, data: dict[str, Any]) -> DiskEntry:
         try:
             stored = StoredState.from_json(data["store"])
             sizes = {str(k): int(v) for k, v in data["sizes"].items()}
@@ -263,7 +264,7 @@ class PrefixDisk:
             self._ensure_loaded()
             return {k for entry in self._entries.values() for k in entry.sizes}
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         with self._lock:
             return {"entries": len(self._entries), "bytes": self.nbytes, **asdict(self.stats)}
 

@@ -301,7 +301,7 @@ def manifest_fields(
     model: ModelIdentity,
     tokenizer_sha256: str,
     checksum: str,
-) -> dict:
+) -> dict[str, Any]:
     """The manifest fields every snapshot format has (what the compatibility check and listings read)."""
     return {
         "format": fmt,
@@ -321,7 +321,7 @@ def manifest_fields(
     }
 
 
-def _read_header(path: Path, where: str) -> dict:
+def _read_header(path: Path, where: str) -> dict[str, Any]:
     """The parsed safetensors header, after checking the file holds all the tensor data it describes
     (`where`: the file as error messages name it)."""
     try:
@@ -335,11 +335,11 @@ def _read_header(path: Path, where: str) -> dict:
     return check_header(raw, where, size)
 
 
-def check_header(raw: bytes | bytearray, where: str, file_size: int) -> dict:
+def check_header(raw: bytes | bytearray, where: str, file_size: int) -> dict[str, Any]:
     """The parsed safetensors header (`raw`: its JSON bytes), after checking that the file's
     `file_size` is what it describes: the file holds all the tensor data, no more."""
     try:
-        header = json.loads(raw)
+        header: dict[str, Any] = json.loads(raw)  # any other JSON value fails `.items()` below
         data_len = max((e["data_offsets"][1] for k, e in header.items() if k != "__metadata__"), default=0)
         complete_size = 8 + len(raw) + data_len
     except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
@@ -349,7 +349,7 @@ def check_header(raw: bytes | bytearray, where: str, file_size: int) -> dict:
     return header
 
 
-def parse_manifest(metadata: Any, where: str) -> dict:
+def parse_manifest(metadata: Any, where: str) -> dict[str, Any]:
     try:
         manifest = json.loads(metadata["engram"])
     except (KeyError, TypeError, ValueError) as e:
@@ -359,7 +359,7 @@ def parse_manifest(metadata: Any, where: str) -> dict:
     return manifest
 
 
-def read_manifest(path: str | Path) -> dict:
+def read_manifest(path: str | Path) -> dict[str, Any]:
     """The manifest: a v2 manifest file (JSON, state/manifest.py) or, for a v1 file, its header
     alone (no tensor data), for fast listing."""
     path = Path(path)
@@ -374,13 +374,13 @@ def read_manifest(path: str | Path) -> dict:
         raise SnapshotCorruptError(f"{where}: unreadable: {reason_without_paths(e)}") from e
 
 
-def _section(manifest: dict, key: str) -> dict:
+def _section(manifest: dict[str, Any], key: str) -> dict[str, Any]:
     value = manifest.get(key)
     return value if isinstance(value, dict) else {}
 
 
 def check_compatible(
-    manifest: dict, where: str, spec: ModelSpec, dtypes: StateDtypes, model: ModelIdentity, tokenizer_sha256: str, fmt: str = FORMAT
+    manifest: dict[str, Any], where: str, spec: ModelSpec, dtypes: StateDtypes, model: ModelIdentity, tokenizer_sha256: str, fmt: str = FORMAT
 ) -> None:
     """Raise SnapshotIncompatibleError unless the manifest is of format `fmt` and was made by this
     model, tokenizer, layout and state dtypes."""
@@ -410,7 +410,7 @@ def load_snapshot(
     model: ModelIdentity,
     tokenizer_sha256: str,
     device: str | torch.device = "cpu",
-) -> tuple[SequenceState, dict]:
+) -> tuple[SequenceState, dict[str, Any]]:
     """Load and verify a snapshot: completeness, format, model, tokenizer, layout, dtypes (manifest),
     then checksum, tokens, and every tensor's presence, shape, dtype and finiteness.
 
@@ -448,12 +448,13 @@ def read_tokens(path: str | Path) -> list[int]:
     """The `tokens` tensor of a snapshot (unverified: for listings; `load_snapshot` verifies)."""
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
-            return f.get_tensor("tokens").tolist()
+            tokens: list[int] = f.get_tensor("tokens").tolist()
+            return tokens
     except Exception as e:
         raise SnapshotCorruptError(f"{snapshot_label(path)}: unreadable tokens: {reason_without_paths(e)}") from e
 
 
-def list_snapshots(root: str | Path, conversation_id: str | None = None) -> list[dict]:
+def list_snapshots(root: str | Path, conversation_id: str | None = None) -> list[dict[str, Any]]:
     """Manifest plus "path" of every readable snapshot under `root`, sorted by conversation, branch, turn.
 
     Temp files of unfinished writes are skipped; an unreadable file is logged and skipped.

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import Any
 
 from engram.state.chunks import StoredState
 from engram.state.cold import ColdStore
@@ -87,7 +88,7 @@ class TurnSnapshots:
             raise SnapshotCorruptError(f"{snapshot_label(path)}: its tokens are not the recorded history of turn {turn.ref}")
         return state
 
-    def manifest(self, conv: Conversation, turn: Turn) -> dict:
+    def manifest(self, conv: Conversation, turn: Turn) -> dict[str, Any]:
         """The turn's snapshot manifest, with its "path"."""
         path = self.locate(conv.conversation_id, turn)
         if not turn.snapshot or not self.store.exists(path):
@@ -97,7 +98,7 @@ class TurnSnapshots:
         return {**manifest, "path": path}
 
     @staticmethod
-    def _check_belongs(manifest: dict, path: str, conv: Conversation, turn: Turn) -> None:
+    def _check_belongs(manifest: dict[str, Any], path: str, conv: Conversation, turn: Turn) -> None:
         """Raise SnapshotCorruptError unless the file's manifest names this conversation's turn
         and the state length its record holds (the checksum covers the tensors, not the manifest)."""
         named = (manifest.get("conversation_id"), manifest.get("branch"), manifest.get("turn"), manifest.get("state_len"))

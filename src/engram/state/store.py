@@ -16,6 +16,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from engram.state.sequence_state import SequenceState
 
@@ -43,7 +44,7 @@ class Histogram:
     def count(self) -> int:
         return sum(self.counts)
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         return {"count": self.count, "sum": self.total, "mean": self.total / self.count if self.count else None}
 
 

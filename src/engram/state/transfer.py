@@ -18,7 +18,7 @@ import re
 import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import IO
+from typing import IO, Any
 
 from engram.state.snapshot import SnapshotCorruptError
 
@@ -34,7 +34,7 @@ class Export:
     """What an export holds, gathered under the manager's lock; the files are read afterwards
     (immutable store files; manifests are copied into `turns`)."""
 
-    record: dict
+    record: dict[str, Any]
     turns: dict[str, bytes] = field(default_factory=dict)  # member name -> manifest or v1 file bytes
     store_files: dict[str, str] = field(default_factory=dict)  # member name -> path on disk
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from engram.state.sequence_state import SequenceState
 from engram.state.snapshot import SnapshotCorruptError, SnapshotLinkError
@@ -75,7 +76,7 @@ class Turn:
     turn: int
     parent: str | None  # ref_name of the parent turn
     new_tokens: list[int]  # tokens added to the parent's history: new prompt part + reply as generated
-    new_messages: list[dict]  # messages added: the request's new messages + the assistant reply
+    new_messages: list[dict[str, Any]]  # messages added: the request's new messages + the assistant reply
     state_len: int  # tokens of the full history the turn's state has consumed
     created_at: float = field(default_factory=time.time)
     tool_calls: bool = False
@@ -122,7 +123,7 @@ class Conversation:
     def tokens(self, turn: Turn | None) -> list[int]:
         return [t for step in self.chain(turn) for t in step.new_tokens]
 
-    def messages(self, turn: Turn | None) -> list[dict]:
+    def messages(self, turn: Turn | None) -> list[dict[str, Any]]:
         return [m for step in self.chain(turn) for m in step.new_messages]
 
     def branches(self) -> list[str]:
@@ -136,7 +137,7 @@ class Conversation:
         """The turn the request with this idempotency key made."""
         return next((t for t in self.turns.values() if t.answer is not None and t.answer.idempotency_key == idempotency_key), None)
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {
             "conversation_id": self.conversation_id,
             "created_at": self.created_at,
@@ -145,7 +146,7 @@ class Conversation:
         }
 
     @classmethod
-    def from_json(cls, data: dict) -> Conversation:
+    def from_json(cls, data: dict[str, Any]) -> Conversation:
         turns = [Turn(**t) for t in data["turns"]]
         return cls(data["conversation_id"], {t.ref: t for t in turns}, data.get("created_at", time.time()), data.get("owner"))
 
@@ -159,7 +160,7 @@ class TurnPlan:
     turn: int  # the number the new turn will get
     parent: str | None
     history_tokens: list[int]
-    history_messages: list[dict]
+    history_messages: list[dict[str, Any]]
     state: SequenceState | None
     state_tier: str | None  # "active", "warm" or "cold"; None: the whole history is prefilled
     resume_key: str | None = None  # the engine slot still holding the base turn's state, if any
