@@ -53,7 +53,9 @@ class ColdStore(Protocol):
         """Store what `base` lacks of the state, then commit the turn's manifest."""
         ...
 
-    def load(self, location: str, resident: SequenceState | None = None, staging: DeviceStaging | None = None) -> tuple[SequenceState, dict[str, Any]]:
+    def load(
+        self, location: str, resident: SequenceState | None = None, staging: DeviceStaging | None = None
+    ) -> tuple[SequenceState, dict[str, Any]]:
         """The verified state and its manifest (SnapshotError subclasses say what failed); the KV
         pieces whose prefix `resident` (a state in memory) holds are taken from it, not read.
         `staging`: copy the state to a device as it is read (state/staging.py; v2 only)."""
@@ -165,7 +167,9 @@ class FilesystemColdStore:
     def save(self, state: SequenceState, meta: SnapshotMeta, base: StoredState | None) -> StoredState:
         return save_turn(self.chunks, state, meta, self.model, self.tokenizer_sha256, base)[1]
 
-    def load(self, location: str, resident: SequenceState | None = None, staging: DeviceStaging | None = None) -> tuple[SequenceState, dict[str, Any]]:
+    def load(
+        self, location: str, resident: SequenceState | None = None, staging: DeviceStaging | None = None
+    ) -> tuple[SequenceState, dict[str, Any]]:
         return load_turn(self.chunks, Path(location), self.spec, self.dtypes, self.model, self.tokenizer_sha256, resident, staging)
 
     def manifest(self, location: str) -> dict[str, Any]:

@@ -281,7 +281,9 @@ class ObjectColdStore(FilesystemColdStore):
             raise SnapshotError(f"{snapshot_label(location)}: another replica stored this turn first") from None
         return stored
 
-    def load(self, location: str, resident: SequenceState | None = None, staging: DeviceStaging | None = None) -> tuple[SequenceState, dict[str, Any]]:
+    def load(
+        self, location: str, resident: SequenceState | None = None, staging: DeviceStaging | None = None
+    ) -> tuple[SequenceState, dict[str, Any]]:
         self._fetch_referenced(location, resident)
         return super().load(location, resident, staging)
 
