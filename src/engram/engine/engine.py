@@ -388,7 +388,7 @@ class LLMEngine:
             raise ValueError("staged: a copy of initial_state, which is missing")
         if staged.state_len != state.state_len or staged.tokens[: staged.state_len] != state.tokens[: state.state_len]:
             raise ValueError("staged: its state does not hold initial_state's tokens")
-        if self.restore_device is None or any(t.device != self.device for t in staged.all_tensors()):
+        if self.restore_device is None or any(not _same_device(t.device, self.device) for t in staged.all_tensors()):
             raise ValueError(f"staged: its state must be on {self.restore_device or 'the restore device (this engine has none)'}")
         check_state(self.spec, self.state_dtypes, staged, check_finite=False)
 
@@ -792,3 +792,12 @@ class LLMEngine:
         for key in list(self.scheduler.retained):
             self.scheduler.drop_retained(key)
         return True
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """`cuda:0` and `cuda` (the current device) name one GPU; torch.device equality says they differ."""
+    if a.type != b.type:
+        return False
+    if a.type != "cuda":
+        return True
+    return (a.index if a.index is not None else torch.cuda.current_device()) == (b.index if b.index is not None else torch.cuda.current_device())

@@ -66,8 +66,8 @@ def _fill(model: CausalLM, spec: ModelSpec, tensors: Iterable[tuple[str, str, Ge
             dest.copy_(tensor)
             loaded.add(target)
             continue
-        # a view's copy, or the scattered rows of an index tensor (index_put_ takes no host tensor into device memory)
-        param.data[row] = tensor.to(param.device)
+        # a view's copy, or the scattered rows of an index tensor (index_put_ converts neither device nor dtype)
+        param.data[row] = tensor.to(device=param.device, dtype=param.dtype)
         if target not in rows_loaded:
             rows_loaded[target] = torch.zeros(param.shape[: max(param.ndim - 1, 1)], dtype=torch.bool)
         rows_loaded[target][row] = True
