@@ -463,9 +463,10 @@ def decode_bytes_per_step(model, spec, state_pool, kv_pool, batch: int, context:
     """Bytes a decode step must read (and state it must write) at `batch` sequences of `context` tokens."""
     expert_params, other, embed = 0, 0, 0
     moe_layers = []
+    stacks = ("moe.input_linear", "moe.output_linear", "mixer.up_proj", "mixer.down_proj", "experts.gate_up_proj", "experts.down_proj")
     for name, p in model.named_parameters():  # tied weights appear once
         b = p.numel() * p.element_size()
-        if name.endswith(("moe.input_linear", "moe.output_linear", "mixer.up_proj", "mixer.down_proj")) and p.dim() == 3:
+        if name.endswith(stacks) and p.dim() == 3:  # experts' stacked weights
             expert_params += b
             moe_layers.append(p.shape[0])
         elif name == "embed_tokens.weight" and not spec.tie_word_embeddings:

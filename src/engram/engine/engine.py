@@ -90,9 +90,12 @@ class InFlightTokens:
 
 
 def resolve_device(name: str) -> torch.device:
+    """The device by name, a GPU always with its index: a tensor's device names its GPU as `cuda:0`,
+    and torch.device equality tells that from a bare `cuda`."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(name)
+    device = torch.device(name)
+    return torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" and device.index is None else device
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -388,7 +391,7 @@ class LLMEngine:
             raise ValueError("staged: a copy of initial_state, which is missing")
         if staged.state_len != state.state_len or staged.tokens[: staged.state_len] != state.tokens[: state.state_len]:
             raise ValueError("staged: its state does not hold initial_state's tokens")
-        if self.restore_device is None or any(not _same_device(t.device, self.device) for t in staged.all_tensors()):
+        if self.restore_device is None or any(t.device != self.device for t in staged.all_tensors()):
             raise ValueError(f"staged: its state must be on {self.restore_device or 'the restore device (this engine has none)'}")
         check_state(self.spec, self.state_dtypes, staged, check_finite=False)
 
@@ -461,10 +464,11 @@ class LLMEngine:
             if all(seq.is_finished for seq in completing):
                 completing = []
             if completing and self._overlap and all(self._overlappable(s.params) for s in completing):
-                if self._inflight is not None and any(s.matcher is not None for s in completing):
+                masked = any(s.matcher is not None for s in completing)
+                if self._inflight is not None and masked:
                     outputs += self._collect(self._inflight)  # their masks follow the tokens in flight
                     self._inflight = None
-                launched = self._sample_on_device(logits, completing)
+                launched = self._sample_on_device(logits, completing, masked)
         if self._inflight is not None:
             outputs += self._collect(self._inflight)
         self._inflight = launched
@@ -535,9 +539,9 @@ class LLMEngine:
         in flight are accepted, while the GPU runs this step's forward, and applied on the device."""
         return samples_on_device(p) and p.logprobs is None and not p.masks_tokens
 
-    def _sample_on_device(self, logits: torch.Tensor, seqs: list[Sequence]) -> InFlightTokens:
+    def _sample_on_device(self, logits: torch.Tensor, seqs: list[Sequence], masked: bool) -> InFlightTokens:
+        """`masked`: some of `seqs` follow a grammar."""
         params = [seq.params for seq in seqs]
-        masked = any(seq.matcher is not None for seq in seqs)
         if self.runner.argmax_in_sampled and all(p.greedy for p in params) and not masked:
             return InFlightTokens(seqs, *self.runner.argmax_on_host(len(seqs)))  # the decode graph sent them
         if masked:  # a row that finished meanwhile samples unmasked: its token is never read
@@ -792,12 +796,3 @@ class LLMEngine:
         for key in list(self.scheduler.retained):
             self.scheduler.drop_retained(key)
         return True
-
-
-def _same_device(a: torch.device, b: torch.device) -> bool:
-    """`cuda:0` and `cuda` (the current device) name one GPU; torch.device equality says they differ."""
-    if a.type != b.type:
-        return False
-    if a.type != "cuda":
-        return True
-    return (a.index if a.index is not None else torch.cuda.current_device()) == (b.index if b.index is not None else torch.cuda.current_device())

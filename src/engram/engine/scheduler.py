@@ -79,7 +79,6 @@ class Scheduler:
         self._prefilled_last = False  # the last step (with mixed_chunks off) ran prefill chunks only
         self._admitted_at: float | None = None  # when the last step that admitted sequences was scheduled
         self._admitting_step_seconds = 0.0  # and how long that step took (until the next schedule)
-        self._now = 0.0  # when the step being scheduled began
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.retained: OrderedDict[str, RetainedSlot] = OrderedDict()
@@ -172,15 +171,14 @@ class Scheduler:
         now = self.clock()
         if self._admitted_at is not None:
             self._admitting_step_seconds, self._admitted_at = now - self._admitted_at, None
-        admit = self._admission_due(now)
-        self._now = now
+        admit_at = now if self._admission_due(now) else None
         if self.mixed_chunks:
-            chunks, admitted = self._schedule(decode=True, prefill=True, admit=admit)
+            chunks, admitted = self._schedule(decode=True, prefill=True, admit_at=admit_at)
         elif self._prefilled_last and any(seq.num_uncomputed == 1 for seq in self.running):
             self._prefilled_last = False
             chunks, admitted = self._schedule(decode=True, prefill=False)
         else:
-            chunks, admitted = self._schedule(decode=False, prefill=True, admit=admit)
+            chunks, admitted = self._schedule(decode=False, prefill=True, admit_at=admit_at)
             self._prefilled_last = bool(chunks)
             if not chunks:
                 chunks, admitted = self._schedule(decode=True, prefill=False)
@@ -198,9 +196,10 @@ class Scheduler:
         oldest = min(seq.arrival_time for seq in self.waiting)
         return now - oldest >= self.delay_factor * self._admitting_step_seconds
 
-    def _schedule(self, decode: bool, prefill: bool, admit: bool = True) -> tuple[list[ScheduledChunk], list[Sequence]]:
+    def _schedule(self, decode: bool, prefill: bool, admit_at: float | None = None) -> tuple[list[ScheduledChunk], list[Sequence]]:
         """Decode rows (running sequences with one token to feed) if `decode`; prefill chunks of
-        running sequences if `prefill`, and admissions of waiting ones if `admit` as well."""
+        running sequences if `prefill`, and admissions of waiting ones as well if `admit_at` (the
+        step's start, which times the admitting step) is given."""
         budget = self.max_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted: set[Sequence] = set()
@@ -225,7 +224,7 @@ class Scheduler:
                 budget -= n
 
         admitted: list[Sequence] = []
-        while prefill and admit and self.waiting and budget > 0 and len(self.running) < self.max_running:
+        while prefill and admit_at is not None and self.waiting and budget > 0 and len(self.running) < self.max_running:
             seq = self.waiting[0]
             adopted = seq.adopted
             start = adopted.state_len if adopted else (seq.initial_state.state_len if seq.initial_state else 0)
@@ -233,7 +232,7 @@ class Scheduler:
             if adopted is None and not (self._free_slot_available() and self._fits(start + n)):
                 break
             self.waiting.popleft()
-            self._admitted_at = self._now
+            self._admitted_at = admit_at
             if adopted is not None:  # the state is already in this slot and these pages
                 seq.slot, seq.blocks, seq.adopted = adopted.slot, adopted.blocks, None
                 self.state_pool.pending.settle([seq.slot])  # its capture may still be copying
