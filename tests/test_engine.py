@@ -351,3 +351,18 @@ def test_resumed_request_checks_only_the_tokens_it_computes_and_drops_a_retained
     assert out.num_cached_tokens == 0 and engine.stats().retained_slots == 0
     engine.add_request("plain", other, greedy(4))
     assert run_to_end(engine)["plain"].token_ids == out.token_ids
+
+
+def test_a_request_that_cannot_be_admitted_leaves_the_retained_slots_alone(checkpoint_dir):
+    """No free slot and too few pages even with every retained slot's: the request waits, and the
+    retained slot (a conversation's ACTIVE state) is not dropped for an admission that fails anyway."""
+    engine = make_engine(checkpoint_dir("nemotron"), max_running_requests=2, max_total_tokens=128)
+    engine.add_request("keep", random_prompt(20, seed=1), greedy(1), retain_key="conv")
+    run_to_end(engine)
+    engine.add_request("long", random_prompt(60, seed=2), greedy(20))
+    engine.step()  # "long" holds the other slot and 4 of the 8 pages, "keep" 2
+    engine.add_request("new", random_prompt(90, seed=3), greedy(2))  # 6 pages: 2 free + 2 reclaimable
+    engine.step()
+    engine.step()  # decode and prefill steps take turns: one of the two tries to admit "new"
+    assert engine.scheduler.waiting and engine.stats().retained_slots == 1
+    assert run_to_end(engine).keys() == {"long", "new"}

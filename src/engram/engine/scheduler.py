@@ -229,7 +229,7 @@ class Scheduler:
             adopted = seq.adopted
             start = adopted.state_len if adopted else (seq.initial_state.state_len if seq.initial_state else 0)
             n = min(seq.num_tokens - start, budget)
-            if adopted is None and not (self._free_slot_available() and self._fits(start + n)):
+            if adopted is None and not (self._fits(start + n) and self._free_slot_available()):  # no slot dropped for a refusal
                 break
             self.waiting.popleft()
             self._admitted_at = admit_at
