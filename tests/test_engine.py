@@ -366,3 +366,22 @@ def test_a_request_that_cannot_be_admitted_leaves_the_retained_slots_alone(check
     engine.step()  # decode and prefill steps take turns: one of the two tries to admit "new"
     assert engine.scheduler.waiting and engine.stats().retained_slots == 1
     assert run_to_end(engine).keys() == {"long", "new"}
+
+
+def test_a_turn_preempted_after_adopting_its_slot_reports_what_it_recomputed(checkpoint_dir):
+    """The adopted slot goes back with the preemption; with no host copy to restore, the turn
+    recomputes its whole history, and `num_cached_tokens` must say 0, not the adopted length."""
+    path = checkpoint_dir("nemotron")
+    engine = make_engine(path, max_running_requests=2, max_total_tokens=128)
+    engine.add_request("keep", random_prompt(20, seed=1), greedy(1), capture_state=True, retain_key="conv")
+    first = run_to_end(engine)["keep"]
+    engine.add_request("hog", random_prompt(40, seed=2), greedy(60))
+    engine.step()
+    turn = first.prompt_token_ids + first.token_ids + random_prompt(9, seed=3)
+    engine.add_request("t2", turn, greedy(40), resume_key="conv")
+    out = run_to_end(engine)["t2"]
+    assert engine.stats().num_preemptions >= 1
+    assert out.num_cached_tokens == 0
+    reference = make_engine(path)
+    reference.add_request("full", turn, greedy(40))
+    assert out.token_ids == run_to_end(reference)["full"].token_ids

@@ -159,6 +159,8 @@ class Scheduler:
         self.release(victim)
         victim.status = SequenceStatus.WAITING
         victim.num_computed = 0
+        # An adopted slot went back with it: from now on only its initial_state (if any) is restored.
+        victim.num_cached_tokens = victim.initial_state.state_len if victim.initial_state is not None else 0
         self.waiting.appendleft(victim)
         self.num_preemptions += 1
 
