@@ -49,7 +49,7 @@ def cpu_graphs(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
     monkeypatch.setattr(torch.cuda, "Event", _NoEvent)
-    monkeypatch.setattr(runner_mod.ModelRunner, "_record", _record)
+    monkeypatch.setattr(runner_mod.ModelRunner, "record", _record)
     monkeypatch.setattr(runner_mod.ModelRunner, "_prefill_graph_usable", lambda self, chunks: False)
     monkeypatch.setattr(runner_mod.ModelRunner, "_graphs_enabled", lambda self: self.enable_cuda_graph)  # not only on CUDA
 
@@ -116,3 +116,45 @@ def test_a_capture_keeps_the_tokens_of_the_graph_step_before(cpu_graphs, checkpo
     engine = make_engine(path, device="cpu", enable_cuda_graph=True, enable_overlap_schedule=True)
     assert run(engine) == expected
     assert sorted(engine.runner._graphs) == [1, 2]
+
+
+class _Continuation:
+    """Drafts the known greedy continuation of whichever sequence it is asked for, of a length that
+    varies with the position (0 to k: short drafts padded, some steps with no draft), each token
+    off by one with `wrong` (every draft rejected)."""
+
+    def __init__(self, outputs: list[list[int]], wrong: bool = False):
+        self.outputs, self.wrong = outputs, wrong
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        full = next(o for o in self.outputs if o[: len(token_ids)] == token_ids)
+        draft = full[len(token_ids) : len(token_ids) + min(k, len(token_ids) % 5)]
+        return [t + 1 for t in draft] if self.wrong else draft
+
+
+@pytest.mark.parametrize("wrong", [False, True])
+def test_verify_steps_in_graphs_give_the_eager_steps_tokens(cpu_graphs, checkpoint_dir, wrong):
+    """Speculative verify steps replayed from graphs (engine/verify_graphs.py): drafts padded to k + 1
+    tokens, padding sequences in wider buckets, the states committed from the graphs' buffers; the
+    tokens are plain greedy decoding's. Mamba2 layers only, as above."""
+    path = checkpoint_dir("mamba2")
+    ngram = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}'
+    prompts = [random_prompt(10 + i, seed=41 + i) for i in range(3)]
+
+    def run(engine) -> list[list[int]]:
+        for i, p in enumerate(prompts):
+            engine.add_request(f"r{i}", p, greedy(12 + 3 * i))
+        out = run_to_end(engine)
+        return [prompts[i] + out[f"r{i}"].token_ids for i in range(len(prompts))]
+
+    expected = run(make_engine(path, device="cpu", enable_cuda_graph=False))
+    engine = make_engine(path, device="cpu", enable_cuda_graph=True, speculative_config=ngram)
+    assert engine.speculator.pad_drafts
+    engine.speculator.drafter = _Continuation(expected, wrong)
+    replays = engine.runner.num_graph_replays
+    assert run(engine) == expected
+    stats = engine.stats()
+    assert {2, 4} <= set(engine.runner.verify_graphs._graphs)  # three sequences (a padding one), then two
+    assert engine.runner.num_graph_replays - replays >= 5 and stats.spec_draft_tokens_total > 20
+    assert (stats.spec_accepted_tokens_total == 0) == wrong
+    assert stats.kv_blocks_used == 0 and stats.state_slots_used == 0

@@ -291,8 +291,9 @@ def test_verify_ops_keep_the_state_after_every_position():
     conv_before, ssm_before = conv_pool.clone(), ssm_pool.clone()
     windows, states = torch.empty(3, k1 + max(lens), chans), torch.empty(3, max(lens), heads, head_dim, n)
 
-    yc = verify.causal_conv1d_verify(xc, weight, bias, conv_pool, slots, lens, windows)
-    y = verify.ssd_verify(x, dt, dt_bias, (0.0, float("inf")), A_log, B, C, D, lens, ssm_pool, slots, states)
+    rows, flat = verify.verify_layout(lens, torch.device("cpu"))
+    yc = verify.causal_conv1d_verify(xc, weight, bias, conv_pool, slots, rows, flat, windows)
+    y = verify.ssd_verify(x, dt, dt_bias, (0.0, float("inf")), A_log, B, C, D, rows, flat, ssm_pool, slots, states)
     assert torch.equal(conv_pool, conv_before) and torch.equal(ssm_pool, ssm_before)
 
     dtd, A = discretize(dt, dt_bias, (0.0, float("inf")), A_log)
