@@ -151,10 +151,16 @@ def test_verify_steps_in_graphs_give_the_eager_steps_tokens(cpu_graphs, checkpoi
     engine = make_engine(path, device="cpu", enable_cuda_graph=True, speculative_config=ngram)
     assert engine.speculator.pad_drafts
     engine.speculator.drafter = _Continuation(expected, wrong)
-    replays = engine.runner.num_graph_replays
+    verify = [size for kind, size in engine.runner.capturable_buckets() if kind == "verify"]
+    assert verify == [1, 2, 4, 8]  # the decode buckets up to --max-running-requests
+    for kind, size in engine.runner.capturable_buckets():  # as the warm-up does
+        if kind != "prefill":  # no prefill graphs here (`cpu_graphs`)
+            engine.runner.capture(kind, size)
+    assert engine.stats().state_slots_used == 0  # the slot the commits' captures wrote went back
+    replays, captures = engine.runner.num_graph_replays, engine.runner.num_graph_captures
     assert run(engine) == expected
     stats = engine.stats()
-    assert {2, 4} <= set(engine.runner.verify_graphs._graphs)  # three sequences (a padding one), then two
+    assert engine.runner.num_graph_captures == captures  # none on the requests' path
     assert engine.runner.num_graph_replays - replays >= 5 and stats.spec_draft_tokens_total > 20
     assert (stats.spec_accepted_tokens_total == 0) == wrong
     assert stats.kv_blocks_used == 0 and stats.state_slots_used == 0

@@ -186,6 +186,7 @@ class LLMEngine:
         if self.speculator is not None and self.runner.graphs_on:  # verify steps of k + 1 tokens per sequence in graphs
             width = self.speculator.config.num_speculative_tokens + 1
             self.speculator.pad_drafts = self.runner.enable_verify_graphs(self.speculator.full_buffers(), width)
+            self.speculator.commit_graphs = self.runner.verify_graphs
         # a speculative step's drafter reads the tokens of the step before: none may be in flight
         self._overlap = args.enable_overlap_schedule and self.speculator is None
         self.eos_token_ids = set(self.spec.eos_token_ids)

@@ -23,10 +23,12 @@ is on: the drafter needs each step's tokens on the host.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from engram.cache.forward_batch import VerifyStates
+from engram.cache.views import StateCache
 from engram.engine.drafter import Drafter, NgramDrafter
 from engram.engine.pools import KVPool, StatePool
 from engram.engine.scheduler import ScheduledChunk
@@ -34,6 +36,19 @@ from engram.engine.sequence import Sequence
 from engram.engine.spec_config import SpeculativeConfig
 from engram.ops.dispatch import kernels
 from engram.ops.verify import verify_layout
+
+
+class CommitGraphs(Protocol):
+    def commit(self, entries: list[list[int]]) -> bool:
+        """`commit_layers` of entries [slots, rows, fed] (host lists) from the widest step's buffers;
+        False: not done (no graph of that many entries)."""
+        ...
+
+
+def commit_layers(state_pool: StateCache, buffers: VerifyStates, slots: torch.Tensor, rows: torch.Tensor, fed: torch.Tensor) -> None:
+    """Into each Mamba2 layer's pool slots[i]: the state after fed[i] tokens of row rows[i] of `buffers`."""
+    for i, windows in buffers.conv.items():
+        kernels().commit_verified(state_pool.of(i, "conv"), state_pool.of(i, "ssm"), slots, windows, buffers.ssm[i], rows, fed)
 
 
 @dataclass
@@ -67,6 +82,7 @@ class Speculator:
         self._pending: dict[Sequence, _Pending] = {}
         self._verify: VerifyStates | None = None
         self._full: VerifyStates | None = None  # the widest step's buffers, made on first use and kept
+        self.commit_graphs: CommitGraphs | None = None  # commits replayed from graphs (with the runner's verify graphs)
 
     def _draft_limit(self, seq: Sequence) -> int:
         """Draft tokens this sequence may verify: never past max_tokens (a step keeps at most the
@@ -158,18 +174,15 @@ class Speculator:
 
     def commit(self, seqs: list[Sequence]) -> None:
         """Write the kept state of these sequences into their slots and free their pages past it."""
-        done = [(seq, self._pending.pop(seq)) for seq in seqs if seq in self._pending and seq.slot is not None]
+        done = [(seq, slot, self._pending.pop(seq)) for seq in seqs if seq in self._pending and (slot := seq.slot) is not None]
         if not done or self._verify is None:
             return
-        states = self._mamba_states()
-        if states:
-            dev = next(iter(states.values()))[1].device
-            slots = torch.tensor([seq.slot for seq, _ in done], device=dev)
-            rows = torch.tensor([p.row for _, p in done], device=dev)
-            fed = torch.tensor([p.fed for _, p in done], device=dev)
-            for i, (conv, ssm) in states.items():
-                kernels().commit_verified(conv, ssm, slots, self._verify.conv[i], self._verify.ssm[i], rows, fed)
-        for seq, _ in done:
+        if self._verify.conv:
+            entries = [[slot for _, slot, _ in done], [p.row for _, _, p in done], [p.fed for _, _, p in done]]
+            if self.commit_graphs is None or not self.commit_graphs.commit(entries):
+                slots, rows, fed = torch.tensor(entries).to(self.device)
+                commit_layers(self.state_pool, self._verify, slots, rows, fed)
+        for seq, _, _ in done:
             keep = self.kv_pool.blocks_for(seq.num_tokens)
             self.kv_pool.free(seq.blocks[keep:])
             del seq.blocks[keep:]

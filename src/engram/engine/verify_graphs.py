@@ -19,6 +19,7 @@ import torch
 
 from engram.cache.forward_batch import ForwardBatch, VerifyStates
 from engram.engine.scheduler import ScheduledChunk
+from engram.engine.speculative import commit_layers
 
 if TYPE_CHECKING:
     from engram.engine.runner import ModelRunner
@@ -31,6 +32,7 @@ class VerifyGraphs:
         n = states.rows.shape[0]
         self.max_batch = min(n, runner.decode_bucket(n))  # n, or the decode graphs' largest batch when smaller
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._commits: dict[int, torch.cuda.CUDAGraph] = {}
         self._static: dict[str, torch.Tensor] = {}
 
     def buckets(self) -> list[int]:
@@ -54,7 +56,9 @@ class VerifyGraphs:
         pages = self.runner.table_width()
         self._host_table = torch.full((b, pages), -1, dtype=torch.int32).pin_memory()
         self._host_table_np = self._host_table.numpy()
+        self._host_commit = torch.zeros((3, b), dtype=torch.int64).pin_memory()  # slots, rows, fed
         self._static = {
+            "commit": torch.zeros((3, b), dtype=torch.int64, device=dev),
             "packed": torch.zeros(3 * t + 2 * b, dtype=torch.int64, device=dev),
             "table": torch.full((b, pages), -1, dtype=torch.int32, device=dev),
             "cu": torch.arange(0, (b + 1) * w, w, dtype=torch.int64, device=dev),
@@ -90,6 +94,8 @@ class VerifyGraphs:
         h[3 * t + b :] = -self.width
 
     def capture(self, b: int) -> None:
+        """The verify step's graph of bucket b and its commit's (the commit's warm-up runs write a
+        slot taken for them, given back after)."""
         if b in self._graphs:
             return
         if not self._static:
@@ -101,6 +107,49 @@ class VerifyGraphs:
         batch = self._batch(b)
         self._graphs[b] = runner.record(lambda: runner.model(batch))
         runner.count_capture("verify", b)
+        if b not in self._commits:
+            slot = runner.state_pool.allocate()
+            self._capture_commit(b, [[slot], [0], [1]])
+            runner.state_pool.free(slot)
+
+    def _stage_commit(self, b: int, entries: list[list[int]]) -> None:
+        """Entries [slots, rows, fed] padded to b with copies of the first (the same state written
+        twice, a write that changes nothing), copied to the device."""
+        self.runner.wait_pinned_inputs_read()
+        n = len(entries[0])
+        host = self._host_commit.numpy()
+        for i, values in enumerate(entries):
+            host[i, :n] = values
+            host[i, n:b] = values[0]
+        self._static["commit"].copy_(self._host_commit, non_blocking=True)
+
+    def _capture_commit(self, b: int, entries: list[list[int]]) -> None:
+        """Its warm-up runs commit `entries` (so do they when captured on a request's: a commit
+        run again writes the same states)."""
+        self._stage_commit(b, entries)
+        slots, rows, fed = self._static["commit"][:, :b].unbind(0)
+
+        def commit() -> torch.Tensor:
+            commit_layers(self.runner.state_pool, self.states, slots, rows, fed)
+            return fed
+
+        self._commits[b], _ = self.runner.record(commit)
+        self.runner.count_capture("verify commit", b)
+
+    @torch.inference_mode()
+    def commit(self, entries: list[list[int]]) -> bool:
+        """`CommitGraphs.commit`: a replay of the commit graph of the entries' bucket."""
+        n = len(entries[0])
+        if n > self.max_batch:  # a wider eager step
+            return False
+        b = self.bucket(n)
+        if not self._static:
+            self._alloc()
+        if b not in self._commits:
+            self._capture_commit(b, entries)
+        self._stage_commit(b, entries)
+        self.runner.replay_graph(self._commits[b])
+        return True
 
     def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """The step's logits rows, W per chunk."""
