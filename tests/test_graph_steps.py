@@ -11,7 +11,7 @@ import gc
 import pytest
 import torch
 from checkpoints import write_checkpoint
-from engine_utils import greedy, make_engine, random_prompt, run_to_end
+from engine_utils import ContinuationDrafter, greedy, make_engine, random_prompt, run_to_end
 
 from engram.engine import runner as runner_mod
 from engram.engine.request import SamplingParams
@@ -118,20 +118,6 @@ def test_a_capture_keeps_the_tokens_of_the_graph_step_before(cpu_graphs, checkpo
     assert sorted(engine.runner._graphs) == [1, 2]
 
 
-class _Continuation:
-    """Drafts the known greedy continuation of whichever sequence it is asked for, of a length that
-    varies with the position (0 to k: short drafts padded, some steps with no draft), each token
-    off by one with `wrong` (every draft rejected)."""
-
-    def __init__(self, outputs: list[list[int]], wrong: bool = False):
-        self.outputs, self.wrong = outputs, wrong
-
-    def propose(self, token_ids: list[int], k: int) -> list[int]:
-        full = next(o for o in self.outputs if o[: len(token_ids)] == token_ids)
-        draft = full[len(token_ids) : len(token_ids) + min(k, len(token_ids) % 5)]
-        return [t + 1 for t in draft] if self.wrong else draft
-
-
 @pytest.mark.parametrize("wrong", [False, True])
 def test_verify_steps_in_graphs_give_the_eager_steps_tokens(cpu_graphs, checkpoint_dir, wrong):
     """Speculative verify steps replayed from graphs (engine/verify_graphs.py): drafts padded to k + 1
@@ -150,7 +136,7 @@ def test_verify_steps_in_graphs_give_the_eager_steps_tokens(cpu_graphs, checkpoi
     expected = run(make_engine(path, device="cpu", enable_cuda_graph=False))
     engine = make_engine(path, device="cpu", enable_cuda_graph=True, speculative_config=ngram)
     assert engine.speculator.pad_drafts
-    engine.speculator.drafter = _Continuation(expected, wrong)
+    engine.speculator.drafter = ContinuationDrafter(expected, wrong)
     verify = [size for kind, size in engine.runner.capturable_buckets() if kind == "verify"]
     assert verify == [1, 2, 4, 8]  # the decode buckets up to --max-running-requests
     for kind, size in engine.runner.capturable_buckets():  # as the warm-up does

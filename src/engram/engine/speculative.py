@@ -158,7 +158,10 @@ class Speculator:
     def _step_buffers(self, seq_lens: list[int]) -> VerifyStates:
         full, n, length = self.full_buffers(), len(seq_lens), max(seq_lens)
         unused = self.config.num_speculative_tokens + 1 - length  # positions of the widest step this one lacks
-        rows, flat = verify_layout(seq_lens, self.device)
+        if not unused and min(seq_lens) == length:  # a padded step: its layout is the widest's (no copy)
+            rows, flat = full.rows[:n], full.flat[: n * length]
+        else:
+            rows, flat = verify_layout(seq_lens, self.device)
         conv = {i: t[:n, : t.shape[1] - unused] for i, t in full.conv.items()}
         return VerifyStates(conv, {i: t[:n, :length] for i, t in full.ssm.items()}, rows, flat)
 

@@ -1,5 +1,6 @@
 """Mamba2's SSD: the single-token state update (state in the pool [slots, H, P, N]), with the gated
-norm folded into the output projection at small batch, and the token-by-token varlen scan."""
+norm folded into the output projection at small batch, the token-by-token varlen scan, and a
+speculative verify step's scan that keeps every position's state."""
 
 from __future__ import annotations
 
@@ -290,3 +291,110 @@ def ssd_varlen_scan(x, dt, dt_bias, dt_limit, A_log, B, C, D, chunk_size, seq_le
         **PDL_LAUNCH,
     )
     return y
+
+
+@triton.jit
+def _ssd_verify_kernel(
+    Pool,
+    Slots,
+    Rows,
+    States,
+    X,
+    DT,
+    DtBias,
+    ALog,
+    Bm,
+    Cm,
+    Dp,
+    Y,
+    stride_ps,
+    stride_ph,
+    stride_pp,
+    stride_xt,
+    stride_xh,
+    stride_dtt,
+    stride_bt,
+    stride_bg,
+    stride_ct,
+    stride_cg,
+    stride_yt,
+    stride_yh,
+    P,
+    N,
+    HPG,
+    dt_min,
+    dt_max,
+    stride_rs,
+    stride_ss,
+    stride_sl,
+    stride_sh,
+    stride_sp,
+    L,
+    BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """A verify step's SSD (ops/verify.py:ssd_verify) in one launch: the recurrence over each
+    sequence's L positions (flat rows Rows[s, :]) from the pool's state, which is not written; the
+    state after each position stored in States[s, t] (rounded to its dtype, and carried on rounded,
+    as decode steps do), y in the [S * L] layout."""
+    wait_for_previous_kernel()
+    s = tl.program_id(0).to(tl.int64)
+    h, g, p, n, pm, nm, ptr, m2 = _ssd_tile(Pool, Slots, s, stride_ps, stride_ph, stride_pp, P, N, HPG, BLOCK_P, BLOCK_N)
+    st = tl.load(ptr, mask=m2, other=0.0).to(tl.float32)
+    dtb = tl.load(DtBias + h).to(tl.float32)
+    A = -tl.exp(tl.load(ALog + h).to(tl.float32))
+    Dh = tl.load(Dp + h).to(tl.float32)
+    out = States + s * stride_ss + h * stride_sh + p[:, None] * stride_sp + n[None, :]
+    m = pm[:, None] & nm[None, :]
+    for t in range(L):
+        r = tl.load(Rows + s * stride_rs + t).to(tl.int64)
+        dt = _ssd_dt(tl.load(DT + r * stride_dtt + h).to(tl.float32), dtb, dt_min, dt_max)
+        x = tl.load(X + r * stride_xt + h * stride_xh + p, mask=pm, other=0.0).to(tl.float32)
+        b = tl.load(Bm + r * stride_bt + g * stride_bg + n, mask=nm, other=0.0).to(tl.float32)
+        c = tl.load(Cm + r * stride_ct + g * stride_cg + n, mask=nm, other=0.0).to(tl.float32)
+        st = st * tl.exp(dt * A) + (x * dt)[:, None] * b[None, :]
+        y = tl.sum(st * c[None, :], axis=1) + x * Dh
+        tl.store(Y + (s * L + t) * stride_yt + h * stride_yh + p, y, mask=pm)
+        kept = st.to(States.dtype.element_ty)
+        tl.store(out + t * stride_sl, kept, mask=m)
+        st = kept.to(tl.float32)
+
+
+def ssd_verify(x, dt, dt_bias, dt_limit, A_log, B, C, D, rows, flat, ssm_pool, slots, states):
+    """`verify.ssd_verify` in one launch, over fixed [S, L] positions read from device memory (a
+    verify graph can hold it)."""
+    S, L = rows.shape
+    _, H, P = x.shape
+    N = B.shape[2]
+    y = torch.empty((S * L, H, P), dtype=torch.float32, device=x.device)
+    assert x.stride(2) == 1 and B.stride(2) == 1 and C.stride(2) == 1 and ssm_pool.stride(3) == 1
+    assert rows.stride(1) == 1 and states.stride(4) == 1
+    if S == 0:
+        return y[flat]
+    bp = min(16, np2(P))
+    _ssd_verify_kernel[(S, H, triton.cdiv(P, bp))](
+        ssm_pool,
+        slots,
+        rows,
+        states,
+        x,
+        dt,
+        dt_bias,
+        A_log,
+        B,
+        C,
+        D,
+        y,
+        *_ssd_strides(ssm_pool, x, dt, B, C, y, dt_limit),
+        rows.stride(0),
+        states.stride(0),
+        states.stride(1),
+        states.stride(2),
+        states.stride(3),
+        L,
+        BLOCK_P=bp,
+        BLOCK_N=np2(N),
+        num_warps=4,
+        **PDL_LAUNCH,
+    )
+    return y[flat]
