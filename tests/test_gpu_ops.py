@@ -211,6 +211,28 @@ def test_ssd_state_update_in_place_by_slot(dtype, shape):
     torch.testing.assert_close(y2[real], y2_ref, atol=1e-3, rtol=1e-3)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("K", [2, 4])
+@pytest.mark.parametrize("bias", [False, True])
+def test_conv_verify_keeps_every_window(dtype, K, bias):
+    """The one-launch verify conv against ops/verify.py: y and the windows of sequences of different
+    lengths (positions past a length repeat its last row), the pool untouched."""
+    g = _gen(26)
+    C, lens, slots = 300, [3, 1, 5, 2], torch.tensor([4, 1, 0, 2], device=DEV)
+    T = sum(lens)
+    x = _randn(T, C + 5, g=g, dtype=dtype)[:, :C]  # a column slice of the projection, as in the layer
+    w, b = _randn(C, K, g=g, dtype=dtype), (_randn(C, g=g, dtype=dtype) if bias else None)
+    pool = _randn(6, K - 1, C, g=g, dtype=dtype)
+    rows, flat = verify.verify_layout(lens, torch.device(DEV))
+    full = torch.zeros(len(lens), K - 1 + max(lens) + 2, C, dtype=dtype, device=DEV)  # a view narrower than its buffer
+    windows, ref_windows = full[:, : K - 1 + max(lens)], full.clone()[:, : K - 1 + max(lens)]
+    before = pool.clone()
+    y = triton_ops.conv.causal_conv1d_verify(x, w, b, pool, slots, rows, flat, windows)
+    y_ref = verify.causal_conv1d_verify(x, w, b, pool, slots, rows, flat, ref_windows)
+    assert torch.equal(pool, before) and torch.equal(windows, ref_windows)
+    torch.testing.assert_close(y, y_ref, **_tol(dtype))
+
+
 @pytest.mark.parametrize("pool_dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(6, 2, 16, 12), (48, 1, 64, 128)])
 def test_ssd_verify_keeps_the_state_after_every_position(pool_dtype, shape):

@@ -336,7 +336,7 @@ def _ssd_verify_kernel(
     """A verify step's SSD (ops/verify.py:ssd_verify) in one launch: the recurrence over each
     sequence's L positions (flat rows Rows[s, :]) from the pool's state, which is not written; the
     state after each position stored in States[s, t] (rounded to its dtype, and carried on rounded,
-    as decode steps do), y in the [S * L] layout."""
+    as decode steps do), y at each position's flat row."""
     wait_for_previous_kernel()
     s = tl.program_id(0).to(tl.int64)
     h, g, p, n, pm, nm, ptr, m2 = _ssd_tile(Pool, Slots, s, stride_ps, stride_ph, stride_pp, P, N, HPG, BLOCK_P, BLOCK_N)
@@ -346,6 +346,7 @@ def _ssd_verify_kernel(
     Dh = tl.load(Dp + h).to(tl.float32)
     out = States + s * stride_ss + h * stride_sh + p[:, None] * stride_sp + n[None, :]
     m = pm[:, None] & nm[None, :]
+    last = s * 0 - 1  # the flat row whose y was stored last (int64)
     for t in range(L):
         r = tl.load(Rows + s * stride_rs + t).to(tl.int64)
         dt = _ssd_dt(tl.load(DT + r * stride_dtt + h).to(tl.float32), dtb, dt_min, dt_max)
@@ -354,7 +355,8 @@ def _ssd_verify_kernel(
         c = tl.load(Cm + r * stride_ct + g * stride_cg + n, mask=nm, other=0.0).to(tl.float32)
         st = st * tl.exp(dt * A) + (x * dt)[:, None] * b[None, :]
         y = tl.sum(st * c[None, :], axis=1) + x * Dh
-        tl.store(Y + (s * L + t) * stride_yt + h * stride_yh + p, y, mask=pm)
+        tl.store(Y + r * stride_yt + h * stride_yh + p, y, mask=pm & (r != last))  # past the length: the last row again
+        last = r
         kept = st.to(States.dtype.element_ty)
         tl.store(out + t * stride_sl, kept, mask=m)
         st = kept.to(tl.float32)
@@ -362,15 +364,15 @@ def _ssd_verify_kernel(
 
 def ssd_verify(x, dt, dt_bias, dt_limit, A_log, B, C, D, rows, flat, ssm_pool, slots, states):
     """`verify.ssd_verify` in one launch, over fixed [S, L] positions read from device memory (a
-    verify graph can hold it)."""
+    verify graph can hold it); `flat` is implied by `rows`."""
     S, L = rows.shape
-    _, H, P = x.shape
+    T, H, P = x.shape
     N = B.shape[2]
-    y = torch.empty((S * L, H, P), dtype=torch.float32, device=x.device)
+    y = torch.empty((T, H, P), dtype=torch.float32, device=x.device)
     assert x.stride(2) == 1 and B.stride(2) == 1 and C.stride(2) == 1 and ssm_pool.stride(3) == 1
     assert rows.stride(1) == 1 and states.stride(4) == 1
     if S == 0:
-        return y[flat]
+        return y
     bp = min(16, np2(P))
     _ssd_verify_kernel[(S, H, triton.cdiv(P, bp))](
         ssm_pool,
@@ -397,4 +399,4 @@ def ssd_verify(x, dt, dt_bias, dt_limit, A_log, B, C, D, rows, flat, ssm_pool, s
         num_warps=4,
         **PDL_LAUNCH,
     )
-    return y[flat]
+    return y
