@@ -16,8 +16,10 @@ overwritten when those positions are fed again (pages past the kept tokens go ba
 Recurrent layers wrote nothing to the pool (ops/verify.py); `commit` writes the state after the
 kept tokens, lazily: before a finishing sequence's state is captured, or at the end of the step.
 
-Speculative steps run eagerly (no CUDA graph), and overlap scheduling is off while speculation
-is on: the drafter needs each step's tokens on the host.
+With CUDA graphs on, every chunk is padded to k + 1 fed tokens (`pad_drafts`) and a verify step
+replays a graph of its batch bucket, its commit another (engine/verify_graphs.py); otherwise it
+runs eagerly. Overlap scheduling is off while speculation is on: the drafter needs each step's
+tokens on the host.
 """
 
 from __future__ import annotations

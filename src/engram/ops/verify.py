@@ -17,7 +17,8 @@ at once, except the SSM state's recurrence, which stays sequential over the L po
 element-wise ops each) because a closed form over positions would round differently from decode.
 
 `commit_verified` then writes the state after each sequence's accepted tokens into the pool by
-slot. The CUDA set replaces `ssd_verify` with one Triton launch (triton_ops/ssd.py).
+slot. The CUDA set replaces `causal_conv1d_verify` and `ssd_verify` with one Triton launch each
+(triton_ops/conv.py, triton_ops/ssd.py).
 """
 
 from __future__ import annotations

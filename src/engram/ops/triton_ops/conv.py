@@ -112,6 +112,17 @@ def _conv_update_kernel(
     tl.store(Y + s * stride_y + c, y.to(Y.dtype.element_ty), mask=cm)
 
 
+def _conv_strides(x, weight, conv_pool) -> tuple[int, ...]:
+    """The input, weight and pool strides the conv kernels take, in their order."""
+    return x.stride(0), weight.stride(0), weight.stride(1), conv_pool.stride(0), conv_pool.stride(1)
+
+
+def _slot_conv_args(x, weight, bias, conv_pool, slots, y) -> tuple:
+    """The leading arguments of the kernels over one row of x per program row (update, verify):
+    X, W, Bias, Pool, Slots, Y, their strides, C."""
+    return (x, weight, bias if bias is not None else weight, conv_pool, slots, y, *_conv_strides(x, weight, conv_pool), y.stride(0), x.shape[1])
+
+
 def launch_conv_update(x, weight, bias, conv_pool, slots, y, silu=True):
     S, C = x.shape
     K = weight.shape[1]
@@ -119,19 +130,7 @@ def launch_conv_update(x, weight, bias, conv_pool, slots, y, silu=True):
     if S:
         block = 256
         _conv_update_kernel[(S, triton.cdiv(C, block))](
-            x,
-            weight,
-            bias if bias is not None else weight,
-            conv_pool,
-            slots,
-            y,
-            x.stride(0),
-            weight.stride(0),
-            weight.stride(1),
-            conv_pool.stride(0),
-            conv_pool.stride(1),
-            y.stride(0),
-            C,
+            *_slot_conv_args(x, weight, bias, conv_pool, slots, y),
             K=K,
             HAS_BIAS=bias is not None,
             SILU=silu,
@@ -249,11 +248,7 @@ def causal_conv1d_varlen(x, weight, bias, conv_pool, slots, seq_lens, cu_seqlens
         slots,
         cu_seqlens,
         y,
-        x.stride(0),
-        weight.stride(0),
-        weight.stride(1),
-        conv_pool.stride(0),
-        conv_pool.stride(1),
+        *_conv_strides(x, weight, conv_pool),
         y.stride(0),
         C,
         K=K,
@@ -277,19 +272,19 @@ def _conv_verify_kernel(
     Bias,
     Pool,
     Slots,
-    Rows,
-    Win,
     Y,
     stride_x,
     stride_wc,
     stride_wk,
     stride_ps,
     stride_pk,
+    stride_y,
+    C,
+    Rows,
+    Win,
     stride_rs,
     stride_ws,
     stride_wt,
-    stride_y,
-    C,
     L,
     K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -344,24 +339,12 @@ def causal_conv1d_verify(x, weight, bias, conv_pool, slots, rows, flat, windows)
     if S:
         block = 256
         _conv_verify_kernel[(S, triton.cdiv(C, block))](
-            x,
-            weight,
-            bias if bias is not None else weight,
-            conv_pool,
-            slots,
+            *_slot_conv_args(x, weight, bias, conv_pool, slots, y),
             rows,
             windows,
-            y,
-            x.stride(0),
-            weight.stride(0),
-            weight.stride(1),
-            conv_pool.stride(0),
-            conv_pool.stride(1),
             rows.stride(0),
             windows.stride(0),
             windows.stride(1),
-            y.stride(0),
-            C,
             L,
             K=K,
             HAS_BIAS=bias is not None,
