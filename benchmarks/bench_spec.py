@@ -2,12 +2,14 @@
 
     python benchmarks/bench_spec.py --config granite-4.0-h-tiny [--out results.json]
     python benchmarks/bench_spec.py --model-path CHECKPOINT --device cpu   (a dry run of the script)
+    python benchmarks/bench_spec.py ... --count-ops   (only: ops and launches per decode / verify step)
 
 Two engines on the same random weights (from a config, as bench_speed.py builds them) or a
 checkpoint: plain (CUDA graphs, overlap schedule) and with `--speculative-config` n-gram.
 1. Step cost: with B sequences decoding, the mean time of a plain decode step vs a verify step
-   of k drafted tokens per sequence (drafts forced to length k; the verify step runs eagerly with
-   the reference verify ops, see ops/verify.py), for each B in --batches and k in --ks.
+   of k drafted tokens per sequence (drafts forced to length k; with CUDA graphs the verify step
+   replays a verify graph of its batch bucket, engine/verify_graphs.py), for each B in --batches
+   and k in --ks.
 2. Decode tok/s at batch 1 on a prompt that repeats one random block: plain; n-gram prompt lookup
    (its acceptance is what random weights give); and "forced acceptance": drafts taken from the
    plain run's own greedy output, every one kept, standing in for a model whose output repeats
@@ -29,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_speed as bs  # noqa: E402  (config lookup, logging)
+from engine_utils import launch_counts  # noqa: E402  (tests/, on the path through bench_speed)
 
 from engram.args import EngineArgs  # noqa: E402
 from engram.engine import engine as engine_mod  # noqa: E402
@@ -109,6 +112,57 @@ def mean_step_seconds(eng, batch: int, steps: int, prompt_len: int, params: Samp
     return elapsed
 
 
+FORWARD = "bench_spec.forward"  # the profiler's mark of `runner.run`
+
+
+def step_counts(eng, batch: int, prompt_len: int) -> dict:
+    """B sequences past their prefill and two steps; then one step's `launch_counts`, whole and of
+    its forward (`runner.run`)."""
+    ids = [f"c{batch}-{i}-{time.monotonic_ns()}" for i in range(batch)]
+    for i, rid in enumerate(ids):
+        eng.add_request(rid, tokens(prompt_len, eng.spec.vocab_size, i), SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
+    while any(s.num_computed < s.num_prompt_tokens for s in eng.scheduler.running + list(eng.scheduler.waiting)):
+        eng.step()
+    for _ in range(2):
+        eng.step()
+    sync(eng.device)
+    run = eng.runner.run
+
+    def marked(*args, **kwargs):
+        with torch.profiler.record_function(FORWARD):
+            return run(*args, **kwargs)
+
+    eng.runner.run = marked
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if eng.device.type == "cuda" else [])
+    try:
+        with torch.profiler.profile(activities=activities) as prof:
+            eng.step()
+            sync(eng.device)
+    finally:
+        eng.runner.run = run
+    for rid in ids:
+        eng.abort_request(rid)
+    while eng.has_unfinished_requests():
+        eng.step()
+    events = prof.events()
+    return {"step": launch_counts(events), "forward": launch_counts(events, FORWARD)}
+
+
+def count_ops(args, plain, spec) -> dict:
+    """Op and launch counts of a decode step (eager, and as served) and of a verify step of k drafted
+    tokens, per batch in --batches and k in --ks."""
+    eager = engine_mod.LLMEngine(dataclasses.replace(plain.args, enable_cuda_graph=False))
+    counts: dict = {}
+    for b in args.batches:
+        row = {"decode_eager": step_counts(eager, b, args.prompt_len), "decode": step_counts(plain, b, args.prompt_len)}
+        for k in args.ks:
+            spec.speculator.drafter = FixedDrafter(k)
+            row[f"verify_k{k}"] = step_counts(spec, b, args.prompt_len)
+        counts[f"batch_{b}"] = row
+        bs.log(f"op counts, batch {b}: {json.dumps(row)}")
+    return counts
+
+
 def decode_rate(eng, prompt: list[int], max_tokens: int) -> tuple[float, list[int]]:
     """Output tokens/s after the first one (the prefill excluded), and the output."""
     eng.add_request(f"d{time.monotonic_ns()}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
@@ -144,6 +198,7 @@ def main() -> None:
         metavar="K",
         help="only profile verify steps of K drafted tokens at batch 1 (torch profiler: the top ops) and stop",
     )
+    ap.add_argument("--count-ops", action="store_true", help="only count the ops and launches of decode and verify steps (torch profiler)")
     args = ap.parse_args()
     args.batches = [int(x) for x in args.batches.split(",")]
     args.ks = [int(x) for x in args.ks.split(",")]
@@ -158,6 +213,11 @@ def main() -> None:
         print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=15))
         return
     results["device"] = torch.cuda.get_device_name(0) if plain.device.type == "cuda" else "cpu"
+    if args.count_ops:
+        results["op_counts"] = count_ops(args, plain, spec)
+        if args.out:
+            Path(args.out).write_text(json.dumps(results, indent=2))
+        return
 
     steps: dict = {}
     for b in args.batches:

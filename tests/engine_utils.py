@@ -23,6 +23,20 @@ def make_engine(path: str, **overrides) -> LLMEngine:
     return LLMEngine(EngineArgs(**{**args, **overrides}))
 
 
+class ContinuationDrafter:
+    """Drafts the known greedy continuation (`outputs`: prompt + output of each request) of whichever
+    sequence it is asked for, of a length that varies with the position (0 to k: short drafts, some
+    steps with none), each token off by one with `wrong` (every draft rejected)."""
+
+    def __init__(self, outputs: list[list[int]], wrong: bool = False):
+        self.outputs, self.wrong = outputs, wrong
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        full = next(o for o in self.outputs if o[: len(token_ids)] == token_ids)
+        draft = full[len(token_ids) : len(token_ids) + min(k, len(token_ids) % 5)]
+        return [t + 1 for t in draft] if self.wrong else draft
+
+
 def greedy(max_tokens: int, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
 
@@ -93,3 +107,35 @@ def manager_of(
         warm if warm is not None else WarmCache(64, 1 << 30),
         **fields,
     )
+
+
+# Ops that make no kernel of their own (views): left out of the op counts.
+VIEW_OPS = {
+    "aten::" + name
+    for name in "alias as_strided chunk detach expand flatten narrow permute reshape select slice split squeeze t transpose unbind unflatten unfold unsqueeze view".split()
+}
+LAUNCHES = {"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx"}
+
+
+def _ancestors(e):
+    parent = e.cpu_parent
+    while parent is not None:
+        yield parent
+        parent = parent.cpu_parent
+
+
+def launch_counts(events, within: str | None = None) -> dict:
+    """Launches as the torch profiler saw them (inside the region named `within`, if given): top-level
+    aten ops that compute (views left out), and on CUDA the kernel launches and graph replays."""
+    counts = {"aten_ops": 0, "kernel_launches": 0, "graph_launches": 0}
+    for e in events:
+        names = [p.name for p in _ancestors(e)]
+        if within is not None and within not in names:
+            continue
+        if e.name in LAUNCHES:
+            counts["kernel_launches"] += 1
+        elif e.name == "cudaGraphLaunch":
+            counts["graph_launches"] += 1
+        elif e.name.startswith("aten::") and e.name not in VIEW_OPS:
+            counts["aten_ops"] += not any(n.startswith("aten::") for n in names)
+    return counts

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engram.ops import activation, attention, conv, gated_delta, moe, norm, sample, ssd, staging
+from engram.ops import activation, attention, conv, gated_delta, moe, norm, sample, ssd, staging, verify
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_CUDA = torch.cuda.is_available()
@@ -209,6 +209,58 @@ def test_ssd_state_update_in_place_by_slot(dtype, shape):
     y2 = triton_ops.ssd.ssd_state_update(pool.clone(), slots, x, dt, dt_bias, (0.01, 0.1), A_log, B, C, D)
     y2_ref = ssd.ssd_state_update(pool.clone(), slots[real], x[real], dt[real], dt_bias, (0.01, 0.1), A_log, B[real], C[real], D)
     torch.testing.assert_close(y2[real], y2_ref, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("K", [2, 4])
+@pytest.mark.parametrize("bias", [False, True])
+def test_conv_verify_keeps_every_window(dtype, K, bias):
+    """The one-launch verify conv against ops/verify.py: y and the windows of sequences of different
+    lengths (positions past a length repeat its last row), the pool untouched."""
+    g = _gen(26)
+    C, lens, slots = 300, [3, 1, 5, 2], torch.tensor([4, 1, 0, 2], device=DEV)
+    T = sum(lens)
+    x = _randn(T, C + 5, g=g, dtype=dtype)[:, :C]  # a column slice of the projection, as in the layer
+    w, b = _randn(C, K, g=g, dtype=dtype), (_randn(C, g=g, dtype=dtype) if bias else None)
+    pool = _randn(6, K - 1, C, g=g, dtype=dtype)
+    rows, flat = verify.verify_layout(lens, torch.device(DEV))
+    full = torch.zeros(len(lens), K - 1 + max(lens) + 2, C, dtype=dtype, device=DEV)  # a view narrower than its buffer
+    windows, ref_windows = full[:, : K - 1 + max(lens)], full.clone()[:, : K - 1 + max(lens)]
+    before = pool.clone()
+    y = triton_ops.conv.causal_conv1d_verify(x, w, b, pool, slots, rows, flat, windows)
+    y_ref = verify.causal_conv1d_verify(x, w, b, pool, slots, rows, flat, ref_windows)
+    assert torch.equal(pool, before) and torch.equal(windows, ref_windows)
+    torch.testing.assert_close(y, y_ref, **_tol(dtype))
+
+
+@pytest.mark.parametrize("pool_dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(6, 2, 16, 12), (48, 1, 64, 128)])
+def test_ssd_verify_keeps_the_state_after_every_position(pool_dtype, shape):
+    """The one-launch verify SSD against ops/verify.py: y and every position's state of sequences of
+    different lengths (positions past a length repeat its last row), the pool untouched; a padding
+    sequence (slot -1) starts from zeros, as the reference's from the zeroed last slot."""
+    H, G, P, N = shape
+    g = _gen(25)
+    dt_bias, A_log, D, pool = _ssd_params(g, H, G, P, N, 6, pool_dtype)
+    pool[-1] = 0
+    lens, slots = [3, 1, 5, 2], torch.tensor([4, -1, 0, 2], device=DEV)
+    T = sum(lens)
+    proj = _randn(T, H * P + 2 * G * N + 7, g=g)
+    x = proj[:, : H * P].reshape(T, H, P)
+    B = proj[:, H * P : H * P + G * N].reshape(T, G, N)
+    C = proj[:, H * P + G * N : H * P + 2 * G * N].reshape(T, G, N)
+    dt = _randn(T, H, g=g) * 2
+    rows, flat = verify.verify_layout(lens, torch.device(DEV))
+    full = torch.zeros(len(lens), max(lens) + 2, H, P, N, dtype=pool_dtype, device=DEV)  # a view narrower than its buffer
+    states, ref_states = full[:, : max(lens)], full.clone()[:, : max(lens)]
+    before = pool.clone()
+    args = (dt_bias, (0.0, float("inf")), A_log, B, C, D, rows, flat)
+    y = triton_ops.ssd.ssd_verify(x, dt, *args, pool, slots, states)
+    y_ref = verify.ssd_verify(x, dt, *args, pool, slots, ref_states)
+    assert torch.equal(pool, before)
+    tol = dict(atol=1e-3, rtol=1e-3) if pool_dtype == torch.float32 else dict(atol=5e-2, rtol=5e-2)
+    torch.testing.assert_close(y, y_ref, **tol)
+    torch.testing.assert_close(states.float(), ref_states.float(), **tol)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -686,6 +738,38 @@ def test_greedy_tokens_fast_path_equal_reference(kind, checkpoint_dir):
         ref_bf, _, _ = _greedy_run(path, False, False, "bfloat16", prompts, 12)
         same = sum(a == b for x, y in zip(bf_tokens, ref_bf) for a, b in zip(x, y)) / sum(len(x) for x in ref_bf)
         print(f"{kind}: bfloat16 greedy tokens equal fast vs reference: {same:.1%}")
+    finally:
+        use_kernels(REFERENCE)
+
+
+@needs_cuda
+@pytest.mark.parametrize("kind", ["granite", "mamba2", "nemotron", "bamba", "falcon_h1"])
+@pytest.mark.parametrize("wrong", [False, True])
+def test_verify_graphs_give_plain_greedy_tokens(kind, wrong, checkpoint_dir):
+    """Speculative steps replayed from verify graphs (and their commits from commit graphs), drafts
+    all kept or all rejected, short ones padded: float32 greedy tokens equal plain decoding's on
+    the fast path (decode graphs), all graphs captured before the requests."""
+    from engine_utils import ContinuationDrafter, greedy, make_engine, random_prompt, run_to_end
+
+    from engram.ops.dispatch import REFERENCE, use_kernels
+
+    path = checkpoint_dir(kind)
+    prompts = [random_prompt(n, seed=n) for n in (3, 29, 11, 52, 1, 70)]
+    spec = '{"method": "ngram", "num_speculative_tokens": 4}'
+    try:
+        plain, _, _ = _greedy_run(path, True, True, "float32", prompts, 16)
+        engine = make_engine(path, device="cuda", dtype="float32", speculative_config=spec, max_num_batched_tokens=64)
+        for kind_, size in engine.runner.capturable_buckets():
+            engine.runner.capture(kind_, size)
+        engine.speculator.drafter = ContinuationDrafter([p + out for p, out in zip(prompts, plain)], wrong)
+        captures, replays = engine.runner.num_graph_captures, engine.runner.num_graph_replays
+        for i, p in enumerate(prompts):
+            engine.add_request(f"r{i}", p, greedy(16))
+        done = run_to_end(engine)
+        assert [done[f"r{i}"].token_ids for i in range(len(prompts))] == plain
+        stats = engine.stats()
+        assert engine.runner.num_graph_captures == captures and engine.runner.num_graph_replays > replays
+        assert stats.spec_draft_tokens_total > 0 and (stats.spec_accepted_tokens_total == 0) == wrong
     finally:
         use_kernels(REFERENCE)
 

@@ -11,7 +11,7 @@ import gc
 import pytest
 import torch
 from checkpoints import write_checkpoint
-from engine_utils import greedy, make_engine, random_prompt, run_to_end
+from engine_utils import ContinuationDrafter, greedy, make_engine, random_prompt, run_to_end
 
 from engram.engine import runner as runner_mod
 from engram.engine.request import SamplingParams
@@ -49,7 +49,7 @@ def cpu_graphs(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
     monkeypatch.setattr(torch.cuda, "Event", _NoEvent)
-    monkeypatch.setattr(runner_mod.ModelRunner, "_record", _record)
+    monkeypatch.setattr(runner_mod.ModelRunner, "record", _record)
     monkeypatch.setattr(runner_mod.ModelRunner, "_prefill_graph_usable", lambda self, chunks: False)
     monkeypatch.setattr(runner_mod.ModelRunner, "_graphs_enabled", lambda self: self.enable_cuda_graph)  # not only on CUDA
 
@@ -116,3 +116,37 @@ def test_a_capture_keeps_the_tokens_of_the_graph_step_before(cpu_graphs, checkpo
     engine = make_engine(path, device="cpu", enable_cuda_graph=True, enable_overlap_schedule=True)
     assert run(engine) == expected
     assert sorted(engine.runner._graphs) == [1, 2]
+
+
+@pytest.mark.parametrize("wrong", [False, True])
+def test_verify_steps_in_graphs_give_the_eager_steps_tokens(cpu_graphs, checkpoint_dir, wrong):
+    """Speculative verify steps replayed from graphs (engine/verify_graphs.py): drafts padded to k + 1
+    tokens, padding sequences in wider buckets, the states committed from the graphs' buffers; the
+    tokens are plain greedy decoding's. Mamba2 layers only, as above."""
+    path = checkpoint_dir("mamba2")
+    ngram = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}'
+    prompts = [random_prompt(10 + i, seed=41 + i) for i in range(3)]
+
+    def run(engine) -> list[list[int]]:
+        for i, p in enumerate(prompts):
+            engine.add_request(f"r{i}", p, greedy(12 + 3 * i))
+        out = run_to_end(engine)
+        return [prompts[i] + out[f"r{i}"].token_ids for i in range(len(prompts))]
+
+    expected = run(make_engine(path, device="cpu", enable_cuda_graph=False))
+    engine = make_engine(path, device="cpu", enable_cuda_graph=True, speculative_config=ngram)
+    assert engine.speculator.pad_drafts
+    engine.speculator.drafter = ContinuationDrafter(expected, wrong)
+    verify = [size for kind, size in engine.runner.capturable_buckets() if kind == "verify"]
+    assert verify == [1, 2, 4, 8]  # the decode buckets up to --max-running-requests
+    for kind, size in engine.runner.capturable_buckets():  # as the warm-up does
+        if kind != "prefill":  # no prefill graphs here (`cpu_graphs`)
+            engine.runner.capture(kind, size)
+    assert engine.stats().state_slots_used == 0  # the slot the commits' captures wrote went back
+    replays, captures = engine.runner.num_graph_replays, engine.runner.num_graph_captures
+    assert run(engine) == expected
+    stats = engine.stats()
+    assert engine.runner.num_graph_captures == captures  # none on the requests' path
+    assert engine.runner.num_graph_replays - replays >= 5 and stats.spec_draft_tokens_total > 20
+    assert (stats.spec_accepted_tokens_total == 0) == wrong
+    assert stats.kv_blocks_used == 0 and stats.state_slots_used == 0

@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from engine_utils import greedy, make_engine, run_to_end
+from engine_utils import greedy, launch_counts, make_engine, run_to_end
 from scipy.stats import chisquare
 
 from engram.engine.drafter import NgramDrafter
@@ -291,8 +291,9 @@ def test_verify_ops_keep_the_state_after_every_position():
     conv_before, ssm_before = conv_pool.clone(), ssm_pool.clone()
     windows, states = torch.empty(3, k1 + max(lens), chans), torch.empty(3, max(lens), heads, head_dim, n)
 
-    yc = verify.causal_conv1d_verify(xc, weight, bias, conv_pool, slots, lens, windows)
-    y = verify.ssd_verify(x, dt, dt_bias, (0.0, float("inf")), A_log, B, C, D, lens, ssm_pool, slots, states)
+    rows, flat = verify.verify_layout(lens, torch.device("cpu"))
+    yc = verify.causal_conv1d_verify(xc, weight, bias, conv_pool, slots, rows, flat, windows)
+    y = verify.ssd_verify(x, dt, dt_bias, (0.0, float("inf")), A_log, B, C, D, rows, flat, ssm_pool, slots, states)
     assert torch.equal(conv_pool, conv_before) and torch.equal(ssm_pool, ssm_before)
 
     dtd, A = discretize(dt, dt_bias, (0.0, float("inf")), A_log)
@@ -315,6 +316,54 @@ def test_verify_ops_keep_the_state_after_every_position():
         torch.testing.assert_close(ssm_pool[slots[i]], ssm_ref)
         start += lens[i]
     assert torch.equal(conv_pool[1], conv_before[1]) and torch.equal(ssm_pool[1], ssm_before[1])  # no row of this step
+
+
+class _Repeat:
+    """k drafted tokens, always: verify steps of a known width."""
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        return token_ids[-1:] * min(self.k, k)
+
+
+def _forward_ops(engine, width: int) -> int:
+    """The aten ops (views left out) of the forward of the step after a prefill and a decode step,
+    which feeds `width` tokens."""
+    engine.add_request("ops", list(range(3, 30)), greedy(16))
+    for _ in range(2):
+        engine.step()
+    run = engine.runner.run
+
+    def marked(chunks, *args):
+        assert [c.length for c in chunks] == [width]
+        with torch.profiler.record_function("forward"):
+            return run(chunks, *args)
+
+    engine.runner.run = marked
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        engine.step()
+    engine.runner.run = run
+    engine.abort_request("ops")
+    run_to_end(engine)
+    return launch_counts(prof.events(), "forward")["aten_ops"]
+
+
+def test_a_verify_forward_takes_the_ops_of_a_decode_forward(checkpoint_dir):
+    """Mamba2 layers only (the references of attention and MoE loop over sequences and experts): the
+    verify ops compute every position at once but for the SSD state's recurrence (two ops a position
+    and layer), so a verify forward of k = 4 takes the ops of an eager decode forward (it took 2.8x)."""
+    path = checkpoint_dir("mamba2")
+    decode = _forward_ops(make_engine(path), 1)
+    engine = make_engine(path, speculative_config=json.dumps({"method": "ngram", "num_speculative_tokens": 4}))
+    verify = {}
+    for k in (1, 4):
+        engine.speculator.drafter = _Repeat(k)
+        verify[k] = _forward_ops(engine, k + 1)
+    layers = len(engine.spec.mamba_layers)
+    assert verify[4] - verify[1] <= 2 * 3 * layers
+    assert verify[4] <= 1.05 * decode
 
 
 def test_engram_plan_takes_the_speculative_config(capsys):

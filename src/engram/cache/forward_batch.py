@@ -17,6 +17,8 @@ class VerifyStates:
 
     conv: dict[int, torch.Tensor]  # [S, K-1 + L, C]: the old conv state, then the step's inputs
     ssm: dict[int, torch.Tensor]  # [S, L, H, P, N]: the SSM state after each position
+    rows: torch.Tensor  # [S, L] int64: each position's row of the flat batch (past a sequence's length: its last)
+    flat: torch.Tensor  # [T] int64: each flat row's place in the [S * L] layout
 
 
 @dataclass

@@ -39,7 +39,7 @@ from engram.engine.warmup import WarmupReport, install_compile_counter, kernel_c
 from engram.layers.parallel import local_spec
 from engram.models.loader import load_model, load_model_from_state_dict
 from engram.models.spec import LayerKind, load_model_spec
-from engram.ops.dispatch import select_kernels, use_kernels
+from engram.ops.dispatch import kernels, select_kernels, use_kernels
 from engram.state.sequence_state import SequenceState, check_state
 from engram.state.staging import DeviceStaging
 
@@ -175,10 +175,21 @@ class LLMEngine:
                 f"layers of {self.spec.architecture} yet; leave the flag out"
             )
         self.speculator = (
-            Speculator(SpeculativeConfig.parse(args.speculative_config), self.state_pool, self.kv_pool, self.max_context_length)
+            Speculator(
+                SpeculativeConfig.parse(args.speculative_config),
+                self.state_pool,
+                self.kv_pool,
+                self.max_context_length,
+                args.max_running_requests,
+                self.device,
+            )
             if args.speculative_config is not None
             else None
         )
+        if self.speculator is not None and self.runner.graphs_on:  # verify steps of k + 1 tokens per sequence in graphs
+            width = self.speculator.config.num_speculative_tokens + 1
+            self.speculator.pad_drafts = self.runner.enable_verify_graphs(self.speculator.full_buffers(), width)
+            self.speculator.commit_graphs = self.runner.verify_graphs
         # a speculative step's drafter reads the tokens of the step before: none may be in flight
         self._overlap = args.enable_overlap_schedule and self.speculator is None
         self.eos_token_ids = set(self.spec.eos_token_ids)
@@ -490,15 +501,24 @@ class LLMEngine:
             at += c.length
         live = [(c, row) for c, row in zip(chunks, first) if not c.seq.is_finished]
         outputs = [c.seq for c, _ in live]
+        # Plain greedy rows (no penalties, masks, grammar or logprobs: a row's token does not depend
+        # on the tokens before it) take every row's argmax at once: one copy to the host.
+        plain = all(c.seq.params.greedy and self._overlappable(c.seq.params) and c.seq.matcher is None for c, _ in live)
+        argmax = kernels().argmax(logits).tolist() if plain and live else None
         r = 0
         while live:
             for c, _ in live:
                 self.speculator.keep(c.seq, r + 1)
-            rows = torch.tensor([row + r for _, row in live], device=logits.device)
-            tokens = self._append_sampled(logits[rows], [c.seq for c, _ in live])
+            if argmax is not None:
+                tokens = [argmax[row + r] for _, row in live]
+                for (c, _), token in zip(live, tokens):
+                    self._append_token(c.seq, None, token)
+            else:
+                rows = torch.tensor([row + r for _, row in live], device=logits.device)
+                tokens = self._append_sampled(logits[rows], [c.seq for c, _ in live])
             going = []
             for (c, row), token in zip(live, tokens):
-                if r < len(c.draft) and token == c.draft[r]:
+                if r < len(c.draft) and token == c.draft[r]:  # a filler position (`ScheduledChunk.padding`) never goes on
                     self.speculator.accepted(r)
                     if not c.seq.is_finished:
                         going.append((c, row))

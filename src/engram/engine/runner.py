@@ -30,6 +30,7 @@ import torch
 from engram.cache.forward_batch import ForwardBatch, VerifyStates
 from engram.engine.pools import KVPool, StatePool
 from engram.engine.scheduler import ScheduledChunk
+from engram.engine.verify_graphs import VerifyGraphs
 from engram.models.base import CausalLM
 from engram.ops.dispatch import kernels
 from engram.ops.staging import HEADER_WORDS, TOKEN_ROW, staged_length
@@ -116,6 +117,7 @@ class ModelRunner:
         self.argmax_in_sampled = False  # the last run was a decode graph: `sampled` holds its rows' argmax
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._sampled_copied: torch.cuda.Event | None = None  # the last copy of `sampled` to the host
+        self.verify_graphs: VerifyGraphs | None = None  # speculative verify steps in graphs (`enable_verify_graphs`)
 
     # ---- eager batches (prefill, mixed steps, CPU) --------------------------------------------
 
@@ -137,7 +139,7 @@ class ModelRunner:
         offset = 0
         for i, c in enumerate(chunks):
             end = offset + c.length
-            known = c.seq.token_ids[c.start : c.start + c.length - len(c.draft)] + c.draft
+            known = c.known_tokens
             input_ids[offset : offset + len(known)] = known
             if len(known) < c.length:
                 feed_at.append(end - 1)
@@ -153,7 +155,7 @@ class ModelRunner:
             cu[i + 1] = offset
             rows = c.prompt_rows
             logits_indices += [end - c.length + p - c.start for p in rows]
-            if c.draft:  # a verify chunk: a logits row after each fed token
+            if c.draft or c.padding:  # a verify chunk: a logits row after each fed token
                 logits_indices += range(end - c.length, end)
             elif c.completes and not (rows and rows[-1] == c.start + c.length - 1):
                 logits_indices.append(end - 1)
@@ -188,6 +190,13 @@ class ModelRunner:
 
     # ---- CUDA graphs for decode steps -----------------------------------------------------------
 
+    def enable_verify_graphs(self, states: VerifyStates, width: int) -> bool:
+        """Speculative verify steps of `width` tokens per sequence replay graphs captured on `states`
+        (engine/verify_graphs.py), when graphs are on. Returns whether they are."""
+        if self._graphs_enabled():
+            self.verify_graphs = VerifyGraphs(self, states, width)
+        return self.verify_graphs is not None
+
     @property
     def graphs_on(self) -> bool:
         return self._graphs_enabled()
@@ -202,13 +211,13 @@ class ModelRunner:
             return False
         if not all(c.length == 1 and c.start > 0 and c.completes for c in chunks):
             return False
-        max_pages = self._max_pages()
+        max_pages = self.max_pages()
         return all(len(c.seq.blocks) <= max_pages for c in chunks)
 
     def _max_graph_batch(self) -> int:
         return min(self.state_pool.num_slots, _GRAPH_BUCKETS[-1])
 
-    def _max_pages(self) -> int:
+    def max_pages(self) -> int:
         if not self.kv_pool.needs_pages:
             return 1 << 62
         ctx = self.max_context_length or self.kv_pool.num_blocks * self.kv_pool.block_size
@@ -221,13 +230,13 @@ class ModelRunner:
                 return b
         return self._max_graph_batch()
 
-    def _table_width(self) -> int:
+    def table_width(self) -> int:
         """Block-table columns of the decode graphs' inputs."""
-        return self._max_pages() if self.kv_pool.needs_pages else 1
+        return self.max_pages() if self.kv_pool.needs_pages else 1
 
     def _alloc_static(self) -> None:
         bmax = self._max_graph_batch()
-        width = self._table_width()
+        width = self.table_width()
         dev = self.device
         # A step's inputs: six int64 rows (input_ids, positions, slots, slot_mapping, context, each
         # row's token in `sampled` or -1), then the block tables (int32, column-major). The host
@@ -299,7 +308,7 @@ class ModelRunner:
         ops.argmax(logits, out=self.sampled[:b], host_out=self._host_tokens, turn=self._turn)
         return logits
 
-    def _record(self, forward: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def record(self, forward: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Warm up on a side stream, then capture one call of `forward` (on static buffers) as a graph."""
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -324,9 +333,9 @@ class ModelRunner:
         batch = self._graph_batch(b)
         # the warm-up's argmax overwrites tokens still to be read: this step's input, the host's last
         in_flight, host_tokens = self.sampled.clone(), self._host_tokens.clone()
-        graph, logits = self._record(lambda: self._decode_forward(batch))
+        graph, logits = self.record(lambda: self._decode_forward(batch))
         self._graphs[b] = (_DecodeGraph(graph, turns), logits)
-        self._count_capture("decode", b)
+        self.count_capture("decode", b)
         self._turn[0] = turns.parity  # the warm-ups took turns too
         self.sampled.copy_(in_flight)
         self._host_tokens.copy_(host_tokens)
@@ -374,11 +383,11 @@ class ModelRunner:
         c = chunks[0]
         if not c.completes or c.length > _PREFILL_BUCKETS[-1] or (c.length == 1 and c.start > 0) or c.seq.num_inflight:
             return False
-        return not self.kv_pool.needs_pages or len(c.seq.blocks) <= self._max_pages()
+        return not self.kv_pool.needs_pages or len(c.seq.blocks) <= self.max_pages()
 
     def _alloc_prefill_static(self) -> None:
         tmax = _PREFILL_BUCKETS[-1]
-        width = self._table_width()
+        width = self.table_width()
         dev = self.device
         n = 3 * tmax + 5  # ids | positions | slot mapping | slot, cu[0], cu[1], context, logits row
         self._pf_host = torch.zeros(n, dtype=torch.int64).pin_memory()
@@ -393,9 +402,7 @@ class ModelRunner:
         tmax = _PREFILL_BUCKETS[-1]
         p = self._pf["packed"]
         o = 3 * tmax
-        # Host placeholders: a prefill of tb tokens on a long context, so that every choice made on
-        # the host (grids, key splits) covers any real length up to tb and any context.
-        placeholder_ctx = max(self._max_pages() * self.kv_pool.block_size if self.kv_pool.needs_pages else 0, 1 << 16)
+        placeholder_ctx = self.placeholder_context()
         return ForwardBatch(
             input_ids=p[:tb],
             positions=p[tmax : tmax + tb],
@@ -411,6 +418,11 @@ class ModelRunner:
             context_lens_t=p[o + 3 : o + 4],
         )
 
+    def placeholder_context(self) -> int:
+        """The host's context length of a captured step of several tokens per sequence: a long one,
+        so that every choice made on the host (grids, key splits) covers any real context."""
+        return max(self.max_pages() * self.kv_pool.block_size if self.kv_pool.needs_pages else 0, 1 << 16)
+
     def _capture_prefill(self, tb: int) -> None:
         if not self._pf:
             self._alloc_prefill_static()
@@ -421,19 +433,21 @@ class ModelRunner:
         h[3 * tmax] = -1  # no slot: the warm-up and capture touch no state (and cu = [0, 0])
         self._pf["packed"].copy_(self._pf_host, non_blocking=True)
         batch = self._prefill_batch(tb)
-        self._prefill_graphs[tb] = self._record(lambda: self.model(batch))
-        self._count_capture("prefill", tb)
+        self._prefill_graphs[tb] = self.record(lambda: self.model(batch))
+        self.count_capture("prefill", tb)
 
-    def _count_capture(self, kind: str, size: int) -> None:
+    def count_capture(self, kind: str, size: int) -> None:
         self.num_graph_captures += 1
         if self.ready:  # on a request's path: say which
             logger.warning("CUDA graph captured after ready: %s bucket %d", kind, size)
 
     def capturable_buckets(self) -> list[tuple[str, int]]:
-        """Every graph a run could capture with graphs on, ("decode", batch) and ("prefill", tokens):
-        the largest batch is a bucket of its own when it falls between two."""
+        """Every graph a run could capture with graphs on, ("decode", batch), ("prefill", tokens) and,
+        with speculation, ("verify", batch): the largest batch is a bucket of its own when it falls
+        between two."""
         decode = sorted({b for b in _GRAPH_BUCKETS if b <= self._max_graph_batch()} | {self._max_graph_batch()})
-        return [("decode", b) for b in decode] + [("prefill", tb) for tb in _PREFILL_BUCKETS]
+        verify = self.verify_graphs.buckets() if self.verify_graphs is not None else []
+        return [("decode", b) for b in decode] + [("prefill", tb) for tb in _PREFILL_BUCKETS] + [("verify", b) for b in verify]
 
     @staticmethod
     def prefill_bucket(n: int) -> int:
@@ -447,14 +461,16 @@ class ModelRunner:
             self._capture(size)
         elif kind == "prefill" and size not in self._prefill_graphs:
             self._capture_prefill(size)
+        elif kind == "verify" and self.verify_graphs is not None:
+            self.verify_graphs.capture(size)
 
-    def _wait_pinned_inputs_read(self) -> None:
+    def wait_pinned_inputs_read(self) -> None:
         """Before refilling a prefill graph's pinned inputs: with overlapped steps the host can come
         back here before the GPU has run the last replay's copy out of them."""
         if self._inputs_sent is not None:
             self._inputs_sent.synchronize()
 
-    def _replay(self, graph: torch.cuda.CUDAGraph) -> None:
+    def replay_graph(self, graph: torch.cuda.CUDAGraph) -> None:
         """Replay a prefill graph after its input copies were queued, marking when those are done."""
         if self._inputs_sent is None:
             self._inputs_sent = torch.cuda.Event()
@@ -463,7 +479,7 @@ class ModelRunner:
         self.num_graph_replays += 1
 
     def _run_prefill_graph(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        self._wait_pinned_inputs_read()
+        self.wait_pinned_inputs_read()
         c = chunks[0]
         n = c.length
         tb = self.prefill_bucket(n)
@@ -489,7 +505,7 @@ class ModelRunner:
             nb = len(seq.blocks)
             self._pf["table"][0, :nb].copy_(self._pf_host_table[:nb], non_blocking=True)
         graph, logits = self._prefill_graphs[tb]
-        self._replay(graph)
+        self.replay_graph(graph)
         return logits
 
     # ---- the sampled tokens' way to the host ------------------------------------------------------
@@ -549,9 +565,12 @@ class ModelRunner:
     def run(self, chunks: list[ScheduledChunk], verify: VerifyStates | None = None) -> torch.Tensor:
         """Logits [number of completing chunks, vocab] (as the model returns them, on its device), valid until
         the next call (graph replays reuse their output buffers). A speculative step (`verify`: its
-        recurrent states by position) runs eagerly, with a row after every fed token of a verify chunk."""
+        recurrent states by position) has a row after every fed token of a verify chunk; it replays a
+        verify graph when the chunks have the graphs' width (`enable_verify_graphs`), else runs eagerly."""
         if verify is not None:
             self.argmax_in_sampled = False
+            if self.verify_graphs is not None and self._graphs_enabled() and self.verify_graphs.usable(chunks):
+                return self.verify_graphs.run(chunks)
             return self.model(self.build_batch(chunks, verify))
         self.argmax_in_sampled = self._graphs_usable(chunks)
         if self.argmax_in_sampled:

@@ -27,11 +27,23 @@ class ScheduledChunk:
     start: int  # first token position fed this step (== seq.num_computed)
     length: int  # tokens fed, the draft's included
     draft: list[int] = field(default_factory=list)  # speculative tokens fed after the sequence's own (engine/speculative.py)
+    padding: int = 0  # filler positions fed after the draft, never kept: a verify step of a fixed width (a CUDA graph's)
+
+    @property
+    def own_length(self) -> int:
+        """Tokens of the sequence's own fed (neither draft nor padding)."""
+        return self.length - len(self.draft) - self.padding
+
+    @property
+    def known_tokens(self) -> list[int]:
+        """The tokens fed that the host has: the sequence's own (but one still in flight), the draft,
+        the padding's filler (the last token again)."""
+        return self.seq.token_ids[self.start : self.start + self.own_length] + self.draft + self.seq.token_ids[-1:] * self.padding
 
     @property
     def completes(self) -> bool:
         """After this chunk the state covers every token: the next token can be sampled."""
-        return self.start + self.length - len(self.draft) == self.seq.num_tokens
+        return self.start + self.own_length == self.seq.num_tokens
 
     @property
     def prompt_rows(self) -> range:

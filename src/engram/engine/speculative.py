@@ -16,23 +16,41 @@ overwritten when those positions are fed again (pages past the kept tokens go ba
 Recurrent layers wrote nothing to the pool (ops/verify.py); `commit` writes the state after the
 kept tokens, lazily: before a finishing sequence's state is captured, or at the end of the step.
 
-Speculative steps run eagerly (no CUDA graph), and overlap scheduling is off while speculation
-is on: the drafter needs each step's tokens on the host.
+With CUDA graphs on, every chunk is padded to k + 1 fed tokens (`pad_drafts`) and a verify step
+replays a graph of its batch bucket, its commit another (engine/verify_graphs.py); otherwise it
+runs eagerly. Overlap scheduling is off while speculation is on: the drafter needs each step's
+tokens on the host.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from engram.cache.forward_batch import VerifyStates
+from engram.cache.views import StateCache
 from engram.engine.drafter import Drafter, NgramDrafter
 from engram.engine.pools import KVPool, StatePool
 from engram.engine.scheduler import ScheduledChunk
 from engram.engine.sequence import Sequence
 from engram.engine.spec_config import SpeculativeConfig
 from engram.ops.dispatch import kernels
+from engram.ops.verify import verify_layout
+
+
+class CommitGraphs(Protocol):
+    def commit(self, entries: list[list[int]]) -> bool:
+        """`commit_layers` of entries [slots, rows, fed] (host lists) from the widest step's buffers;
+        False: not done (no graph of that many entries)."""
+        ...
+
+
+def commit_layers(state_pool: StateCache, buffers: VerifyStates, slots: torch.Tensor, rows: torch.Tensor, fed: torch.Tensor) -> None:
+    """Into each Mamba2 layer's pool slots[i]: the state after fed[i] tokens of row rows[i] of `buffers`."""
+    for i, windows in buffers.conv.items():
+        kernels().commit_verified(state_pool.of(i, "conv"), state_pool.of(i, "ssm"), slots, windows, buffers.ssm[i], rows, fed)
 
 
 @dataclass
@@ -51,14 +69,22 @@ class _Pending:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, state_pool: StatePool, kv_pool: KVPool, max_context_length: int):
-        self.config = config
+    def __init__(
+        self, config: SpeculativeConfig, state_pool: StatePool, kv_pool: KVPool, max_context_length: int, max_seqs: int, device: torch.device
+    ):
+        self.config, self.device = config, device
         self.state_pool, self.kv_pool = state_pool, kv_pool
         self.max_context_length = max_context_length
+        self.max_seqs = max_seqs
         self.drafter: Drafter = NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max)
         self.stats = SpeculativeStats(accepted_per_position=[0] * config.num_speculative_tokens)
+        # Every chunk fed k + 1 tokens (filler after a short draft) where it can be: the width of the
+        # runner's verify graphs, set when they are on.
+        self.pad_drafts = False
         self._pending: dict[Sequence, _Pending] = {}
         self._verify: VerifyStates | None = None
+        self._full: VerifyStates | None = None  # the widest step's buffers, made on first use and kept
+        self.commit_graphs: CommitGraphs | None = None  # commits replayed from graphs (with the runner's verify graphs)
 
     def _draft_limit(self, seq: Sequence) -> int:
         """Draft tokens this sequence may verify: never past max_tokens (a step keeps at most the
@@ -77,19 +103,38 @@ class Speculator:
         for c in chunks:
             seq = c.seq
             draft = self.drafter.propose(seq.token_ids, self._draft_limit(seq))
-            need = self.kv_pool.blocks_for(c.start + 1 + len(draft)) - len(seq.blocks)
-            if draft and need <= self.kv_pool.num_free:
-                if need > 0:
-                    seq.blocks.extend(self.kv_pool.allocate(need))
+            if draft and self._fits(seq, c.start + 1 + len(draft)):
                 c.draft = draft
                 c.length += len(draft)
         if not any(c.draft for c in chunks):
             return None
+        if self.pad_drafts:
+            self._pad(chunks)
         self._pending = {c.seq: _Pending(row, c.start) for row, c in enumerate(chunks)}
-        self._verify = self._buffers(len(chunks), max(c.length for c in chunks))
+        self._verify = self._step_buffers([c.length for c in chunks])
         self.stats.drafts += sum(bool(c.draft) for c in chunks)
         self.stats.draft_tokens += sum(len(c.draft) for c in chunks)
         return self._verify
+
+    def _fits(self, seq: Sequence, tokens: int) -> bool:
+        """KV pages for `tokens` tokens of this sequence, taken from the free ones if it lacks them."""
+        need = self.kv_pool.blocks_for(tokens) - len(seq.blocks)
+        if need > self.kv_pool.num_free:
+            return False
+        if need > 0:
+            seq.blocks.extend(self.kv_pool.allocate(need))
+        return True
+
+    def _pad(self, chunks: list[ScheduledChunk]) -> None:
+        """Every chunk to k + 1 fed tokens, when each has the context room and the pages for it
+        (else the step stays as drafted, and runs eagerly)."""
+        width = self.config.num_speculative_tokens + 1
+        if any(self.max_context_length - len(c.seq.token_ids) < width - 1 for c in chunks):
+            return
+        if all(self._fits(c.seq, c.start + width) for c in chunks):
+            for c in chunks:
+                c.padding = width - c.length
+                c.length = width
 
     def _mamba_states(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """Each Mamba2 layer's (conv, ssm) pool tensors, the states a verify step keeps per position."""
@@ -98,10 +143,29 @@ class Speculator:
         return {i: (pool.of(i, "conv"), pool.of(i, "ssm")) for i in layers}
 
     def _buffers(self, num_seqs: int, length: int) -> VerifyStates:
+        """Buffers of a step of num_seqs sequences feeding `length` tokens each."""
         states = self._mamba_states()
         conv = {i: torch.empty(num_seqs, c.shape[1] + length, c.shape[2], dtype=c.dtype, device=c.device) for i, (c, _) in states.items()}
         ssm = {i: torch.empty(num_seqs, length, *t.shape[1:], dtype=t.dtype, device=t.device) for i, (_, t) in states.items()}
-        return VerifyStates(conv, ssm)
+        rows, flat = verify_layout([length] * num_seqs, self.device)
+        return VerifyStates(conv, ssm, rows, flat)
+
+    def full_buffers(self) -> VerifyStates:
+        """The widest step's buffers (max_seqs sequences of k + 1 tokens), kept: every step's are views of
+        them, so that a CUDA graph captured on them serves every step of its shape."""
+        if self._full is None:
+            self._full = self._buffers(self.max_seqs, self.config.num_speculative_tokens + 1)
+        return self._full
+
+    def _step_buffers(self, seq_lens: list[int]) -> VerifyStates:
+        full, n, length = self.full_buffers(), len(seq_lens), max(seq_lens)
+        unused = self.config.num_speculative_tokens + 1 - length  # positions of the widest step this one lacks
+        if not unused and min(seq_lens) == length:  # a padded step: its layout is the widest's (no copy)
+            rows, flat = full.rows[:n], full.flat[: n * length]
+        else:
+            rows, flat = verify_layout(seq_lens, self.device)
+        conv = {i: t[:n, : t.shape[1] - unused] for i, t in full.conv.items()}
+        return VerifyStates(conv, {i: t[:n, :length] for i, t in full.ssm.items()}, rows, flat)
 
     def keep(self, seq: Sequence, fed: int) -> None:
         """The sequence's state is to cover `fed` tokens of its verify chunk (its num_computed now says so)."""
@@ -115,18 +179,15 @@ class Speculator:
 
     def commit(self, seqs: list[Sequence]) -> None:
         """Write the kept state of these sequences into their slots and free their pages past it."""
-        done = [(seq, self._pending.pop(seq)) for seq in seqs if seq in self._pending and seq.slot is not None]
+        done = [(seq, slot, self._pending.pop(seq)) for seq in seqs if seq in self._pending and (slot := seq.slot) is not None]
         if not done or self._verify is None:
             return
-        states = self._mamba_states()
-        if states:
-            dev = next(iter(states.values()))[1].device
-            slots = torch.tensor([seq.slot for seq, _ in done], device=dev)
-            rows = torch.tensor([p.row for _, p in done], device=dev)
-            fed = torch.tensor([p.fed for _, p in done], device=dev)
-            for i, (conv, ssm) in states.items():
-                kernels().commit_verified(conv, ssm, slots, self._verify.conv[i], self._verify.ssm[i], rows, fed)
-        for seq, _ in done:
+        if self._verify.conv:
+            entries = [[slot for _, slot, _ in done], [p.row for _, _, p in done], [p.fed for _, _, p in done]]
+            if self.commit_graphs is None or not self.commit_graphs.commit(entries):
+                slots, rows, fed = torch.tensor(entries).to(self.device)
+                commit_layers(self.state_pool, self._verify, slots, rows, fed)
+        for seq, _, _ in done:
             keep = self.kv_pool.blocks_for(seq.num_tokens)
             self.kv_pool.free(seq.blocks[keep:])
             del seq.blocks[keep:]

@@ -2,7 +2,8 @@
 the first request, so that no request waits for a compilation.
 
 Stages (`warmup_plan`): the CUDA graphs of every batch bucket (decode; the largest batch too when
-it falls between two buckets) and token bucket (short prefills); then prefills of one length of
+it falls between two buckets; with speculation, verify steps and their commits) and token bucket
+(short prefills); then prefills of one length of
 each size class (`size_class`: Triton specializes integer arguments equal to 1 or divisible by 16,
 host code picks tile sizes from powers of two), one longer than a chunk (a chunk on top of KV
 context), run together so that prefill and decode rows share steps; the same lengths on a context

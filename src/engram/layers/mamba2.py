@@ -85,7 +85,8 @@ class Mamba2Mixer(nn.Module):
         else:
             gate, xbc, dt = self.in_proj(hidden).split([s.intermediate_size, s.conv_dim, heads], dim=-1)
             if batch.verify is not None:  # a speculative step: every position's state kept, the pool left as it is
-                xbc = k.causal_conv1d_verify(xbc, weight, self.conv1d.bias, conv_pool, slots, batch.seq_lens, batch.verify.conv[self.layer_index])
+                v = batch.verify
+                xbc = k.causal_conv1d_verify(xbc, weight, self.conv1d.bias, conv_pool, slots, v.rows, v.flat, v.conv[self.layer_index])
             else:
                 xbc = k.causal_conv1d_varlen(xbc, weight, self.conv1d.bias, conv_pool, slots, batch.seq_lens, batch.cu_seqlens)
 
@@ -115,8 +116,9 @@ class Mamba2Mixer(nn.Module):
         if batch.is_decode:
             y = k.ssd_state_update(ssm_pool, slots, x, dt, self.dt_bias, s.time_step_limit, self.A_log, B, C, self.D)
         elif batch.verify is not None:
+            v = batch.verify
             y = k.ssd_verify(
-                x, dt, self.dt_bias, s.time_step_limit, self.A_log, B, C, self.D, batch.seq_lens, ssm_pool, slots, batch.verify.ssm[self.layer_index]
+                x, dt, self.dt_bias, s.time_step_limit, self.A_log, B, C, self.D, v.rows, v.flat, ssm_pool, slots, v.ssm[self.layer_index]
             )
         else:
             y = k.ssd_varlen(

@@ -6,7 +6,8 @@
   residual add before them), gated RMS norm, SiLU-and-mul, the single-token SSD state update and
   causal-conv update (in place in the state pool, by slot; up to LINEAR_GEMV_MAX_ROWS rows the
   update also applies Mamba2's gate and norm weight, and the output projection's GEMV the norm's
-  row statistic), the varlen causal conv1d (both convs with Mamba2's SiLU, or without it as LFM2's
+  row statistic), a speculative verify step's conv and SSD (every position's state kept, one
+  launch each), the varlen causal conv1d (both convs with Mamba2's SiLU, or without it as LFM2's
   short conv), KV store, paged attention (prefill with context and
   decode), router top-k and the fused MoE (per-pair GEMV at small batch, grouped GEMM over the
   expert-sorted routed tokens above), the greedy token's argmax over the vocabulary, and a decode
@@ -150,6 +151,8 @@ def available() -> dict:
         short_conv1d_update=partial(conv.causal_conv1d_update, silu=False),
         ssd_state_update=ssd.ssd_state_update,
         ssd_state_update_norm_linear=ssd.ssd_state_update_norm_linear,
+        ssd_verify=ssd.ssd_verify,
+        causal_conv1d_verify=conv.causal_conv1d_verify,
         linear=linear.linear,
         rms_norm=norm.rms_norm,
         add_rms_norm=norm.add_rms_norm,

@@ -46,7 +46,8 @@ class KernelSet:
     softmax_topk_experts: Callable = moe.softmax_topk_experts
     argmax: Callable = sample.argmax
     take_decode_inputs: Callable = staging.take_decode_inputs
-    # A speculative step's per-position states and their commit (ops/verify.py); run eagerly.
+    # A speculative step's per-position states and their commit (ops/verify.py): fixed shapes, no
+    # host data, so that a verify step of a given (batch, k) can be captured (engine/verify_graphs.py).
     causal_conv1d_verify: Callable = verify.causal_conv1d_verify
     ssd_verify: Callable = verify.ssd_verify
     commit_verified: Callable = verify.commit_verified

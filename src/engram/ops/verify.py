@@ -9,28 +9,35 @@ pool untouched and keep, per sequence, what each position's state would be:
 - SSM: the recurrent form (exact for small k, and the same arithmetic as a decode step, so greedy
   output matches plain decoding), the state after each position [L, H, P, N].
 
+The positions are laid out as [S, L] by `verify_layout` once per step (device tensors, so no op
+here reads host data and a step of fixed (S, L) can be captured in a CUDA graph): `rows` [S, L],
+each position's row of the flat batch (clamped to the sequence's last one past its length), and
+`flat` [T], each flat row's place in the [S * L] layout. Everything is computed over all positions
+at once, except the SSM state's recurrence, which stays sequential over the L positions (two
+element-wise ops each) because a closed form over positions would round differently from decode.
+
 `commit_verified` then writes the state after each sequence's accepted tokens into the pool by
-slot. A fused CUDA path slots in here, in `ops/dispatch.py`'s `KernelSet` (`causal_conv1d_verify`,
-`ssd_verify`, `commit_verified`): one kernel per op over the padded [S, L] positions, reading
-`fed` from device memory so that a verify step of a given (batch, k) can be captured in a graph.
+slot. The CUDA set replaces `causal_conv1d_verify` and `ssd_verify` with one Triton launch each
+(triton_ops/conv.py, triton_ops/ssd.py).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from engram.ops.conv import causal_conv1d_step
-from engram.ops.ssd import discretize, ssd_step
+from engram.ops.ssd import discretize, expand_groups
 
 
-def padded_rows(seq_lens: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flat rows of a batch as [S, L] (L the longest), clamped into range, and which are real."""
-    lens = torch.tensor(seq_lens, device=device)
+def verify_layout(seq_lens: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows [S, L], flat [T]) of a verify step whose sequences feed seq_lens tokens, L the longest."""
+    lens = torch.tensor(seq_lens)
+    width = max(seq_lens)
     starts = torch.cumsum(lens, 0) - lens
-    steps = torch.arange(max(seq_lens), device=device)
-    valid = steps[None] < lens[:, None]
+    steps = torch.arange(width)
     rows = torch.minimum(starts[:, None] + steps[None], starts[:, None] + lens[:, None] - 1)
-    return rows, valid
+    flat = (torch.arange(len(seq_lens)) * width).repeat_interleave(lens) + torch.arange(int(lens.sum())) - starts.repeat_interleave(lens)
+    return rows.to(device), flat.to(device)
 
 
 def causal_conv1d_verify(
@@ -39,17 +46,19 @@ def causal_conv1d_verify(
     bias: torch.Tensor | None,
     conv_pool: torch.Tensor,
     slots: torch.Tensor,
-    seq_lens: list[int],
+    rows: torch.Tensor,
+    flat: torch.Tensor,
     windows: torch.Tensor,
 ) -> torch.Tensor:
-    """Flat batch x [T, C] split by seq_lens; conv_pool[slots] read, not written. Fills windows
-    [S, K-1 + L, C] and returns silu(conv(x)) [T, C], position by position as a decode step does."""
-    rows, valid = padded_rows(seq_lens, x.device)
+    """Flat batch x [T, C]; conv_pool[slots] read, not written. Fills windows [S, K-1 + L, C] and
+    returns silu(conv(x)) [T, C], each position as a decode step computes it (same einsum)."""
     k1 = conv_pool.shape[1]
-    full = torch.cat([conv_pool[slots].to(x.dtype), x[rows] * valid[..., None]], dim=1)  # [S, K-1 + L, C]
-    windows[:, : full.shape[1]] = full.to(windows.dtype)
-    ys = [causal_conv1d_step(full[:, t + k1], weight, bias, full[:, t : t + k1])[0] for t in range(rows.shape[1])]
-    return torch.stack(ys, dim=1)[valid]
+    full = torch.cat([conv_pool[slots].to(x.dtype), x[rows]], dim=1)  # [S, K-1 + L, C]
+    windows.copy_(full)
+    y = torch.einsum("slck,ck->slc", full.unfold(1, k1 + 1, 1), weight.to(x.dtype))  # [S, L, C]
+    if bias is not None:
+        y = y + bias
+    return F.silu(y).flatten(0, 1)[flat]
 
 
 def ssd_verify(
@@ -61,25 +70,30 @@ def ssd_verify(
     B: torch.Tensor,
     C: torch.Tensor,
     D: torch.Tensor,
-    seq_lens: list[int],
+    rows: torch.Tensor,
+    flat: torch.Tensor,
     ssm_pool: torch.Tensor,
     slots: torch.Tensor,
     states: torch.Tensor,
 ) -> torch.Tensor:
     """Flat batch (x [T, H, P], raw dt [T, H]) from ssm_pool[slots], which is read, not written.
     Fills states [S, L, H, P, N] (in the pool's dtype, rounded at every position as a decode step
-    rounds) and returns y [T, H, P] in float32. Padding positions have dt 0: the state carries over."""
-    rows, valid = padded_rows(seq_lens, x.device)
+    rounds) and returns y [T, H, P] in float32, y from the unrounded state as at decode."""
+    heads = x.shape[1]
     dt, A = discretize(dt, dt_bias, dt_limit, A_log)
+    xs, dts = x[rows].float(), dt[rows]  # [S, L, H, P], [S, L, H]
+    decay = torch.exp(dts * A[None, None])[..., None, None]
+    inputs = (xs * dts[..., None])[..., None] * expand_groups(B[rows].float(), heads)[..., None, :]  # [S, L, H, P, N]
+    exact = states if states.dtype == torch.float32 else torch.empty(states.shape, dtype=torch.float32, device=states.device)
     state = ssm_pool[slots]
-    ys = []
     for t in range(rows.shape[1]):
-        r = rows[:, t]
-        y, new = ssd_step(state, x[r], dt[r] * valid[:, t, None], A, B[r], C[r], D)
-        states[:, t] = new.to(states.dtype)
+        torch.mul(state, decay[:, t], out=exact[:, t])
+        exact[:, t].add_(inputs[:, t])
+        if exact is not states:
+            states[:, t] = exact[:, t]
         state = states[:, t]
-        ys.append(y)
-    return torch.stack(ys, dim=1)[valid]
+    y = torch.einsum("slhpn,slhn->slhp", exact, expand_groups(C[rows].float(), heads)) + xs * D.float()[:, None]
+    return y.flatten(0, 1)[flat]
 
 
 def commit_verified(

@@ -32,9 +32,8 @@ def conv_window(state, stride_pk, w, stride_wk, m, sm, K: tl.constexpr):
 
 
 @triton.jit
-def conv_apply(x, window, state, stride_pk, bias, sm, K: tl.constexpr, SILU: tl.constexpr):
-    """One token of the causal conv from its `conv_window`: conv, or silu(conv) with SILU, in float32;
-    the window in the pool shifted in place (every row was loaded before any is stored)."""
+def conv_value(x, window, bias, K: tl.constexpr, SILU: tl.constexpr):
+    """One token of the causal conv from its `conv_window`: conv, or silu(conv) with SILU, in float32."""
     s0, s1, s2, w0, w1, w2, w3 = window
     xdt = x.dtype
     acc = s0.to(xdt).to(tl.float32) * w0.to(tl.float32)
@@ -47,6 +46,17 @@ def conv_apply(x, window, state, stride_pk, bias, sm, K: tl.constexpr, SILU: tl.
         wl = w3
     acc += x.to(tl.float32) * wl.to(tl.float32)
     acc += bias
+    if SILU:
+        acc = acc * tl.sigmoid(acc)
+    return acc
+
+
+@triton.jit
+def conv_apply(x, window, state, stride_pk, bias, sm, K: tl.constexpr, SILU: tl.constexpr):
+    """`conv_value`, and the window in the pool shifted in place (every row was loaded before any is
+    stored)."""
+    s0, s1, s2, w0, w1, w2, w3 = window
+    acc = conv_value(x, window, bias, K, SILU)
     pt = state.dtype.element_ty
     if K == 2:
         tl.store(state, x.to(pt), mask=sm)
@@ -57,8 +67,6 @@ def conv_apply(x, window, state, stride_pk, bias, sm, K: tl.constexpr, SILU: tl.
         tl.store(state, s1.to(pt), mask=sm)
         tl.store(state + stride_pk, s2.to(pt), mask=sm)
         tl.store(state + 2 * stride_pk, x.to(pt), mask=sm)
-    if SILU:
-        acc = acc * tl.sigmoid(acc)
     return acc
 
 
@@ -104,6 +112,17 @@ def _conv_update_kernel(
     tl.store(Y + s * stride_y + c, y.to(Y.dtype.element_ty), mask=cm)
 
 
+def _conv_strides(x, weight, conv_pool) -> tuple[int, ...]:
+    """The input, weight and pool strides the conv kernels take, in their order."""
+    return x.stride(0), weight.stride(0), weight.stride(1), conv_pool.stride(0), conv_pool.stride(1)
+
+
+def _slot_conv_args(x, weight, bias, conv_pool, slots, y) -> tuple:
+    """The leading arguments of the kernels over one row of x per program row (update, verify):
+    X, W, Bias, Pool, Slots, Y, their strides, C."""
+    return (x, weight, bias if bias is not None else weight, conv_pool, slots, y, *_conv_strides(x, weight, conv_pool), y.stride(0), x.shape[1])
+
+
 def launch_conv_update(x, weight, bias, conv_pool, slots, y, silu=True):
     S, C = x.shape
     K = weight.shape[1]
@@ -111,19 +130,7 @@ def launch_conv_update(x, weight, bias, conv_pool, slots, y, silu=True):
     if S:
         block = 256
         _conv_update_kernel[(S, triton.cdiv(C, block))](
-            x,
-            weight,
-            bias if bias is not None else weight,
-            conv_pool,
-            slots,
-            y,
-            x.stride(0),
-            weight.stride(0),
-            weight.stride(1),
-            conv_pool.stride(0),
-            conv_pool.stride(1),
-            y.stride(0),
-            C,
+            *_slot_conv_args(x, weight, bias, conv_pool, slots, y),
             K=K,
             HAS_BIAS=bias is not None,
             SILU=silu,
@@ -241,11 +248,7 @@ def causal_conv1d_varlen(x, weight, bias, conv_pool, slots, seq_lens, cu_seqlens
         slots,
         cu_seqlens,
         y,
-        x.stride(0),
-        weight.stride(0),
-        weight.stride(1),
-        conv_pool.stride(0),
-        conv_pool.stride(1),
+        *_conv_strides(x, weight, conv_pool),
         y.stride(0),
         C,
         K=K,
@@ -259,4 +262,94 @@ def causal_conv1d_varlen(x, weight, bias, conv_pool, slots, seq_lens, cu_seqlens
     _conv_state_kernel[(S, triton.cdiv(C, 256))](
         x, conv_pool, slots, cu_seqlens, x.stride(0), conv_pool.stride(0), conv_pool.stride(1), C, K=K, BLOCK_C=256, num_warps=4, **PDL_LAUNCH
     )
+    return y
+
+
+@triton.jit
+def _conv_verify_kernel(
+    X,
+    W,
+    Bias,
+    Pool,
+    Slots,
+    Y,
+    stride_x,
+    stride_wc,
+    stride_wk,
+    stride_ps,
+    stride_pk,
+    stride_y,
+    C,
+    Rows,
+    Win,
+    stride_rs,
+    stride_ws,
+    stride_wt,
+    L,
+    K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """A verify step's conv (ops/verify.py:causal_conv1d_verify) for a block of channels of sequence
+    s: its window rows written to Win[s] (the pool's K - 1, then each position's input), each
+    position's silu(conv) as a decode step computes it, stored at its flat row (a position past the
+    sequence's length repeats its last row: not stored again). The pool is not written."""
+    s = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cm = c < C
+    slot = tl.load(Slots + s).to(tl.int64)
+    s0, s1, s2, w0, w1, w2, w3 = conv_window(Pool + slot * stride_ps + c, stride_pk, W + c * stride_wc, stride_wk, cm, cm & (slot >= 0), K)
+    bias = tl.load(Bias + c, mask=cm, other=0.0).to(tl.float32) if HAS_BIAS else 0.0
+    wait_for_previous_kernel()
+    win = Win + s * stride_ws + c
+    wt = Win.dtype.element_ty
+    tl.store(win, s0.to(wt), mask=cm)
+    if K >= 3:
+        tl.store(win + stride_wt, s1.to(wt), mask=cm)
+    if K >= 4:
+        tl.store(win + 2 * stride_wt, s2.to(wt), mask=cm)
+    last = s * 0 - 1  # the flat row stored last (int64)
+    for t in range(L):
+        r = tl.load(Rows + s * stride_rs + t).to(tl.int64)
+        x = tl.load(X + r * stride_x + c, mask=cm, other=0.0)
+        tl.store(win + (K - 1 + t) * stride_wt, x.to(wt), mask=cm)
+        y = conv_value(x, (s0, s1, s2, w0, w1, w2, w3), bias, K, True)
+        tl.store(Y + r * stride_y + c, y.to(Y.dtype.element_ty), mask=cm & (r != last))
+        last = r
+        if K == 2:
+            s0 = x.to(s0.dtype)
+        elif K == 3:
+            s0 = s1
+            s1 = x.to(s1.dtype)
+        else:
+            s0 = s1
+            s1 = s2
+            s2 = x.to(s2.dtype)
+
+
+def causal_conv1d_verify(x, weight, bias, conv_pool, slots, rows, flat, windows):
+    """`verify.causal_conv1d_verify` in one launch, over fixed [S, L] positions read from device
+    memory (a verify graph can hold it); `flat` is implied by `rows`."""
+    S, L = rows.shape
+    T, C = x.shape
+    K = weight.shape[1]
+    assert 2 <= K <= 4, "the verify conv handles kernel widths 2..4"
+    assert rows.stride(1) == 1 and windows.stride(2) == 1 and x.stride(1) == 1
+    y = torch.empty((T, C), dtype=x.dtype, device=x.device)
+    if S:
+        block = 256
+        _conv_verify_kernel[(S, triton.cdiv(C, block))](
+            *_slot_conv_args(x, weight, bias, conv_pool, slots, y),
+            rows,
+            windows,
+            rows.stride(0),
+            windows.stride(0),
+            windows.stride(1),
+            L,
+            K=K,
+            HAS_BIAS=bias is not None,
+            BLOCK_C=block,
+            num_warps=4,
+            **PDL_LAUNCH,
+        )
     return y

@@ -1,5 +1,6 @@
 """Mamba2's SSD: the single-token state update (state in the pool [slots, H, P, N]), with the gated
-norm folded into the output projection at small batch, and the token-by-token varlen scan."""
+norm folded into the output projection at small batch, the token-by-token varlen scan, and a
+speculative verify step's scan that keeps every position's state."""
 
 from __future__ import annotations
 
@@ -227,49 +228,69 @@ def _ssd_scan_kernel(
     HPG,
     dt_min,
     dt_max,
+    Rows,
+    States,
+    stride_rs,
+    stride_ss,
+    stride_sl,
+    stride_sh,
+    stride_sp,
+    L,
     BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    VERIFY: tl.constexpr,
 ):
     """The SSD recurrence token by token over each sequence of a flat batch, state in registers
-    (read from and written back to the pool by slot). For short prefill chunks: one launch, exact."""
+    (read from and written back to the pool by slot). For short prefill chunks: one launch, exact.
+
+    VERIFY (a speculative verify step, ops/verify.py:ssd_verify): the sequence's L positions are the
+    flat rows Rows[s, :] (past its length its last row again, whose y is not stored twice), the
+    state after each is stored in States[s, t] (rounded to its dtype, and carried on rounded, as
+    decode steps do), and the pool is not written."""
     wait_for_previous_kernel()
     s = tl.program_id(0).to(tl.int64)
     h, g, p, n, pm, nm, ptr, m2 = _ssd_tile(Pool, Slots, s, stride_ps, stride_ph, stride_pp, P, N, HPG, BLOCK_P, BLOCK_N)
-    start = tl.load(Cu + s)
-    end = tl.load(Cu + s + 1)
+    if VERIFY:
+        start = 0
+        end = L
+    else:
+        start = tl.load(Cu + s)
+        end = tl.load(Cu + s + 1)
     st = tl.load(ptr, mask=m2, other=0.0).to(tl.float32)
     dtb = tl.load(DtBias + h).to(tl.float32)
     A = -tl.exp(tl.load(ALog + h).to(tl.float32))
     Dh = tl.load(Dp + h).to(tl.float32)
-    for t in range(start, end):
+    out = States + s * stride_ss + h * stride_sh + p[:, None] * stride_sp + n[None, :]
+    last = s * 0 - 1  # VERIFY: the flat row whose y was stored last (int64)
+    for i in range(start, end):
+        if VERIFY:
+            t = tl.load(Rows + s * stride_rs + i).to(tl.int64)
+        else:
+            t = i
         dt = _ssd_dt(tl.load(DT + t * stride_dtt + h).to(tl.float32), dtb, dt_min, dt_max)
         x = tl.load(X + t * stride_xt + h * stride_xh + p, mask=pm, other=0.0).to(tl.float32)
         b = tl.load(Bm + t * stride_bt + g * stride_bg + n, mask=nm, other=0.0).to(tl.float32)
         c = tl.load(Cm + t * stride_ct + g * stride_cg + n, mask=nm, other=0.0).to(tl.float32)
         st = st * tl.exp(dt * A) + (x * dt)[:, None] * b[None, :]
         y = tl.sum(st * c[None, :], axis=1) + x * Dh
-        tl.store(Y + t * stride_yt + h * stride_yh + p, y, mask=pm)
-    tl.store(ptr, st.to(Pool.dtype.element_ty), mask=m2)
+        if VERIFY:
+            tl.store(Y + t * stride_yt + h * stride_yh + p, y, mask=pm & (t != last))
+            last = t
+            kept = st.to(States.dtype.element_ty)
+            tl.store(out + i * stride_sl, kept, mask=pm[:, None] & nm[None, :])
+            st = kept.to(tl.float32)
+        else:
+            tl.store(Y + t * stride_yt + h * stride_yh + p, y, mask=pm)
+    if not VERIFY:
+        tl.store(ptr, st.to(Pool.dtype.element_ty), mask=m2)
 
 
-# Sequences up to this long take the token-by-token scan (one launch, little host work); longer
-# prefills take the chunked kernels (fla-core). On the H200 (Granite-4.0-H-tiny) a whole forward of
-# one prompt took 37-79 ms with the scan at 256-2,048 tokens, 83-105 ms with fla-core
-# (benchmarks/step_paths.py); 2,048 is also the default chunk.
-SSD_SCAN_MAX_LEN = 2048
-
-
-def ssd_varlen_scan(x, dt, dt_bias, dt_limit, A_log, B, C, D, chunk_size, seq_lens, ssm_pool, slots, cu_seqlens=None):
-    """`ssd.ssd_varlen` by the recurrence itself (fast for short sequences)."""
-    T, H, P = x.shape
-    N = B.shape[2]
-    S = len(seq_lens)
-    y = torch.empty((T, H, P), dtype=torch.float32, device=x.device)
-    if S == 0 or T == 0:
-        return y
-    if cu_seqlens is None:
-        cu_seqlens = cu_seqlens_of(seq_lens, x.device)
+def _launch_scan(x, dt, dt_bias, dt_limit, A_log, B, C, D, ssm_pool, slots, y, cu_seqlens, S, verify=None):
+    """The scan kernel over S sequences; `verify`: (rows, states) for its VERIFY variant."""
+    H, P = x.shape[1], x.shape[2]
     assert x.stride(2) == 1 and B.stride(2) == 1 and C.stride(2) == 1 and ssm_pool.stride(3) == 1
+    rows, states = verify if verify is not None else (slots, y.view(1, *y.shape, 1))  # unused stand-ins
+    assert rows.stride(-1) == 1 and states.stride(-1) == 1
     bp = min(16, np2(P))
     _ssd_scan_kernel[(S, H, triton.cdiv(P, bp))](
         ssm_pool,
@@ -284,9 +305,46 @@ def ssd_varlen_scan(x, dt, dt_bias, dt_limit, A_log, B, C, D, chunk_size, seq_le
         D,
         y,
         *_ssd_strides(ssm_pool, x, dt, B, C, y, dt_limit),
+        rows,
+        states,
+        rows.stride(0),
+        states.stride(0),
+        states.stride(1),
+        states.stride(2),
+        states.stride(3),
+        rows.shape[-1] if verify is not None else 0,
         BLOCK_P=bp,
-        BLOCK_N=np2(N),
+        BLOCK_N=np2(B.shape[2]),
+        VERIFY=verify is not None,
         num_warps=4,
         **PDL_LAUNCH,
     )
+
+
+# Sequences up to this long take the token-by-token scan (one launch, little host work); longer
+# prefills take the chunked kernels (fla-core). On the H200 (Granite-4.0-H-tiny) a whole forward of
+# one prompt took 37-79 ms with the scan at 256-2,048 tokens, 83-105 ms with fla-core
+# (benchmarks/step_paths.py); 2,048 is also the default chunk.
+SSD_SCAN_MAX_LEN = 2048
+
+
+def ssd_varlen_scan(x, dt, dt_bias, dt_limit, A_log, B, C, D, chunk_size, seq_lens, ssm_pool, slots, cu_seqlens=None):
+    """`ssd.ssd_varlen` by the recurrence itself (fast for short sequences)."""
+    T, H, P = x.shape
+    S = len(seq_lens)
+    y = torch.empty((T, H, P), dtype=torch.float32, device=x.device)
+    if S == 0 or T == 0:
+        return y
+    if cu_seqlens is None:
+        cu_seqlens = cu_seqlens_of(seq_lens, x.device)
+    _launch_scan(x, dt, dt_bias, dt_limit, A_log, B, C, D, ssm_pool, slots, y, cu_seqlens, S)
+    return y
+
+
+def ssd_verify(x, dt, dt_bias, dt_limit, A_log, B, C, D, rows, flat, ssm_pool, slots, states):
+    """`verify.ssd_verify` in one launch (the scan kernel's VERIFY variant), over fixed [S, L]
+    positions read from device memory (a verify graph can hold it); `flat` is implied by `rows`."""
+    y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    if rows.shape[0]:
+        _launch_scan(x, dt, dt_bias, dt_limit, A_log, B, C, D, ssm_pool, slots, y, slots, rows.shape[0], (rows, states))
     return y
