@@ -69,21 +69,24 @@ class Qwen3NextForCausalLM(CausalLM):
     def renormalizes_topk(cfg: dict) -> bool:
         return bool(cfg.get("norm_topk_prob", True))
 
-    def _moe(self, layer: str) -> SharedExpertGateMoE:
-        moe = self.get_submodule(f"layers.{layer}.mlp")
-        assert isinstance(moe, SharedExpertGateMoE), f"layer {layer} has experts"
-        return moe
+    def _expert_half(self, name: str) -> tuple[re.Match[str], SharedExpertGateMoE] | None:
+        """An expert's gate or up projection and the MoE it belongs to (None for any other tensor,
+        and for one naming a layer without experts: the loader then says it has no place)."""
+        m = _EXPERT_HALF.fullmatch(name)
+        moe = self.get_submodule(f"layers.{m[1]}.mlp") if m is not None and int(m[1]) < len(self.layers) else None
+        return (m, moe) if m is not None and isinstance(moe, SharedExpertGateMoE) else None
 
     def map_weight_name(self, name: str) -> WeightPlace | None:
-        m = _EXPERT_HALF.fullmatch(name)
-        if m is None:
+        half = self._expert_half(name)
+        if half is None:
             return super().map_weight_name(name)
-        layer, expert, half = m[1], int(m[2]), m[3]
-        size = self._moe(layer).experts.gate_up_proj.shape[-2] // 2  # this rank's width
-        return f"layers.{layer}.mlp.experts.gate_up_proj", (expert, slice(0, size) if half == "gate" else slice(size, 2 * size))
+        m, moe = half
+        size = moe.experts.gate_up_proj.shape[-2] // 2  # this rank's width
+        return f"layers.{m[1]}.mlp.experts.gate_up_proj", (int(m[2]), slice(0, size) if m[3] == "gate" else slice(size, 2 * size))
 
     def weight_shard(self, name: str) -> Shard | None:
-        m = _EXPERT_HALF.fullmatch(name) if self.tensor_parallel_size > 1 else None
-        if m is None:
+        half = self._expert_half(name) if self.tensor_parallel_size > 1 else None
+        if half is None:
             return super().weight_shard(name)
-        return self._moe(m[1]).tp_shards()[f"experts.{m[3]}_proj"]
+        m, moe = half
+        return moe.tp_shards()[f"experts.{m[3]}_proj"]
