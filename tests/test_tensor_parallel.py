@@ -19,11 +19,14 @@ from engram.engine import tensor_parallel
 from engram.engine.memory_planner import MemoryPlanError
 from engram.models.spec import ConfigError
 
-# Shapes every size up to 4 divides: Mamba2 heads and groups, attention heads; Granite's 2 KV heads
-# are split at TP=2 and replicated at TP=4.
+# Shapes every size up to 4 divides: Mamba2 heads and groups, attention heads, gated DeltaNet q/k
+# heads (Qwen3-Next's with 2 value heads each), MLP and expert widths; 2 KV heads (Granite,
+# Qwen3-Next) are split at TP=2 and replicated at TP=4, Qwen3.5's one is replicated.
 _SHAPES = {
     "mamba2": dict(num_heads=8, head_dim=12, n_groups=4),
     "granite": dict(num_attention_heads=8, num_key_value_heads=2, mamba_n_heads=8, mamba_d_head=12, mamba_n_groups=4),
+    "qwen3_next": dict(linear_num_key_heads=4, linear_num_value_heads=8),
+    "qwen3_5": dict(num_attention_heads=8, linear_num_key_heads=4, linear_num_value_heads=4),
     "nemotron": {},  # the test shapes (6 Mamba2 heads in 2 groups): TP=2 only
     "bamba": {},
 }
@@ -60,7 +63,9 @@ def _decode(engine, max_tokens: int = 12) -> tuple[list[list[int]], list[torch.T
     return [out[f"r{i}"].token_ids for i in range(len(PROMPTS))], logits
 
 
-@pytest.mark.parametrize("kind,sizes", [("mamba2", (2, 4)), ("granite", (2, 4)), ("nemotron", (2,)), ("bamba", (2,))])
+@pytest.mark.parametrize(
+    "kind,sizes", [("mamba2", (2, 4)), ("granite", (2, 4)), ("qwen3_next", (2, 4)), ("qwen3_5", (2, 4)), ("nemotron", (2,)), ("bamba", (2,))]
+)
 def test_greedy_outputs_and_logits_at_tp2_and_tp4_equal_tp1(kind, sizes, engines):
     tokens, logits = _decode(engines(kind, 1))
     for size in sizes:
@@ -76,7 +81,7 @@ def _capture(engine, prompt: list[int]):
     return run_to_end(engine)["head"].state
 
 
-@pytest.mark.parametrize("kind", ["mamba2", "granite"])
+@pytest.mark.parametrize("kind", ["mamba2", "granite", "qwen3_next"])
 def test_a_captured_state_has_the_unsharded_layout_at_every_size(kind, engines):
     prompt = PROMPTS[2]
     whole = _capture(engines(kind, 1), prompt)
@@ -88,27 +93,34 @@ def test_a_captured_state_has_the_unsharded_layout_at_every_size(kind, engines):
             torch.testing.assert_close(state.tensors[name], t, atol=1e-5, rtol=1e-4, msg=f"{name} at TP={size}")
 
 
+@pytest.mark.parametrize("kind", ["granite", "qwen3_next"])
 @pytest.mark.parametrize("saved_at,resumed_at", [(2, 1), (2, 4), (1, 2), (4, 2)])
-def test_a_conversation_saved_at_one_size_resumes_exactly_at_another(saved_at, resumed_at, engines, tmp_path):
+def test_a_conversation_saved_at_one_size_resumes_exactly_at_another(kind, saved_at, resumed_at, engines, tmp_path):
     """Turn 1 at one size, written to disk; turn 2 at another, from a fresh manager (the snapshot
     file, nothing warm): it computes only its new tokens and continues as a full prefill would."""
     first, second = random_prompt(23, seed=7), random_prompt(9, seed=8)
-    saver = engines("granite", saved_at)
+    saver = engines(kind, saved_at)
     turn, out1, _, _ = take_turn(saver, manager_for(saver, tmp_path), "c", first)
-    resumer = engines("granite", resumed_at)
+    resumer = engines(kind, resumed_at)
     _, out2, computed, plan = take_turn(resumer, manager_for(resumer, tmp_path), "c", second)
     assert plan.state_tier == "cold"
     assert computed == len(second) + len(plan.history_tokens) - out1.state.state_len
     assert plan.history_tokens == first + out1.token_ids
-    assert out2.token_ids == full_generation(engines("granite", 1), plan.history_tokens + second)
+    assert out2.token_ids == full_generation(engines(kind, 1), plan.history_tokens + second)
 
 
-def test_a_split_that_does_not_divide_is_refused_naming_the_field(tmp_path):
+def test_a_split_that_does_not_divide_is_refused_naming_the_field(tmp_path, capsys):
     path = write_checkpoint("mamba2", tmp_path / "m", num_heads=8, head_dim=12, n_groups=2)
     with pytest.raises(ConfigError, match="n_groups = 2 is not divisible by --tensor-parallel-size 4"):
         make_engine(str(path), tensor_parallel_size=4)
     with pytest.raises(ValueError, match="--tensor-parallel-size must be at least 1"):
         make_engine(str(path), tensor_parallel_size=0)
+    # the test shapes' 2 gated DeltaNet q/k heads (4 value heads) split over 2 ranks, not over 4
+    gdn = str(write_checkpoint("qwen3_next", tmp_path / "q"))
+    with pytest.raises(ConfigError, match="linear_num_key_heads = 2 is not divisible by --tensor-parallel-size 4"):
+        make_engine(gdn, tensor_parallel_size=4)
+    assert plan.main(["--model-path", gdn, "--json", "--tensor-parallel-size", "4"]) == 2
+    assert "linear_num_key_heads = 2 is not divisible" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("kind, architecture", [("falcon_h1", "FalconH1ForCausalLM"), ("lfm2", "Lfm2ForCausalLM")])
@@ -125,15 +137,16 @@ def test_tp_is_an_alias_of_tensor_parallel_size():
     assert parser.parse_args([]).tensor_parallel_size == 1
 
 
-def test_plan_sizes_each_ranks_share(engines, capsys):
-    path = str(engines("granite", 1).model_path)
+@pytest.mark.parametrize("kind", ["granite", "qwen3_next"])
+def test_plan_sizes_each_ranks_share(kind, engines, capsys):
+    path = str(engines(kind, 1).model_path)
     plans = {}
     for size in SIZES:
         assert plan.main(["--model-path", path, "--json", "--tensor-parallel-size", str(size)]) == 0
         plans[size] = json.loads(capsys.readouterr().out)
     one = plans[1]
     for size in (2, 4):
-        # Mamba2 heads and groups split evenly: the recurrent state per sequence is 1/size of it
+        # Mamba2 heads and groups, gated DeltaNet heads split evenly: the recurrent state per sequence is 1/size of it
         assert plans[size]["state_bytes_per_seq"] * size == one["state_bytes_per_seq"]
         # embeddings, norms and routers are whole on every rank
         assert one["weights_bytes"] / size < plans[size]["weights_bytes"] < one["weights_bytes"]

@@ -48,14 +48,17 @@ class Attention(nn.Module):
         return parts
 
     def tp_shards(self) -> dict[str, Shard]:
-        """This rank's query heads of q_proj and o_proj, its KV heads of k_proj and v_proj."""
+        """This rank's query heads of q_proj (each head's q and output gate, when gated) and o_proj,
+        its KV heads of k_proj and v_proj."""
         assert self.tp is not None
         s, rank, size = self.full_spec, self.tp.rank, self.tp.size
         q = (even(s.num_heads * s.head_dim, rank, size),)
+        q_rows = (even(s.num_heads * s.head_dim * (2 if s.output_gate else 1), rank, size),)
         first, last = parallel.kv_heads_of(s, rank, size)
         kv = ((first * s.head_dim, last * s.head_dim),)
         return {
-            **parallel.linear_shards(rank, q, column=("q_proj",), row=("o_proj",), out_features=self.o_proj.out_features),
+            **parallel.linear_shards(rank, q_rows, column=("q_proj",)),
+            **parallel.linear_shards(rank, q, row=("o_proj",), out_features=self.o_proj.out_features),
             **parallel.linear_shards(rank, kv, column=("k_proj", "v_proj")),
         }
 

@@ -5,6 +5,10 @@ causal conv update of those columns rides on the projection (`linear_conv_update
 Checkpoints hold the projection in parts (`packed_parts`): Qwen3.5's in_proj_qkv, in_proj_z,
 in_proj_b, in_proj_a as row ranges; Qwen3-Next's in_proj_qkvz and in_proj_ba grouped by q/k head,
 scattered to their rows here.
+
+Under tensor parallelism a rank keeps an equal part of the q/k heads and the value heads grouped
+over them: their rows of every projection part, their conv channels and state, and the columns of
+out_proj (row-parallel, then an all-reduce). The per-head norm is whole on every rank.
 """
 
 from __future__ import annotations
@@ -14,7 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from engram.cache.forward_batch import ForwardBatch
+from engram.layers import parallel
 from engram.layers.linear import Linear
+from engram.layers.parallel import Range, Shard, even
 from engram.models.spec import GatedDeltaNetSpec
 from engram.ops.dispatch import kernels
 
@@ -22,6 +28,9 @@ from engram.ops.dispatch import kernels
 class GatedDeltaNet(nn.Module):
     def __init__(self, spec: GatedDeltaNetSpec, hidden_size: int, layer_index: int):
         super().__init__()
+        self.tp = parallel.current()
+        self.full_spec = spec
+        spec = parallel.local_gated_deltanet(spec, self.tp.size) if self.tp is not None else spec
         self.spec = spec
         self.layer_index = layer_index
         self.sizes = [spec.conv_dim, spec.value_dim, spec.num_v_heads, spec.num_v_heads]  # qkv, z, b, a
@@ -50,6 +59,42 @@ class GatedDeltaNet(nn.Module):
         parts["in_proj_ba.weight"] = ("in_proj.weight", torch.cat((b.view(-1, group), a.view(-1, group)), dim=1).flatten())
         return parts
 
+    def _ranges(self, rank: int) -> dict[str, tuple[Range, ...]]:
+        """Rank `rank`'s entries in the full mixer's layout: its value heads, value channels, q, k
+        and v channels of the conv's [q | k | v], and its rows of Qwen3-Next's per-q/k-head packed
+        in_proj_qkvz and in_proj_ba."""
+        assert self.tp is not None
+        s, size = self.full_spec, self.tp.size
+        qkv = (even(s.key_dim, rank, size), even(s.key_dim, rank, size, s.key_dim), even(s.value_dim, rank, size, 2 * s.key_dim))
+        return {
+            "heads": (even(s.num_v_heads, rank, size),),
+            "v": (even(s.value_dim, rank, size),),
+            "qkv": qkv,
+            "qkvz": (even(s.conv_dim + s.value_dim, rank, size),),
+            "ba": (even(2 * s.num_v_heads, rank, size),),
+        }
+
+    def tp_shards(self) -> dict[str, Shard]:
+        """This rank's part of each checkpoint tensor (either layout's in_proj parts)."""
+        assert self.tp is not None
+        rank, r = self.tp.rank, self._ranges(self.tp.rank)
+        heads = Shard(-1, r["heads"])
+        return {
+            **parallel.linear_shards(rank, r["qkv"], column=("in_proj_qkv",)),
+            **parallel.linear_shards(rank, r["v"], column=("in_proj_z",), row=("out_proj",), out_features=self.out_proj.out_features),
+            **parallel.linear_shards(rank, r["heads"], column=("in_proj_b", "in_proj_a")),
+            **parallel.linear_shards(rank, r["qkvz"], column=("in_proj_qkvz",)),
+            **parallel.linear_shards(rank, r["ba"], column=("in_proj_ba",)),
+            "conv1d.weight": Shard(-3, r["qkv"]),
+            "dt_bias": heads,
+            "A_log": heads,
+        }
+
+    def state_shards(self, rank: int) -> dict[str, Shard]:
+        """Rank `rank`'s part of this layer's conv state [K-1, q|k|v] and recurrent state [v heads, ...]."""
+        r = self._ranges(rank)
+        return {f"layers.{self.layer_index}.conv": Shard(-1, r["qkv"]), f"layers.{self.layer_index}.recurrent": Shard(-3, r["heads"])}
+
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         s, k = self.spec, kernels()
         assert batch.verify is None, "speculative verify steps are refused for gated DeltaNet models at start-up"
@@ -76,4 +121,5 @@ class GatedDeltaNet(nn.Module):
         o = k.norm_then_gate(
             o.to(hidden.dtype).reshape(-1, s.head_v_dim), z.reshape(-1, s.head_v_dim), self.norm.weight, s.norm_eps, s.head_v_dim, hidden.dtype
         )
-        return self.out_proj(o.reshape(-1, s.value_dim))
+        out = self.out_proj(o.reshape(-1, s.value_dim))
+        return out if self.tp is None else self.tp.all_reduce(out)

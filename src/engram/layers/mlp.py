@@ -51,7 +51,12 @@ class GatedMLP(_Sharded):
         return parallel.linear_shards(self.tp.rank, self._inner(), ("gate_proj", "up_proj"), ("down_proj",), out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
+        return self._reduce(self.partial_sum(x))
+
+    def partial_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's term of the output (all of it without tensor parallelism), for a block that
+        sums it with its own terms before one all-reduce."""
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class FusedGatedMLP(_Sharded):
@@ -188,20 +193,33 @@ class _Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
 
-class SharedExpertGateMoE(nn.Module):
+class SharedExpertGateMoE(_Sharded):
     """Qwen3-Next / Qwen3.5 MoE: softmax over every expert's logit, the top k (renormalized when
     `norm_topk_prob`), gated SiLU experts, plus a gated MLP shared expert scaled by
-    sigmoid(shared_expert_gate(x))."""
+    sigmoid(shared_expert_gate(x)). Tensor-parallel inside each expert and the shared expert; the
+    router and the shared expert's gate are whole, so the scaled sum is reduced once."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, norm_topk_prob: bool, shared_intermediate_size: int):
         super().__init__()
+        intermediate_size = self._local_width(intermediate_size)
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
         self.gate = Linear(hidden_size, num_experts, bias=False)
         self.experts = _Experts(hidden_size, intermediate_size, num_experts)
         self.shared_expert = GatedMLP(hidden_size, shared_intermediate_size)
         self.shared_expert_gate = Linear(hidden_size, 1, bias=False)
 
+    def tp_shards(self) -> dict[str, Shard]:
+        """The stacked experts' rows and columns, and those of one expert's gate or up projection
+        (`experts.gate_proj` / `experts.up_proj`: the checkpoints' per-expert halves of gate_up_proj)."""
+        half = Shard(-2, self._inner())
+        return {
+            "experts.gate_up_proj": Shard(-2, self._inner(2)),
+            "experts.down_proj": Shard(-1, self._inner()),
+            "experts.gate_proj": half,
+            "experts.up_proj": half,
+        }
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route_softmax_all_topk(self.gate(x), self.top_k, self.norm_topk_prob)
         routed = kernels().moe_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, F.silu, True)
-        return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return self._reduce(routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert.partial_sum(x))

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from engram.models.spec import AttentionSpec, ConfigError, MambaSpec, ModelSpec
+from engram.models.spec import AttentionSpec, ConfigError, GatedDeltaNetSpec, MambaSpec, ModelSpec
 
 Range = tuple[int, int]  # [start, stop) along a shard's dimension
 
@@ -114,6 +114,16 @@ def local_mamba(spec: MambaSpec, size: int) -> MambaSpec:
     )
 
 
+def local_gated_deltanet(spec: GatedDeltaNetSpec, size: int) -> GatedDeltaNetSpec:
+    """One rank's gated DeltaNet: its q/k heads and the value heads grouped over them (as many
+    value heads per q/k head as the full mixer has, so each value head keeps its q/k head)."""
+    return dataclasses.replace(
+        spec,
+        num_k_heads=split(spec.num_k_heads, "linear_num_key_heads", size),
+        num_v_heads=split(spec.num_v_heads, "linear_num_value_heads", size),
+    )
+
+
 def local_attention(spec: AttentionSpec, size: int) -> AttentionSpec:
     """One rank's attention: its query heads; KV heads split, or one each (replicated) when fewer
     than the ranks."""
@@ -139,6 +149,7 @@ def local_spec(spec: ModelSpec, size: int) -> ModelSpec:
     return dataclasses.replace(
         spec,
         mamba=local_mamba(spec.mamba, size) if spec.mamba is not None else None,
+        gated_deltanet=local_gated_deltanet(spec.gated_deltanet, size) if spec.gated_deltanet is not None else None,
         attention=local_attention(spec.attention, size) if spec.attention is not None else None,
     )
 

@@ -12,8 +12,9 @@ from torch import nn
 from engram.cache.forward_batch import ForwardBatch
 from engram.layers.mlp import GatedMLP, SharedExpertGateMoE
 from engram.layers.norm import ZeroCenteredRMSNorm
+from engram.layers.parallel import Shard
 from engram.models.base import CausalLM, WeightPlace, sequence_mixer
-from engram.models.spec import ConfigError, ModelSpec
+from engram.models.spec import ModelSpec
 
 # The language model's weights; multimodal Qwen3.5 checkpoints nest them under `language_model`.
 _PREFIX = r"model\.(?:language_model\.)?"
@@ -60,8 +61,6 @@ class Qwen3NextForCausalLM(CausalLM):
 
     def __init__(self, spec: ModelSpec):
         super().__init__(spec)
-        if self.tensor_parallel_size > 1:  # gated DeltaNet and gated attention declare no shards yet
-            raise ConfigError(f"{spec.architecture} does not run with --tensor-parallel-size > 1 yet")
         norm_topk_prob = self.renormalizes_topk(spec.config)
         self.layers = nn.ModuleList(QwenHybridBlock(spec, i, norm_topk_prob) for i in range(spec.num_layers))
         self.norm = ZeroCenteredRMSNorm(spec.hidden_size, float(spec.config.get("rms_norm_eps", 1e-6)))
@@ -70,10 +69,24 @@ class Qwen3NextForCausalLM(CausalLM):
     def renormalizes_topk(cfg: dict) -> bool:
         return bool(cfg.get("norm_topk_prob", True))
 
-    def map_weight_name(self, name: str) -> WeightPlace | None:
+    def _expert_half(self, name: str) -> tuple[re.Match[str], SharedExpertGateMoE] | None:
+        """An expert's gate or up projection and the MoE it belongs to (None for any other tensor,
+        and for one naming a layer without experts: the loader then says it has no place)."""
         m = _EXPERT_HALF.fullmatch(name)
-        if m is None:
+        moe = self.get_submodule(f"layers.{m[1]}.mlp") if m is not None and int(m[1]) < len(self.layers) else None
+        return (m, moe) if m is not None and isinstance(moe, SharedExpertGateMoE) else None
+
+    def map_weight_name(self, name: str) -> WeightPlace | None:
+        half = self._expert_half(name)
+        if half is None:
             return super().map_weight_name(name)
-        layer, expert, half = int(m[1]), int(m[2]), m[3]
-        size = int(self.spec.config["moe_intermediate_size"])
-        return f"layers.{layer}.mlp.experts.gate_up_proj", (expert, slice(0, size) if half == "gate" else slice(size, 2 * size))
+        m, moe = half
+        size = moe.experts.gate_up_proj.shape[-2] // 2  # this rank's width
+        return f"layers.{m[1]}.mlp.experts.gate_up_proj", (int(m[2]), slice(0, size) if m[3] == "gate" else slice(size, 2 * size))
+
+    def weight_shard(self, name: str) -> Shard | None:
+        half = self._expert_half(name) if self.tensor_parallel_size > 1 else None
+        if half is None:
+            return super().weight_shard(name)
+        m, moe = half
+        return moe.tp_shards()[f"experts.{m[3]}_proj"]
