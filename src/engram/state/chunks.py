@@ -283,8 +283,8 @@ class ChunkStore:
         pieces = stored.pieces
         if [p.start for p in pieces] != [0, *(p.end for p in pieces[:-1])] or (pieces[-1].end if pieces else 0) != stored.state_len:
             raise SnapshotCorruptError(f"the pieces {[(p.start, p.end) for p in pieces]} do not cover 0..{stored.state_len} in order")
-        # The KV goes straight from each piece's file buffer into one tensor per layer (its rows
-        # [start, end)), in the readers' threads: one read, one hash, one copy per byte.
+        # Each piece's file is read straight into its rows [start, end) of one tensor per layer, in
+        # the readers' threads, and hashed there: one read and one hash per byte, no copy.
         held = self.resident_pieces(pieces, resident)
         rows = pieces[held - 1].end if held else 0
         shared = resident.kv_pieces(0, rows) if resident is not None and held and self._kv else []
