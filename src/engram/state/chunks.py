@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import array
 import hashlib
+import io
 import json
 import logging
 import math
@@ -403,17 +404,17 @@ class ChunkStore:
                     raise SnapshotCorruptError(
                         f"store piece {piece.key[:12]}: {name} is {entry['dtype']} {entry['shape']}, expected {target.dtype} {tuple(target.shape)}"
                     )
-                if target.nbytes and os.preadv(f.fileno(), [target.reshape(-1).view(torch.uint8).numpy()], base + begin) != target.nbytes:
+                if target.nbytes and os.preadv(f.fileno(), [target.reshape(-1).view(torch.uint8).numpy().data], base + begin) != target.nbytes:
                     raise SnapshotCorruptError(f"{where}: the file changed size while it was read")
         if tensor_checksum(targets, threads=1) != piece.checksum:
             self._set_aside(path)
             raise SnapshotCorruptError(f"{where}: checksum mismatch: the data is not what was saved")
         return targets["tokens"].tolist(), size
 
-    def _open(self, path: Path, where: str) -> IO[bytes]:
+    def _open(self, path: Path, where: str) -> io.BufferedReader:
         """A stored file opened for reading (never through a link); a missing one is damage."""
         try:
-            return open(path, "rb", buffering=0, opener=lambda p, flags: os.open(p, flags | os.O_NOFOLLOW))
+            return open(path, "rb", opener=lambda p, flags: os.open(p, flags | os.O_NOFOLLOW))
         except FileNotFoundError:  # a referenced file is gone: damage, not a turn without a snapshot
             found = "was found damaged and set aside" if (self.dir / "damaged" / path.name).exists() else "is missing"
             raise SnapshotCorruptError(f"{where} {found}") from None
