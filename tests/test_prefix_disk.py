@@ -206,8 +206,8 @@ def test_a_disk_load_reads_only_the_pieces_memory_does_not_hold(engine, tmp_path
     after = prefix_manager(engine, tmp_path)
     assert after.prefix_cache.lookup(first + [1]).state_len == len(first)  # from disk: now in memory
     read: list[str] = []
-    real = chunks.read_no_follow
-    monkeypatch.setattr(chunks, "read_no_follow", lambda path: read.append(path.parent.parent.name) or real(path))
+    real = chunks.ChunkStore._open
+    monkeypatch.setattr(chunks.ChunkStore, "_open", lambda self, path, where: read.append(path.parent.parent.name) or real(self, path, where))
     longer = second + random_prompt(5, 32)
     stats = after.store.stats
     read_before = stats.pieces_read

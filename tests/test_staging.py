@@ -108,20 +108,20 @@ def test_copies_start_before_the_last_piece_is_read(engine, tmp_path, monkeypatc
     last = stored.pieces[-1].key
     events: list[str] = []
     lock = threading.Lock()
-    real = chunks.read_no_follow
+    real = chunks.ChunkStore._open
 
-    def slow_read(path):
+    def slow_open(self, path, where):
         time.sleep(0.3 if path.name.startswith(last) else 0.01)
         with lock:
             events.append(f"read {path.name[:8]}")
-        return real(path)
+        return real(self, path, where)
 
     class Spy(DeviceStaging):
         def kv(self, start, tensors):
             events.append(f"copy {start}")
             super().kv(start, tensors)
 
-    monkeypatch.setattr(chunks, "read_no_follow", slow_read)
+    monkeypatch.setattr(chunks.ChunkStore, "_open", slow_open)
     staging = Spy(torch.device("cpu"))
     host = manager.store.chunks.load(stored, staging=staging)
     copies = [i for i, e in enumerate(events) if e.startswith("copy")]

@@ -266,8 +266,8 @@ def test_a_cold_turn_load_takes_the_kv_a_later_warm_turn_holds_instead_of_readin
     assert pieces >= 2
     manager.warm.drop("c", turns[0].ref)  # turn 0 is cold; turn 2, which holds its whole prefix, is warm
     read: list[str] = []
-    real = chunks.read_no_follow
-    monkeypatch.setattr(chunks, "read_no_follow", lambda path: read.append(path.parent.parent.name) or real(path))
+    real = chunks.ChunkStore._open
+    monkeypatch.setattr(chunks.ChunkStore, "_open", lambda self, path, where: read.append(path.parent.parent.name) or real(self, path, where))
     before = (stats.pieces_read, stats.pieces_resident)
     state = manager.load_into_warm("c", turns[0])
     assert (stats.pieces_read, stats.pieces_resident) == (before[0], before[1] + pieces)

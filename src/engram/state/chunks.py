@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import array
 import hashlib
+import io
 import json
 import logging
 import math
@@ -283,8 +284,8 @@ class ChunkStore:
         pieces = stored.pieces
         if [p.start for p in pieces] != [0, *(p.end for p in pieces[:-1])] or (pieces[-1].end if pieces else 0) != stored.state_len:
             raise SnapshotCorruptError(f"the pieces {[(p.start, p.end) for p in pieces]} do not cover 0..{stored.state_len} in order")
-        # The KV goes straight from each piece's file buffer into one tensor per layer (its rows
-        # [start, end)), in the readers' threads: one read, one hash, one copy per byte.
+        # Each piece's file is read straight into its rows [start, end) of one tensor per layer, in
+        # the readers' threads, and hashed there: one read and one hash per byte, no copy.
         held = self.resident_pieces(pieces, resident)
         rows = pieces[held - 1].end if held else 0
         shared = resident.kv_pieces(0, rows) if resident is not None and held and self._kv else []
@@ -372,45 +373,80 @@ class ChunkStore:
         return sum(dtype.itemsize * math.prod(shape) for shape, dtype in recurrent_tensors(self.spec, self.dtypes).values())
 
     def _read_piece(self, piece: PieceRef, kv: dict[str, torch.Tensor], offset: int) -> tuple[list[int], int]:
-        """Read and verify one piece, copy its KV into rows [start, end) - offset of `kv`; its
+        """Read and verify one piece straight into rows [start, end) - offset of `kv` (no file
+        buffer, no copy: the hash runs over the rows just read, in this reader's thread); its
         tokens and the bytes read."""
-        tensors, nbytes = self._read(self.piece_path(piece.key), piece.checksum, PIECE_FORMAT)
         rows = piece.end - piece.start
-        tokens = tensors.pop("tokens", None)
-        if tokens is None or tokens.dtype != torch.int32 or tuple(tokens.shape) != (rows,):
-            raise SnapshotCorruptError(f"store piece {piece.key[:12]}: its tokens are not int32 [{rows}]")
-        if set(tensors) != set(kv):
-            raise SnapshotCorruptError(f"store piece {piece.key[:12]}: holds {sorted(tensors)}, expected {sorted(kv)}")
-        for name, t in tensors.items():
-            target = kv[name][piece.start - offset : piece.end - offset]
-            if t.shape != target.shape or t.dtype != target.dtype:
-                raise SnapshotCorruptError(
-                    f"store piece {piece.key[:12]}: {name} is {t.dtype} {tuple(t.shape)}, expected {target.dtype} {tuple(target.shape)}"
-                )
-            target.copy_(t)
-        return tokens.tolist(), nbytes
-
-    def _read(self, path: Path, checksum: str, fmt: str) -> tuple[dict[str, torch.Tensor], int]:
-        """A stored file's tensors, after every check, as views of the file's bytes (read once);
-        and how many bytes were read."""
+        targets = {name: t[piece.start - offset : piece.end - offset] for name, t in kv.items()}
+        targets["tokens"] = torch.empty(rows, dtype=torch.int32)
+        path = self.piece_path(piece.key)
         where = f"store file {path.name[:12]}"
+        with self._open(path, where) as f:
+            size = os.fstat(f.fileno()).st_size
+            try:
+                try:
+                    raw = safetensors_header(f)
+                except ValueError as e:
+                    raise SnapshotCorruptError(f"{where}: {e}") from e
+                header = check_header(raw, where, size)
+                parse_manifest(header.get("__metadata__"), where)
+            except SnapshotCorruptError:
+                self._set_aside(path)
+                raise
+            self._check_meta(header, where, PIECE_FORMAT)
+            entries = {name: e for name, e in header.items() if name != "__metadata__"}
+            if set(entries) != set(targets):
+                raise SnapshotCorruptError(f"store piece {piece.key[:12]}: holds {sorted(entries)}, expected {sorted(targets)}")
+            base = 8 + len(raw)
+            for name, entry in sorted(entries.items(), key=lambda item: item[1]["data_offsets"][0]):
+                target, (begin, end) = targets[name], entry["data_offsets"]
+                if _DTYPES.get(entry["dtype"]) != target.dtype or list(entry["shape"]) != list(target.shape) or end - begin != target.nbytes:
+                    raise SnapshotCorruptError(
+                        f"store piece {piece.key[:12]}: {name} is {entry['dtype']} {entry['shape']}, expected {target.dtype} {tuple(target.shape)}"
+                    )
+                if target.nbytes and os.preadv(f.fileno(), [target.reshape(-1).view(torch.uint8).numpy().data], base + begin) != target.nbytes:
+                    raise SnapshotCorruptError(f"{where}: the file changed size while it was read")
+        if tensor_checksum(targets, threads=1) != piece.checksum:
+            self._set_aside(path)
+            raise SnapshotCorruptError(f"{where}: checksum mismatch: the data is not what was saved")
+        return targets["tokens"].tolist(), size
+
+    def _open(self, path: Path, where: str) -> io.BufferedReader:
+        """A stored file opened for reading (never through a link); a missing one is damage."""
         try:
-            data = read_no_follow(path)
+            return open(path, "rb", opener=lambda p, flags: os.open(p, flags | os.O_NOFOLLOW))
         except FileNotFoundError:  # a referenced file is gone: damage, not a turn without a snapshot
             found = "was found damaged and set aside" if (self.dir / "damaged" / path.name).exists() else "is missing"
             raise SnapshotCorruptError(f"{where} {found}") from None
         except OSError as e:
             raise SnapshotCorruptError(f"{where}: unreadable: {reason_without_paths(e)}") from e
-        try:
-            header = _complete_header(data, where)
-            meta = parse_manifest(header.get("__metadata__"), where)
-        except SnapshotCorruptError:
-            self._set_aside(path)
-            raise
+
+    def _check_meta(self, header: dict[str, Any], where: str, fmt: str) -> None:
+        """A stored file's manifest names `fmt` and this store's identity."""
+        meta = parse_manifest(header.get("__metadata__"), where)
         if meta.get("format") != fmt:
             raise SnapshotIncompatibleError(f"{where}: format {meta.get('format')!r}, expected {fmt!r}")
         if meta.get("identity") != self.identity:
             raise SnapshotIncompatibleError(f"{where}: made by another model, tokenizer, layout or state dtype")
+
+    def _read(self, path: Path, checksum: str, fmt: str) -> tuple[dict[str, torch.Tensor], int]:
+        """A stored file's tensors, after every check, as views of the file's bytes (read once);
+        and how many bytes were read."""
+        where = f"store file {path.name[:12]}"
+        with self._open(path, where) as f:
+            try:
+                data = bytearray(os.fstat(f.fileno()).st_size)
+                if f.readinto(data) != len(data):
+                    raise OSError(5, "the file changed size while it was read")
+            except OSError as e:
+                raise SnapshotCorruptError(f"{where}: unreadable: {reason_without_paths(e)}") from e
+        try:
+            header = _complete_header(data, where)
+            parse_manifest(header.get("__metadata__"), where)
+        except SnapshotCorruptError:
+            self._set_aside(path)
+            raise
+        self._check_meta(header, where, fmt)
         try:
             tensors = _tensor_views(data, header)
         except (ValueError, KeyError, TypeError, RuntimeError) as e:
