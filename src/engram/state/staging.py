@@ -2,8 +2,10 @@
 
 A cold load reads a state's files in several threads; as each part has been read and verified,
 its copy to the device is issued at once, so the copy overlaps the reads still in flight instead
-of following them all. On CUDA the copies go from pinned host memory on a side stream without
-the host waiting; the staged state's `ready` event marks their end, and the engine's restore waits
+of following them all. On CUDA the copies go on a side stream, from pinned host memory (the host
+does not wait; the WARM tier's copy is then pinned too) or, with `pin_host` off, from the
+pageable memory the load reads into (no page-locking of a whole state per load; each copy waits
+for its source to be staged by the driver); the staged state's `ready` event marks their end, and the engine's restore waits
 for it on the GPU (`engine/pools.py:restore_state`). The load returns the host state as before
 (the WARM tier's copy); the staged one goes to the engine with the request and is dropped once
 restored.
@@ -39,8 +41,9 @@ class DeviceStaging:
     The engine `take`s the state (so that nothing else keeps its device memory alive). On the CPU
     the copies are plain ones (the tests' stand-in for a device)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, pin_host: bool = True):
         self.device = device
+        self.pin_host = pin_host
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.state: SequenceState | None = None
         self.copies = 0  # parts whose copy was issued
@@ -50,7 +53,7 @@ class DeviceStaging:
     @property
     def pinned(self) -> bool:
         """Whether the load should read into pinned host memory (copies from it do not block the host)."""
-        return self.stream is not None
+        return self.stream is not None and self.pin_host
 
     def reserve(self, kv: Shapes, recurrent_bytes: int) -> bool:
         """Allocate the device KV (`kv`: name -> its whole `[state_len, heads, dim]` shape and dtype)
@@ -65,7 +68,7 @@ class DeviceStaging:
         return True
 
     def kv(self, start: int, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Copy host KV rows (positions `start..`, one tensor per name; pinned on CUDA, and never
+        """Copy host KV rows (positions `start..`, one tensor per name; pinned if `pinned`, and never
         written again) to the same positions of the device KV."""
         with self._on_stream():
             for name, t in tensors.items():
