@@ -150,3 +150,25 @@ def test_verify_steps_in_graphs_give_the_eager_steps_tokens(cpu_graphs, checkpoi
     assert engine.runner.num_graph_replays - replays >= 5 and stats.spec_draft_tokens_total > 20
     assert (stats.spec_accepted_tokens_total == 0) == wrong
     assert stats.kv_blocks_used == 0 and stats.state_slots_used == 0
+
+
+def test_verify_graphs_captured_on_the_requests_path_with_every_slot_taken(cpu_graphs, checkpoint_dir):
+    """Without the warm-up's captures (as bench_spec runs an engine), the first verify step of a
+    bucket captures its graphs while every state slot is some request's: the commit's capture then
+    runs on the step's own entries (writing the states the commit writes) instead of a free slot."""
+    path = checkpoint_dir("mamba2")
+    ngram = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}'
+    prompts = [random_prompt(10 + i, seed=61 + i) for i in range(3)]
+
+    def run(engine) -> list[list[int]]:
+        for i, p in enumerate(prompts):
+            engine.add_request(f"r{i}", p, greedy(10))
+        out = run_to_end(engine)
+        return [prompts[i] + out[f"r{i}"].token_ids for i in range(len(prompts))]
+
+    expected = run(make_engine(path, device="cpu", enable_cuda_graph=False, max_running_requests=3))
+    engine = make_engine(path, device="cpu", enable_cuda_graph=True, speculative_config=ngram, max_running_requests=3)
+    assert engine.state_pool.num_slots == 3
+    engine.speculator.drafter = ContinuationDrafter(expected, False)
+    assert run(engine) == expected
+    assert engine.stats().spec_accepted_tokens_total > 0 and engine.runner.num_graph_captures > 0

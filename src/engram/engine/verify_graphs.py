@@ -95,7 +95,8 @@ class VerifyGraphs:
 
     def capture(self, b: int) -> None:
         """The verify step's graph of bucket b and its commit's (the commit's warm-up runs write a
-        slot taken for them, given back after)."""
+        slot taken for them, given back after). With every slot a request's (a capture on a
+        request's path), the commit's graph is left to `commit`, which captures it on its entries."""
         if b in self._graphs:
             return
         if not self._static:
@@ -107,7 +108,7 @@ class VerifyGraphs:
         batch = self._batch(b)
         self._graphs[b] = runner.record(lambda: runner.model(batch))
         runner.count_capture("verify", b)
-        if b not in self._commits:
+        if b not in self._commits and runner.state_pool.num_free:
             slot = runner.state_pool.allocate()
             self._capture_commit(b, [[slot], [0], [1]])
             runner.state_pool.free(slot)
