@@ -28,10 +28,11 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_speed as bs  # noqa: E402  (config lookup, logging)
-from engine_utils import launch_counts  # noqa: E402  (tests/, on the path through bench_speed)
+from engine_utils import launch_counts  # noqa: E402  (tests/)
 
 from engram.args import EngineArgs  # noqa: E402
 from engram.engine import engine as engine_mod  # noqa: E402
