@@ -49,7 +49,7 @@ def replica(folder: Path, index: int, store: S3Server, bucket: str, a: argparse.
         "--log-level",
         "warning",
     ]
-    env = {**store.env, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    env = {**store.env, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}  # a CPU workload, GPU or not
     pinned = ("taskset", "-c", str(index % (os.cpu_count() or 1))) if shutil.which("taskset") else ()  # one core each
     return ServerProcess(flags, folder / f"replica{index}.log", env=env, launcher=pinned)
 

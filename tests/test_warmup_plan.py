@@ -34,7 +34,7 @@ def test_the_plan_captures_every_graph_the_runner_can_pick(engine):
     plan = warmup.warmup_plan(engine)
     runner = engine.runner
     picked = {("decode", runner.decode_bucket(n)) for n in range(1, MAX_RUNNING + 1)}
-    picked |= {("prefill", runner.prefill_bucket(n)) for n in range(1, 129)}
+    picked |= {("prefill", runner.prefill_bucket(n)) for n in range(1, engine.args.max_num_batched_tokens + 1)}
     assert picked <= set(plan.graphs)
 
 

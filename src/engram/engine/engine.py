@@ -164,6 +164,7 @@ class LLMEngine:
             self.device,
             enable_cuda_graph=args.enable_cuda_graph and self.tp_leader is None,
             max_context_length=self.max_context_length,
+            max_prefill_graph_tokens=args.max_num_batched_tokens,
             batch_sink=self.tp_leader.forward if self.tp_leader is not None else None,
         )
         # a verify step keeps every position's state by mixer kind (ops/verify.py): Mamba2's only so far

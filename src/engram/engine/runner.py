@@ -38,9 +38,11 @@ from engram.ops.staging import HEADER_WORDS, TOKEN_ROW, staged_length
 logger = logging.getLogger(__name__)
 
 _GRAPH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)
-# Short prefills of one sequence (a new turn on top of a kept state) also replay graphs, per
-# token-count bucket; the kernels read the true length from device tensors.
-_PREFILL_BUCKETS = (16, 32, 64, 128)
+# Prefills of one sequence (a new prompt, or a new turn on top of a kept state) also replay graphs,
+# per token-count bucket up to the step's token budget; the kernels read the true length from
+# device tensors. An eager prefill is bound by the host (~40 ms for 512 tokens on an H200, a
+# graph's GPU time a fraction of it), and over HTTP requests arrive one or two per step.
+_PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 _PACKED_ROWS = TOKEN_ROW + 1  # int64 rows of a decode graph's packed inputs (`_alloc_static`)
 
 
@@ -92,6 +94,7 @@ class ModelRunner:
         *,
         enable_cuda_graph: bool = False,
         max_context_length: int | None = None,
+        max_prefill_graph_tokens: int = _PREFILL_BUCKETS[-1],
         batch_sink: Callable[[ForwardBatch], None] | None = None,
     ):
         """`batch_sink` sees every eager batch before its forward (tensor parallelism: rank 0 sends
@@ -103,6 +106,10 @@ class ModelRunner:
         self.device = device
         self.enable_cuda_graph = enable_cuda_graph
         self.max_context_length = max_context_length
+        # the buckets a prefill chunk can reach (the step's token budget), the last one whole
+        self.prefill_buckets = tuple(b for b in _PREFILL_BUCKETS if b < max_prefill_graph_tokens) + (
+            next((b for b in _PREFILL_BUCKETS if b >= max_prefill_graph_tokens), _PREFILL_BUCKETS[-1]),
+        )
         self._graphs: dict[int, tuple[_DecodeGraph, torch.Tensor]] = {}
         self._prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pf: dict[str, torch.Tensor] = {}  # a prefill graph's static inputs, made with the first one
@@ -381,12 +388,12 @@ class ModelRunner:
         if len(chunks) != 1:
             return False
         c = chunks[0]
-        if not c.completes or c.length > _PREFILL_BUCKETS[-1] or (c.length == 1 and c.start > 0) or c.seq.num_inflight:
+        if not c.completes or c.length > self.prefill_buckets[-1] or (c.length == 1 and c.start > 0) or c.seq.num_inflight:
             return False
         return not self.kv_pool.needs_pages or len(c.seq.blocks) <= self.max_pages()
 
     def _alloc_prefill_static(self) -> None:
-        tmax = _PREFILL_BUCKETS[-1]
+        tmax = self.prefill_buckets[-1]
         width = self.table_width()
         dev = self.device
         n = 3 * tmax + 5  # ids | positions | slot mapping | slot, cu[0], cu[1], context, logits row
@@ -399,7 +406,7 @@ class ModelRunner:
             self._graph_pool = torch.cuda.graph_pool_handle()
 
     def _prefill_batch(self, tb: int) -> ForwardBatch:
-        tmax = _PREFILL_BUCKETS[-1]
+        tmax = self.prefill_buckets[-1]
         p = self._pf["packed"]
         o = 3 * tmax
         placeholder_ctx = self.placeholder_context()
@@ -428,7 +435,7 @@ class ModelRunner:
             self._alloc_prefill_static()
         h = self._pf_host_np
         h[:] = 0
-        tmax = _PREFILL_BUCKETS[-1]
+        tmax = self.prefill_buckets[-1]
         h[2 * tmax : 3 * tmax] = -1
         h[3 * tmax] = -1  # no slot: the warm-up and capture touch no state (and cu = [0, 0])
         self._pf["packed"].copy_(self._pf_host, non_blocking=True)
@@ -447,12 +454,11 @@ class ModelRunner:
         between two."""
         decode = sorted({b for b in _GRAPH_BUCKETS if b <= self._max_graph_batch()} | {self._max_graph_batch()})
         verify = self.verify_graphs.buckets() if self.verify_graphs is not None else []
-        return [("decode", b) for b in decode] + [("prefill", tb) for tb in _PREFILL_BUCKETS] + [("verify", b) for b in verify]
+        return [("decode", b) for b in decode] + [("prefill", tb) for tb in self.prefill_buckets] + [("verify", b) for b in verify]
 
-    @staticmethod
-    def prefill_bucket(n: int) -> int:
+    def prefill_bucket(self, n: int) -> int:
         """The prefill graph of a single-sequence prefill of n tokens (at most the last bucket)."""
-        return next(b for b in _PREFILL_BUCKETS if b >= n)
+        return next(b for b in self.prefill_buckets if b >= n)
 
     @torch.inference_mode()
     def capture(self, kind: str, size: int) -> None:
@@ -485,7 +491,7 @@ class ModelRunner:
         tb = self.prefill_bucket(n)
         if tb not in self._prefill_graphs:
             self._capture_prefill(tb)
-        tmax = _PREFILL_BUCKETS[-1]
+        tmax = self.prefill_buckets[-1]
         h = self._pf_host_np
         seq = c.seq
         pos = np.arange(c.start, c.start + n, dtype=np.int64)
