@@ -9,8 +9,10 @@ Random weights from a config (tests/data/configs or ../shared/configs), saved on
 with `save_pretrained` (bfloat16 on CUDA, float32 on CPU) beside a byte-level tokenizer padded to
 the model's vocabulary (every token has text, so every token is one streamed chunk).
 Workloads:
-  fixed     N clients in a closed loop, fixed prompt and output lengths (ignore_eos): output tok/s,
-            TTFT, ITL, E2E p50/p99; then a Poisson request-rate sweep with mixed lengths;
+  fixed     N clients in a closed loop, fixed prompt and output lengths (ignore_eos), spread over
+            --client-procs processes (one Python event loop streams only a few thousand tokens a
+            second): output tok/s, TTFT, ITL, E2E p50/p99; then a Poisson request-rate sweep with
+            mixed lengths;
   chats     users x turns on top of a history of H tokens by conversation_id (server-side state),
             the same resending the whole history without conversation_id, and one more turn each
             after a server restart (cold restore); TTFT per kind, and the server's snapshot write
@@ -26,6 +28,7 @@ import asyncio
 import hashlib
 import itertools
 import json
+import multiprocessing
 import os
 import platform
 import random
@@ -33,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -180,17 +184,70 @@ async def stream_completion(client, prompt: list[int], max_tokens: int, timing: 
     timing.add(start, times, tokens)
 
 
-async def http_fixed(client, concurrency: int, requests: int, prompt_len: int, output_len: int, vocab: int) -> dict:
-    timing, queue = Timing(), list(range(requests))
+async def http_fixed(client, concurrency: int, requests: list[int], prompt_len: int, output_len: int, vocab: int) -> Timing:
+    """`concurrency` closed-loop clients on one event loop, taking the `requests` (prompt seeds) in turn."""
+    timing, queue = Timing(), list(requests)
 
     async def worker() -> None:
         while queue:
             i = queue.pop()
             await stream_completion(client, rand_tokens(prompt_len, vocab, 10_000 + i), output_len, timing)
 
-    started = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return summary(timing.ttft, timing.itl, timing.e2e, timing.tokens, time.perf_counter() - started)
+    return timing
+
+
+def fixed_share(url: str, concurrency: int, requests: list[int], prompt_len: int, output_len: int, vocab: int, start_at: float) -> dict:
+    """One client process's share of a fixed workload (run in a process pool): its timings, when
+    it started and ended (perf_counter is one clock for every process of a Linux machine) and its CPU."""
+    from openai import AsyncOpenAI
+
+    async def go() -> tuple[Timing, float, float]:
+        client = AsyncOpenAI(base_url=url, api_key="none", timeout=3600, max_retries=0)
+        await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
+        started = time.perf_counter()
+        timing = await http_fixed(client, concurrency, requests, prompt_len, output_len, vocab)
+        ended = time.perf_counter()
+        await client.close()
+        return timing, started, ended
+
+    cpu = time.process_time()
+    timing, started, ended = asyncio.run(go())
+    return {"timing": timing, "started": started, "ended": ended, "cpu_s": time.process_time() - cpu}
+
+
+async def http_fixed_procs(pool: ProcessPoolExecutor, procs: int, url: str, concurrency: int, requests: int, a, vocab: int) -> tuple[dict, float]:
+    """A fixed workload spread over `procs` client processes (one Python event loop streams only a
+    few thousand tokens a second: the client must not be what is measured): its summary and the
+    clients' CPU seconds."""
+    procs = max(1, min(procs, concurrency))
+    loop = asyncio.get_running_loop()
+    start_at = time.perf_counter() + 1.0  # every process connected and waiting
+    shares = await asyncio.gather(
+        *(
+            loop.run_in_executor(
+                pool,
+                fixed_share,
+                url,
+                concurrency // procs + (p < concurrency % procs),
+                list(range(p, requests, procs)),
+                a.prompt_len,
+                a.output_len,
+                vocab,
+                start_at,
+            )
+            for p in range(procs)
+        )
+    )
+    timing = Timing()
+    for share in shares:
+        t = share["timing"]
+        timing.ttft += t.ttft
+        timing.itl += t.itl
+        timing.e2e += t.e2e
+        timing.tokens += t.tokens
+    wall = max(sh["ended"] for sh in shares) - min(sh["started"] for sh in shares)
+    return summary(timing.ttft, timing.itl, timing.e2e, timing.tokens, wall), sum(sh["cpu_s"] for sh in shares)
 
 
 def mixed_lengths(n: int, prompt_len: int, output_len: int, seed: int) -> list[tuple[int, int]]:
@@ -304,19 +361,25 @@ async def run_http(a, server: ServerProcess, vocab: int) -> dict:
     first = Timing()  # the first request after ready, against the same request in fixed_c1 (warm before ready)
     await stream_completion(client, rand_tokens(a.prompt_len, vocab, 1), a.output_len, first)
     out["first_after_ready"] = summary(first.ttft, first.itl, first.e2e, first.tokens, first.e2e[0])
-    for c in a.concurrency:
-        (server_cpu, loop_cpu), client_cpu = cpu_seconds(server), time.process_time()
-        out[f"fixed_c{c}"] = r = await http_fixed(client, c, max(c * a.rounds, c), a.prompt_len, a.output_len, vocab)
-        server_after, loop_after = cpu_seconds(server)
-        per_token = 1e3 / r["output_tokens"]
-        r["server_cpu_ms_per_token"] = (server_after - server_cpu) * per_token
-        r["server_loop_cpu_ms_per_token"] = (loop_after - loop_cpu) * per_token
-        r["client_cpu_ms_per_token"] = (time.process_time() - client_cpu) * per_token
-        log(
-            f"http fixed c={c}: {r['output_tok_s']:,.0f} tok/s, TTFT p50 {r['ttft_p50'] * 1e3:.1f} ms, CPU per token: "
-            f"server {r['server_cpu_ms_per_token']:.3f} ms (event loop {r['server_loop_cpu_ms_per_token']:.3f}), "
-            f"client {r['client_cpu_ms_per_token']:.3f} ms"
-        )
+    procs = a.client_procs or max(1, (os.cpu_count() or 1) // 4)
+    with ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        loop = asyncio.get_running_loop()
+        await asyncio.gather(*(loop.run_in_executor(pool, time.sleep, 2.0) for _ in range(procs)))  # every process up
+        for c in a.concurrency:
+            server_cpu, loop_cpu = cpu_seconds(server)
+            r, client_cpu = await http_fixed_procs(pool, procs, server.url + "/v1", c, max(c * a.rounds, c), a, vocab)
+            out[f"fixed_c{c}"] = r
+            server_after, loop_after = cpu_seconds(server)
+            per_token = 1e3 / r["output_tokens"]
+            r["client_procs"] = min(procs, c)
+            r["server_cpu_ms_per_token"] = (server_after - server_cpu) * per_token
+            r["server_loop_cpu_ms_per_token"] = (loop_after - loop_cpu) * per_token
+            r["client_cpu_ms_per_token"] = client_cpu * per_token
+            log(
+                f"http fixed c={c} ({r['client_procs']} client processes): {r['output_tok_s']:,.0f} tok/s, TTFT p50 "
+                f"{r['ttft_p50'] * 1e3:.1f} ms, CPU per token: server {r['server_cpu_ms_per_token']:.3f} ms "
+                f"(event loop {r['server_loop_cpu_ms_per_token']:.3f}), clients {r['client_cpu_ms_per_token']:.3f} ms"
+            )
     lengths = mixed_lengths(a.rate_requests, a.prompt_len, a.output_len, 0)
     for rate in a.rates:
         out[f"rate_{rate:g}"] = r = await http_rate(client, rate, lengths, vocab)
@@ -505,6 +568,12 @@ def main() -> int:
         type=int,
         default=1,
         help="torch threads on the CPU, server and in-process alike (OpenMP threads that outnumber free cores spin)",
+    )
+    ap.add_argument(
+        "--client-procs",
+        type=int,
+        default=0,
+        help="client processes of the fixed workloads (0: a quarter of the cores, at least 1); one event loop caps at a few thousand tok/s",
     )
     ap.add_argument("--server-args", default="", help="more `engram serve` flags, one string")
     ap.add_argument("--workdir", default=None, help="checkpoints and snapshots (default: $ENGRAM_CACHE_DIR/serve_bench)")
