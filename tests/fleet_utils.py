@@ -69,7 +69,8 @@ class S3Server:
 
 
 def nginx_config(folder: Path, port: int, replicas: list[ServerProcess]) -> Path:
-    """deploy/nginx-engram.conf with these replicas and port, inside a main file of its own."""
+    """deploy/nginx-engram.conf with these replicas and port, inside a main file of its own (every
+    temporary folder in `folder`: a packaged nginx's compiled-in ones may not exist)."""
     site = CONFIG.read_text()
     servers = "".join(f"    server 127.0.0.1:{r.port} max_fails=1 fail_timeout=10s;\n" for r in replicas)
     site, count = re.subn(r"(    server engram-\d+:30000 [^\n]*\n)+", servers, site)
@@ -78,8 +79,9 @@ def nginx_config(folder: Path, port: int, replicas: list[ServerProcess]) -> Path
     user = "user root;\n" if os.geteuid() == 0 else ""
     main = (
         f"{user}worker_processes 1;\npid {folder}/nginx.pid;\nerror_log {folder}/error.log warn;\nevents {{}}\n"
-        f"http {{\n  access_log off;\n  client_body_temp_path {folder}/body;\n  proxy_temp_path {folder}/proxy;\n"
-        f"  include {folder}/site.conf;\n}}\n"
+        f"http {{\n  access_log off;\n"
+        + "".join(f"  {kind}_temp_path {folder}/{kind};\n" for kind in ("client_body", "proxy", "fastcgi", "scgi", "uwsgi"))
+        + f"  include {folder}/site.conf;\n}}\n"
     )
     (folder / "nginx.conf").write_text(main)
     return folder / "nginx.conf"
@@ -94,9 +96,9 @@ def start_nginx(nginx: str, folder: Path, port: int, replicas: list[ServerProces
     )
     try:
         wait_for(f"http://127.0.0.1:{port}/health", f"nginx ({folder / 'nginx.out'})")
-    except RuntimeError:
+    except RuntimeError as e:
         proc.kill()
-        raise
+        raise RuntimeError(f"{e}: {(folder / 'nginx.out').read_text()[-2000:]}") from None
     return proc
 
 
