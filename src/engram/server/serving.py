@@ -26,6 +26,7 @@ from engram.server.chat_reply import ReplyParsers
 from engram.server.conversations import ConversationTurns
 from engram.server.errors import APIError
 from engram.server.metrics import Metrics, RequestTimer
+from engram.server.prompt_tokens import PromptEncoder
 from engram.server.tokens import encode
 from engram.state.prefix_cache import PrefixCache
 
@@ -60,6 +61,7 @@ class Serving:
         # Any: transformers types decode's and apply_chat_template's results as unions with their batched forms
         self.tokenizer: Any = engine.engine.tokenizer
         self.max_prompt_chars = engine.engine.max_context_length * _longest_token(self.tokenizer)
+        self.prompt_encoder = PromptEncoder(self.tokenizer)  # a resent history is not encoded again
         self.conversations = conversations
         self.staged_states: OrderedDict[tuple[str | None, str], Any] = OrderedDict()  # (tenant, rid) -> state from /restore_snapshot
         self.created = int(time.time())
@@ -111,9 +113,9 @@ class Serving:
     async def encode_chat(self, messages: list[dict[str, Any]], template_options: dict[str, Any]) -> list[int]:
         """The messages through the chat template, off the event loop; `template_options`
         (add_generation_prompt, continue_final_message, the template's own variables) go to the template."""
-        tokenizer = self._require_tokenizer()
+        self._require_tokenizer()
         self.check_prompt_chars(message_chars(messages), "messages")
-        return await asyncio.to_thread(_render_and_encode, tokenizer, messages, template_options)
+        return await asyncio.to_thread(_render_and_encode, self.prompt_encoder, messages, template_options)
 
     async def encode_prompt(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         """Text to token ids, off the event loop; token ids as they are."""
@@ -239,12 +241,12 @@ def _longest_token(tokenizer: Any) -> int:
     return max(map(len, tokenizer.get_vocab()), default=1) if tokenizer is not None else 1
 
 
-def _render_and_encode(tokenizer: Any, messages: list[dict[str, Any]], template_options: dict[str, Any]) -> list[int]:
+def _render_and_encode(encoder: PromptEncoder, messages: list[dict[str, Any]], template_options: dict[str, Any]) -> list[int]:
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, **template_options)
+        text = encoder.tokenizer.apply_chat_template(messages, tokenize=False, **template_options)
     except (ValueError, TypeError, jinja2.TemplateError) as e:
         raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
-    return encode(tokenizer, text, add_special_tokens=False)
+    return encoder.encode(text)
 
 
 @contextlib.contextmanager

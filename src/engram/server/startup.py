@@ -29,6 +29,9 @@ def banner(serving: Serving, args: ServerArgs, url: str) -> str:
         **serving.engine.engine.describe(),
         "snapshots": snapshots,
         "tiers": tiers,
+        "resent histories": "encoded past the last added token a recent prompt shares"
+        if serving.prompt_encoder.enabled
+        else "encoded whole (the tokenizer's pieces depend on what precedes them)",
         "warm-up": "on" if args.enable_warmup else "off",
         "url": url,
     }
