@@ -29,6 +29,9 @@ def banner(serving: Serving, args: ServerArgs, url: str) -> str:
         **serving.engine.engine.describe(),
         "snapshots": snapshots,
         "tiers": tiers,
+        "cold loads read into": f"{manager.host_arena.capacity / (1 << 30):g} GiB page-locked at start-up"
+        if manager.host_arena is not None
+        else "memory allocated for each load",
         "warm-up": "on" if args.enable_warmup else "off",
         "url": url,
     }
