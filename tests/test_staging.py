@@ -191,6 +191,21 @@ def test_a_cold_load_after_a_restart_reads_into_the_arena_which_the_warm_tier_co
     assert arena.used == 0  # the state left memory: its blocks are free again
 
 
+def test_a_load_into_warm_that_no_request_waits_for_reads_into_the_arena_and_stages_nothing(staging_engine, tmp_path, monkeypatch):
+    engine = staging_engine
+    three_turns(engine, store_manager(engine, tmp_path))
+    restarted = with_arena(store_manager(engine, tmp_path), torch.device("cpu"))
+    for copy in ("kv", "recurrent"):
+        monkeypatch.setattr(DeviceStaging, copy, lambda self, *args: pytest.fail("a state no request waits for was copied to the device"))
+    conv = restarted.require("s")
+    state = restarted.load_into_warm("s", conv.latest("main"))  # as /restore_snapshot and the start-up preload do
+    assert restarted.warm.peek("s", conv.latest("main").ref) is state
+    assert all(restarted.host_arena.holds(t) for t in state.all_tensors())
+    longer = state.tokens + random_prompt(5, 85)
+    engine.add_request("r", longer, greedy(4), initial_state=state)
+    assert run_to_end(engine)["r"].token_ids == full_generation(engine, longer, 4)
+
+
 def test_a_load_the_arena_cannot_hold_reads_into_memory_of_its_own(staging_engine, tmp_path):
     engine = staging_engine
     manager = store_manager(engine, tmp_path)

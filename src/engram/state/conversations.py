@@ -392,10 +392,11 @@ class ConversationManager:
             elif plan.state_tier is not None:
                 self._count("hits", plan.state_tier)
 
-    def new_staging(self) -> DeviceStaging | None:
+    def new_staging(self, stage: bool = True) -> DeviceStaging | None:
         """Where one cold load (a turn's, a prefix cache entry's) copies its state to the engine's
-        device as it reads; None: the engine copies the host state itself."""
-        return DeviceStaging(self.staging_device, arena=self.host_arena) if self.staging_device is not None else None
+        device as it reads (without `stage`: only where it reads into, the arena or pinned memory);
+        None: the engine copies the host state itself."""
+        return DeviceStaging(self.staging_device, arena=self.host_arena, stage=stage) if self.staging_device is not None else None
 
     def tier_of(self, conversation_id: str, turn: Turn) -> str | None:
         """Where the turn's state is now: "active" (an engine slot), "warm" (host memory), "cold"
@@ -703,15 +704,17 @@ class ConversationManager:
 
     def load_into_warm(self, conversation_id: str, turn: Turn, staging: DeviceStaging | None = None) -> SequenceState:
         """The turn's state, from the warm cache or its verified snapshot file (then kept warm;
-        `staging` gets its device copy). The file is read without holding the manager's lock; the
-        caller holds no conversation's lock (the states this one pushes out of memory are written here)."""
+        `staging` gets its device copy; without one the load still reads into pinned memory on
+        CUDA, so that no later restore from the WARM copy waits on pageable memory). The file is read
+        without holding the manager's lock; the caller holds no conversation's lock (the states this
+        one pushes out of memory are written here)."""
         with self._lock:
             state = self.warm.get(conversation_id, turn.ref)
         if state is not None:
             return state
         if not turn.snapshot:
             raise SnapshotNotFoundError(f"turn {turn.ref} of conversation {conversation_id!r} has no snapshot and no state in memory")
-        state = self._load_turn(conversation_id, turn, staging)
+        state = self._load_turn(conversation_id, turn, staging if staging is not None else self.new_staging(stage=False))
         if self.tiers.enabled:
             with self._lock:
                 self.warm.put(conversation_id, turn.ref, state)

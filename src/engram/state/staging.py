@@ -44,9 +44,10 @@ class DeviceStaging:
     The engine `take`s the state (so that nothing else keeps its device memory alive). On the CPU
     the copies are plain ones (the tests' stand-in for a device)."""
 
-    def __init__(self, device: torch.device, pin_host: bool = True, arena: HostArena | None = None):
+    def __init__(self, device: torch.device, pin_host: bool = True, arena: HostArena | None = None, stage: bool = True):
         self.device = device
         self.pin_host = pin_host
+        self.stage = stage  # False: only `host_empty` (a load that no request waits for: its WARM copy pinned all the same)
         self.arena = arena if pin_host else None
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.state: SequenceState | None = None
@@ -64,11 +65,11 @@ class DeviceStaging:
 
     def reserve(self, kv: Shapes, recurrent_bytes: int) -> bool:
         """Allocate the device KV (`kv`: name -> its whole `[state_len, heads, dim]` shape and dtype)
-        and start over; False, staging nothing, when the copy would not leave the device enough free
-        memory (the engine then copies the host state itself)."""
+        and start over; False, staging nothing, without `stage` or when the copy would not leave the
+        device enough free memory (the engine then copies the host state itself)."""
         self.state, self._kv, self._recurrent = None, {}, {}
         nbytes = recurrent_bytes + sum(dtype.itemsize * math.prod(shape) for shape, dtype in kv.values())
-        if self.stream is not None and nbytes > FREE_MEMORY_SHARE * free_device_bytes(self.device):
+        if not self.stage or (self.stream is not None and nbytes > FREE_MEMORY_SHARE * free_device_bytes(self.device)):
             return False
         with self._on_stream():
             self._kv = {name: torch.empty(shape, dtype=dtype, device=self.device) for name, (shape, dtype) in kv.items()}
