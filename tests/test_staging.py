@@ -41,6 +41,13 @@ def with_arena(manager, device: torch.device, nbytes: int = 1 << 26):
     return manager
 
 
+def assert_continues_exactly(engine, state, seed: int) -> None:
+    """The state restored and continued by 5 new tokens generates what a full prefill of them does."""
+    longer = state.tokens + random_prompt(5, seed)
+    engine.add_request("r", longer, greedy(4), initial_state=state)
+    assert run_to_end(engine)["r"].token_ids == full_generation(engine, longer, 4)
+
+
 def three_turns(engine, manager, cid: str = "s") -> list:
     return [take_turn(engine, manager, cid, random_prompt(2 * CHUNK, 50 + i), max_tokens=3)[0] for i in range(3)]
 
@@ -62,9 +69,7 @@ def test_a_cold_load_takes_the_kv_another_conversations_warm_state_holds(engine,
     state = manager.load_into_warm("b", b)
     assert stats.pieces_resident - before[1] == 4
     assert stats.bytes_read - before[0] == store_file_sizes(tmp_path, "b", 1, slice(4, None))  # b's own pieces and checkpoint only
-    longer = state.tokens + random_prompt(5, 23)
-    engine.add_request("r", longer, greedy(4), initial_state=state)
-    assert run_to_end(engine)["r"].token_ids == full_generation(engine, longer, 4)
+    assert_continues_exactly(engine, state, seed=23)
 
 
 def test_a_staged_load_equals_the_plain_one_and_restores_exactly(staging_engine, tmp_path):
@@ -201,9 +206,7 @@ def test_a_load_into_warm_that_no_request_waits_for_reads_into_the_arena_and_sta
     state = restarted.load_into_warm("s", conv.latest("main"))  # as /restore_snapshot and the start-up preload do
     assert restarted.warm.peek("s", conv.latest("main").ref) is state
     assert all(restarted.host_arena.holds(t) for t in state.all_tensors())
-    longer = state.tokens + random_prompt(5, 85)
-    engine.add_request("r", longer, greedy(4), initial_state=state)
-    assert run_to_end(engine)["r"].token_ids == full_generation(engine, longer, 4)
+    assert_continues_exactly(engine, state, seed=85)
 
 
 def test_a_load_the_arena_cannot_hold_reads_into_memory_of_its_own(staging_engine, tmp_path):
