@@ -125,6 +125,15 @@ def test_a_model_path_without_a_checkpoint_stops_the_start_with_one_line(tmp_pat
     assert "Traceback" not in done.stderr and done.stderr.strip() == f"engram serve: no config.json at {tmp_path / 'nothing'}"
 
 
+def test_a_negative_pinned_load_memory_stops_the_start_with_one_line_naming_the_flag():
+    cmd = [sys.executable, "-m", "engram", "serve", "--pinned-load-memory-gb", "-1", "--port", str(free_port())]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 2, done.stderr
+    assert (
+        "Traceback" not in done.stderr and done.stderr.strip() == "engram serve: --pinned-load-memory-gb must be 0 (none) or at least 4 KiB, got -1"
+    )
+
+
 @pytest.mark.parametrize(
     ("flags", "reason"),
     [

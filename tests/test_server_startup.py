@@ -67,6 +67,7 @@ def test_the_banner_names_what_the_server_runs_with(checkpoint_dir, tmp_path):
         "durability sync",
         "WARM host memory",
         "encoded past the last added token",
+        "memory allocated for each load",  # no arena: the CPU's loads stage nothing
         "http://127.0.0.1:1234",
     ):
         assert expected in text, expected

@@ -11,9 +11,11 @@ import pytest
 import torch
 from engine_utils import greedy, make_engine, random_prompt, run_to_end, store_file
 from test_conversations import full_generation, take_turn
+from test_prefix_disk import prefix_manager, prompt_state
 from test_store import CHUNK, manifest_of, store_manager
 
 from engram.state import chunks
+from engram.state.host_arena import ALIGN, HostArena
 from engram.state.snapshot import SnapshotCorruptError
 from engram.state.staging import DeviceStaging
 
@@ -30,6 +32,20 @@ def staging_engine(engine, monkeypatch):
     """The CPU engine taking staged states as a GPU engine does (its "device" is the CPU)."""
     monkeypatch.setattr(type(engine), "restore_device", property(lambda self: self.device))
     return engine
+
+
+def with_arena(manager, device: torch.device, nbytes: int = 1 << 26):
+    """The manager staging its cold loads on `device`, into an arena as a server's does (pinned on CUDA)."""
+    manager.staging_device = device
+    manager.host_arena = HostArena(nbytes, pin=device.type == "cuda")
+    return manager
+
+
+def assert_continues_exactly(engine, state, seed: int) -> None:
+    """The state restored and continued by 5 new tokens generates what a full prefill of them does."""
+    longer = state.tokens + random_prompt(5, seed)
+    engine.add_request("r", longer, greedy(4), initial_state=state)
+    assert run_to_end(engine)["r"].token_ids == full_generation(engine, longer, 4)
 
 
 def three_turns(engine, manager, cid: str = "s") -> list:
@@ -53,9 +69,7 @@ def test_a_cold_load_takes_the_kv_another_conversations_warm_state_holds(engine,
     state = manager.load_into_warm("b", b)
     assert stats.pieces_resident - before[1] == 4
     assert stats.bytes_read - before[0] == store_file_sizes(tmp_path, "b", 1, slice(4, None))  # b's own pieces and checkpoint only
-    longer = state.tokens + random_prompt(5, 23)
-    engine.add_request("r", longer, greedy(4), initial_state=state)
-    assert run_to_end(engine)["r"].token_ids == full_generation(engine, longer, 4)
+    assert_continues_exactly(engine, state, seed=23)
 
 
 def test_a_staged_load_equals_the_plain_one_and_restores_exactly(staging_engine, tmp_path):
@@ -161,6 +175,75 @@ def test_a_damaged_piece_is_refused_and_nothing_of_it_is_staged(staging_engine, 
     assert out.token_ids == full_generation(engine, history + new, max_tokens=3)
 
 
+def test_a_cold_load_after_a_restart_reads_into_the_arena_which_the_warm_tier_counts(staging_engine, tmp_path):
+    engine = staging_engine
+    three_turns(engine, store_manager(engine, tmp_path))
+    restarted = with_arena(store_manager(engine, tmp_path), torch.device("cpu"))
+    arena = restarted.host_arena
+    conv = restarted.require("s")
+    history, new = conv.tokens(conv.latest("main")), random_prompt(6, 80)
+    plan = restarted.begin("s")
+    assert plan.state_tier == "cold" and plan.staging is not None and plan.staging.state is not None
+    assert all(arena.holds(t) for t in plan.state.all_tensors())
+    blocks = sum(-(-t.nbytes // ALIGN) * ALIGN for t in plan.state.all_tensors())
+    assert restarted.warm.nbytes == arena.used == blocks  # each block counted once, at its true size
+    engine.add_request("t", plan.history_tokens + new, greedy(4), initial_state=plan.state, staged=plan.staging)
+    out = run_to_end(engine)["t"]
+    restarted.release("s")
+    assert out.token_ids == full_generation(engine, history + new, max_tokens=4)
+    restarted.warm.drop("s")
+    del plan
+    assert arena.used == 0  # the state left memory: its blocks are free again
+
+
+def test_a_load_into_warm_that_no_request_waits_for_reads_into_the_arena_and_stages_nothing(staging_engine, tmp_path, monkeypatch):
+    engine = staging_engine
+    three_turns(engine, store_manager(engine, tmp_path))
+    restarted = with_arena(store_manager(engine, tmp_path), torch.device("cpu"))
+    for copy in ("kv", "recurrent"):
+        monkeypatch.setattr(DeviceStaging, copy, lambda self, *args: pytest.fail("a state no request waits for was copied to the device"))
+    conv = restarted.require("s")
+    state = restarted.load_into_warm("s", conv.latest("main"))  # as /restore_snapshot and the start-up preload do
+    assert restarted.warm.peek("s", conv.latest("main").ref) is state
+    assert all(restarted.host_arena.holds(t) for t in state.all_tensors())
+    assert_continues_exactly(engine, state, seed=85)
+
+
+def test_a_load_the_arena_cannot_hold_reads_into_memory_of_its_own(staging_engine, tmp_path):
+    engine = staging_engine
+    manager = store_manager(engine, tmp_path)
+    stored = manager._stored_of("s", three_turns(engine, manager)[2])
+    plain = manager.store.chunks.load(stored)
+    arena = HostArena(ALIGN, pin=False)  # smaller than any KV tensor of the state
+    staging = DeviceStaging(torch.device("cpu"), arena=arena)
+    host = manager.store.chunks.load(stored, staging=staging)
+    assert arena.misses > 0 and not any(arena.holds(t) for name, t in host.flat_tensors().items() if name.endswith((".k", ".v")))
+    assert staging.state is not None
+    for name, t in plain.flat_tensors().items():
+        assert torch.equal(host.flat_tensors()[name], t) and torch.equal(staging.state.tensors[name], t), name
+
+
+def test_a_prefix_cache_hit_read_from_disk_is_staged_and_continues_exactly(staging_engine, tmp_path):
+    engine = staging_engine
+    prompt = random_prompt(40, 1)
+    before = prefix_manager(engine, tmp_path)
+    before.prefix_cache.admit(prompt_state(engine, prompt))
+    before.close()
+    after = with_arena(prefix_manager(engine, tmp_path), torch.device("cpu"))  # a restart: only the disk has it
+    staging = after.new_staging()
+    longer = prompt + random_prompt(9, 2)
+    state = after.prefix_cache.lookup(longer, staging)
+    assert state is not None and state.state_len == len(prompt) and after.prefix_cache.stats.disk_hits == 1
+    assert staging is not None and staging.state is not None and all(after.host_arena.holds(t) for t in state.all_tensors())
+    for name, t in state.flat_tensors().items():
+        assert torch.equal(staging.state.tensors[name], t), name
+    engine.add_request("r", longer, greedy(6), initial_state=state, staged=staging)
+    assert staging.take() is None  # the engine took it
+    assert run_to_end(engine)["r"].token_ids == full_generation(engine, longer, 6)
+    again = after.new_staging()
+    assert after.prefix_cache.lookup(longer, again) is state and again is not None and again.state is None  # a memory hit stages nothing
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_load_staged_on_the_gpu_reads_into_pinned_memory_and_equals_the_host_state(engine, tmp_path):
     manager = store_manager(engine, tmp_path)
@@ -182,14 +265,25 @@ def test_a_turn_restored_from_a_staged_load_after_a_restart_equals_a_full_prefil
     assert engine.restore_device is not None and engine.restore_device.type == "cuda"
     manager = store_manager(engine, tmp_path)
     three_turns(engine, manager)
-    restarted = store_manager(engine, tmp_path)
-    restarted.staging_device = engine.restore_device
+    restarted = with_arena(store_manager(engine, tmp_path), engine.restore_device)
     conv = restarted.require("s")
     history, new = conv.tokens(conv.latest("main")), random_prompt(6, 90)
     plan = restarted.begin("s")
     assert plan.state_tier == "cold" and plan.staging is not None and plan.staging.state is not None
+    # the WARM copy: read into the arena, page-locked at its start, so a later restore from it does not wait on pageable memory
+    assert all(t.is_pinned() and restarted.host_arena.holds(t) for t in plan.state.all_tensors())
     engine.add_request("t", plan.history_tokens + new, greedy(6), initial_state=plan.state, staged=plan.staging)
     out = run_to_end(engine)["t"]
     restarted.release("s")
     assert plan.staging.state is None  # taken by the engine, dropped after the restore
     assert out.token_ids == full_generation(engine, history + new, max_tokens=6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_load_staged_on_the_gpu_past_a_full_arena_still_leaves_a_pinned_warm_copy(engine, tmp_path):
+    manager = store_manager(engine, tmp_path)
+    stored = manager._stored_of("s", three_turns(engine, manager)[2])
+    arena = HostArena(ALIGN, pin=True)
+    staging = DeviceStaging(torch.device("cuda"), arena=arena)
+    host = manager.store.chunks.load(stored, staging=staging)
+    assert arena.misses > 0 and all(t.is_pinned() for t in host.all_tensors())

@@ -156,6 +156,13 @@ class ServerArgs:
         },
     )
     max_warm_memory_gb: float = field(default=4.0, metadata={"help": "host memory for conversation states"})
+    pinned_load_memory_gb: float = field(
+        default=4.0,
+        metadata={
+            "help": "host memory page-locked once at start-up (on CUDA; rounded down to a power of two) that cold loads read states "
+            "into, for their WARM copies; a load it cannot hold page-locks its own memory, which costs about as much as the read; 0: none"
+        },
+    )
     enable_prefix_caching: bool = field(
         default=True,
         metadata={
@@ -242,6 +249,8 @@ class ServerArgs:
     def __post_init__(self) -> None:
         if isinstance(self.api_key, str):  # ServerArgs(api_key="k"): one key
             self.api_key = [self.api_key]
+        if self.pinned_load_memory_gb != 0 and not self.pinned_load_memory_gb * (1 << 30) >= 4096:
+            raise ValueError(f"--pinned-load-memory-gb must be 0 (none) or at least 4 KiB, got {self.pinned_load_memory_gb:g}")
 
 
 _STRATEGY_HERE = (

@@ -63,7 +63,12 @@ def serve(engine_args: EngineArgs, server_args: ServerArgs) -> None:
 
 def run(ns: argparse.Namespace) -> None:
     apply_predecessor_args(ns)
-    serve(from_namespace(EngineArgs, ns), from_namespace(ServerArgs, ns))
+    try:
+        server_args = from_namespace(ServerArgs, ns)
+    except ValueError as e:  # a flag's value ServerArgs refuses: one line, not a traceback
+        print(f"engram serve: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    serve(from_namespace(EngineArgs, ns), server_args)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -81,6 +81,7 @@ def build_manager(engine: LLMEngine, args: ServerArgs) -> ConversationManager:
         prefix_cache_disk_bytes=int(args.prefix_cache_disk_gb * (1 << 30)),
         store_url=store_url,
         staging_device=engine.restore_device,
+        host_arena_bytes=int(args.pinned_load_memory_gb * (1 << 30)),
     )
 
 

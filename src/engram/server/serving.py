@@ -164,8 +164,9 @@ class Serving:
         if cache is not None and not cache.wants(len(prompt_ids)):
             cache = None
         if cache is not None:
-            state = await asyncio.to_thread(cache.lookup, prompt_ids)
-            kwargs = {**kwargs, "initial_state": state, "capture_prompt_state": True}
+            staging = self.conversations.manager.new_staging()  # a hit read from disk is copied to the device as it is read
+            state = await asyncio.to_thread(cache.lookup, prompt_ids, staging)
+            kwargs = {**kwargs, "initial_state": state, "capture_prompt_state": True, "staged": staging if state is not None else None}
         outputs = self.engine.generate(request_id, prompt_ids, params, **kwargs)
         with _bad_input_is_400():
             first = await anext(outputs)

@@ -32,6 +32,9 @@ def banner(serving: Serving, args: ServerArgs, url: str) -> str:
         "resent histories": "encoded past the last added token a recent prompt shares"
         if serving.prompt_encoder.enabled
         else "encoded whole (the tokenizer's pieces depend on what precedes them)",
+        "cold loads read into": f"{manager.host_arena.capacity / (1 << 30):g} GiB page-locked at start-up"
+        if manager.host_arena is not None
+        else "memory allocated for each load",
         "warm-up": "on" if args.enable_warmup else "off",
         "url": url,
     }

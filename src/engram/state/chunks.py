@@ -280,7 +280,8 @@ class ChunkStore:
         state's KV of their positions (host memory, immutable) and holds the rest as one segment.
         `staging`: also copy the state to a device while reading (see state/staging.py): each
         piece's copy is issued once it is read and verified; `staging.state` is set only when the
-        whole state has been verified."""
+        whole state has been verified. The host tensors are then its `host_empty`'s (pinned on
+        CUDA), else pageable."""
         pieces = stored.pieces
         if [p.start for p in pieces] != [0, *(p.end for p in pieces[:-1])] or (pieces[-1].end if pieces else 0) != stored.state_len:
             raise SnapshotCorruptError(f"the pieces {[(p.start, p.end) for p in pieces]} do not cover 0..{stored.state_len} in order")
@@ -290,8 +291,8 @@ class ChunkStore:
         rows = pieces[held - 1].end if held else 0
         shared = resident.kv_pieces(0, rows) if resident is not None and held and self._kv else []
         stage = staging if staging is not None and staging.reserve(self._kv_shapes(stored.state_len), self._recurrent_bytes()) else None
-        pinned = stage is not None and stage.pinned
-        kv = {name: self._empty_kv(stored.state_len - rows, pinned) for name in self._kv}  # positions rows..state_len-1
+        host = staging.host_empty if staging is not None else _pageable  # pinned on CUDA even when nothing is staged: the WARM copy
+        kv = {name: host((stored.state_len - rows, *self._kv_row), self.dtypes.kv) for name in self._kv}  # positions rows..state_len-1
         if stage is not None:
             for segment in shared:  # in memory already: its copy goes first
                 stage.kv(segment.start, segment.tensors)
@@ -309,7 +310,7 @@ class ChunkStore:
                     stage.kv(p.start, {name: t[p.start - rows : p.end - rows] for name, t in kv.items()})
             tensors, nbytes = checkpoint.result()
             self.stats.bytes_read += nbytes
-            recurrent = {name: _host_copy(t, pinned) for name, t in tensors.items()}
+            recurrent = {name: host(tuple(t.shape), t.dtype).copy_(t) for name, t in tensors.items()}  # the file's buffer can go
             if stage is not None:
                 stage.recurrent(recurrent)
         tokens = list(resident.tokens[:rows]) if resident is not None else []
@@ -356,15 +357,11 @@ class ChunkStore:
             held += 1
         return held
 
-    def _empty_kv(self, rows: int, pinned: bool = False) -> torch.Tensor:
-        attention = self.spec.attention
-        assert attention is not None
-        return torch.empty(rows, attention.num_kv_heads, attention.head_dim, dtype=self.dtypes.kv, pin_memory=pinned)
-
     @property
     def _kv_row(self) -> tuple[int, ...]:
         """The shape of one position's KV in one tensor (heads, dim)."""
-        return tuple(self._empty_kv(0).shape[1:]) if self._kv else ()
+        attention = self.spec.attention
+        return (attention.num_kv_heads, attention.head_dim) if attention is not None else ()
 
     def _kv_shapes(self, state_len: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return {name: ((state_len, *self._kv_row), self.dtypes.kv) for name in self._kv}
@@ -541,6 +538,5 @@ def _complete_header(data: bytes | bytearray, where: str) -> dict[str, Any]:
     return check_header(data[8 : 8 + length], where, len(data))
 
 
-def _host_copy(t: torch.Tensor, pinned: bool) -> torch.Tensor:
-    """A copy of a tensor that views a file's buffer (so the buffer can go), pinned if asked."""
-    return torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned).copy_(t) if pinned else t.clone()
+def _pageable(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype)

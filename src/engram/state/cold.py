@@ -108,9 +108,10 @@ class ColdStore(Protocol):
         """Store what `base` lacks of the state; no manifest."""
         ...
 
-    def load_state(self, stored: StoredState, resident: SequenceState | None = None) -> SequenceState:
+    def load_state(self, stored: StoredState, resident: SequenceState | None = None, staging: DeviceStaging | None = None) -> SequenceState:
         """The verified state `stored` names (SnapshotError subclasses say what failed); the KV
-        pieces whose prefix `resident` (a state in memory) holds are taken from it, not read."""
+        pieces whose prefix `resident` (a state in memory) holds are taken from it, not read.
+        `staging`: copy the state to a device as it is read, as `load`'s."""
         ...
 
     def prefix_entries(self) -> dict[str, bytes]:
@@ -210,8 +211,8 @@ class FilesystemColdStore:
     def save_state(self, state: SequenceState, base: StoredState | None) -> StoredState:
         return self.chunks.save(state, base)
 
-    def load_state(self, stored: StoredState, resident: SequenceState | None = None) -> SequenceState:
-        return self.chunks.load(stored, resident=resident)
+    def load_state(self, stored: StoredState, resident: SequenceState | None = None, staging: DeviceStaging | None = None) -> SequenceState:
+        return self.chunks.load(stored, resident=resident, staging=staging)
 
     def _prefix_entry(self, name: str) -> Path:
         if not name.isalnum():

@@ -25,6 +25,7 @@ from engram.state.cold import ColdStore
 from engram.state.eviction import ComputeSavedPolicy, PrefillCost
 from engram.state.exchange import export_of, read_import, write_imported
 from engram.state.health import HealthMonitor, Quarantine
+from engram.state.host_arena import HostArena
 from engram.state.identity import ModelIdentity
 from engram.state.keyed_locks import KeyedLocks
 from engram.state.object_store import open_cold_store
@@ -98,6 +99,7 @@ class ConversationManager:
         prefix_cache_disk_bytes: int = 0,
         store_url: str | None = None,
         staging_device: torch.device | None = None,
+        host_arena_bytes: int = 0,
     ):
         self.spec, self.dtypes, self.model, self.tokenizer_sha256 = spec, dtypes, model, tokenizer_sha256
         self.policy = policy
@@ -137,7 +139,11 @@ class ConversationManager:
         self.warm.on_evict = self._evicted
         self.active = ActiveTier()
         # Cold loads copy the state to this device (the engine's) while they read it; None: the engine copies the host state.
+        # They read into blocks of an arena of `host_arena_bytes`, page-locked here, once, while it has room.
         self.staging_device = staging_device
+        self.host_arena = (
+            HostArena(host_arena_bytes, pin=staging_device.type == "cuda") if staging_device is not None and host_arena_bytes > 0 else None
+        )
         self.last_used: dict[str, float] = {}  # conversation -> last use (for cold expiry)
         self._next_expiry_scan = 0.0
         self.writer = SnapshotWriter() if tiers.durability == "async" and self.root is not None else None
@@ -376,7 +382,7 @@ class ConversationManager:
     def _fetch_state(self, plan: TurnPlan, conv: Conversation, base: Turn | None) -> None:
         """Put into `plan` the nearest state of `base`'s chain (warm, or read from the cold tier) and count its tier."""
         started = time.perf_counter()
-        staging = DeviceStaging(self.staging_device) if self.staging_device is not None else None
+        staging = self.new_staging()
         plan.state, plan.state_tier = self._nearest_state(conv, base, staging)
         plan.staging = staging if staging is not None and staging.state is not None and plan.state_tier == "cold" else None
         plan.load_seconds = time.perf_counter() - started if plan.state_tier == "cold" else 0.0
@@ -385,6 +391,12 @@ class ConversationManager:
                 self.stats.misses += 1
             elif plan.state_tier is not None:
                 self._count("hits", plan.state_tier)
+
+    def new_staging(self, stage: bool = True) -> DeviceStaging | None:
+        """Where one cold load (a turn's, a prefix cache entry's) copies its state to the engine's
+        device as it reads (without `stage`: only where it reads into, the arena or pinned memory);
+        None: the engine copies the host state itself."""
+        return DeviceStaging(self.staging_device, arena=self.host_arena, stage=stage) if self.staging_device is not None else None
 
     def tier_of(self, conversation_id: str, turn: Turn) -> str | None:
         """Where the turn's state is now: "active" (an engine slot), "warm" (host memory), "cold"
@@ -692,15 +704,17 @@ class ConversationManager:
 
     def load_into_warm(self, conversation_id: str, turn: Turn, staging: DeviceStaging | None = None) -> SequenceState:
         """The turn's state, from the warm cache or its verified snapshot file (then kept warm;
-        `staging` gets its device copy). The file is read without holding the manager's lock; the
-        caller holds no conversation's lock (the states this one pushes out of memory are written here)."""
+        `staging` gets its device copy; without one the load still reads into pinned memory on
+        CUDA, so that no later restore from the WARM copy waits on pageable memory). The file is read
+        without holding the manager's lock; the caller holds no conversation's lock (the states this
+        one pushes out of memory are written here)."""
         with self._lock:
             state = self.warm.get(conversation_id, turn.ref)
         if state is not None:
             return state
         if not turn.snapshot:
             raise SnapshotNotFoundError(f"turn {turn.ref} of conversation {conversation_id!r} has no snapshot and no state in memory")
-        state = self._load_turn(conversation_id, turn, staging)
+        state = self._load_turn(conversation_id, turn, staging if staging is not None else self.new_staging(stage=False))
         if self.tiers.enabled:
             with self._lock:
                 self.warm.put(conversation_id, turn.ref, state)
@@ -932,6 +946,7 @@ class ConversationManager:
                 "snapshot_write_failures": st.snapshot_write_failures,
                 "store": asdict(self.store.stats) if self.store is not None else None,
                 "prefix_cache": self._prefix_cache_stats(),
+                "host_arena": self.host_arena.summary() if self.host_arena is not None else None,
                 "health": asdict(self.health.stats),
                 "quarantined": self.quarantine.list(),
             }

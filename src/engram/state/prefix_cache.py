@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from engram.state.chunks import PrefixHasher
 from engram.state.eviction import Candidate, ComputeSavedPolicy
 from engram.state.sequence_state import SequenceState
+from engram.state.staging import DeviceStaging
 
 if TYPE_CHECKING:
     from engram.state.prefix_disk import PrefixDisk
@@ -105,10 +106,11 @@ class PrefixCache:
         """Whether a prompt this long is worth its state's capture (and a lookup: no entry is shorter)."""
         return num_tokens >= self.min_tokens
 
-    def lookup(self, tokens: Sequence[int]) -> SequenceState | None:
+    def lookup(self, tokens: Sequence[int], staging: DeviceStaging | None = None) -> SequenceState | None:
         """The entry covering the longest prefix of `tokens` that leaves at least one token to
         compute (the last prompt token's logits are what a request samples from), from memory or,
-        if the disk tier holds a longer one, loaded from disk (verified) and kept in memory."""
+        if the disk tier holds a longer one, loaded from disk (verified; `staging`: copied to the
+        device as it is read, for the engine's `staged`) and kept in memory."""
         usable = len(tokens) - 1
         if usable <= 0 or not (self._entries or self.disk is not None):
             return None
@@ -124,7 +126,7 @@ class PrefixCache:
             with self._lock:
                 held = self._entries.get(found[1]) if found is not None else None
             # what memory holds of the longer prefix (its first found[0] tokens' KV) is not read again
-            state = self.disk.load(on_disk[1], held[0] if held is not None else None) if self.disk is not None else None
+            state = self.disk.load(on_disk[1], held[0] if held is not None else None, staging) if self.disk is not None else None
             if state is not None:
                 self._admit_in_memory(state)
                 with self._lock:

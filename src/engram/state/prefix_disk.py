@@ -28,6 +28,7 @@ from engram.state.eviction import Candidate, ComputeSavedPolicy
 from engram.state.prefix_cache import PrefixIndex
 from engram.state.sequence_state import SequenceState
 from engram.state.snapshot import SnapshotCorruptError, SnapshotError
+from engram.state.staging import DeviceStaging
 from engram.state.store import SnapshotWriter
 
 ENTRY_FORMAT = "engram-prefix/1"
@@ -119,15 +120,16 @@ class PrefixDisk:
             self._ensure_loaded()
             return self._index.longest(tokens, chain, usable)
 
-    def load(self, key: bytes, resident: SequenceState | None = None) -> SequenceState | None:
+    def load(self, key: bytes, resident: SequenceState | None = None, staging: DeviceStaging | None = None) -> SequenceState | None:
         """The entry's state, every file verified (the pieces `resident` holds copied from it, not
-        read); None (and the entry dropped) if it cannot be loaded."""
+        read; `staging`: copied to the device as it is read, as a conversation's cold load); None
+        (and the entry dropped) if it cannot be loaded."""
         with self._lock:
             entry = self._entries.get(key)
         if entry is None:
             return None
         try:
-            state = self.store.load_state(entry.stored, resident)
+            state = self.store.load_state(entry.stored, resident, staging)
         except SnapshotError as e:
             log.warning("prefix cache entry %s dropped: %s", key.hex()[:12], e)
             with self._lock:

@@ -1,14 +1,16 @@
-"""A loaded state's copy on the engine's device, made while the load is still reading.
+"""A loaded state's copy on the engine's device, made while the load is still reading, and the
+host memory the load reads into.
 
 A cold load reads a state's files in several threads; as each part has been read and verified,
 its copy to the device is issued at once, so the copy overlaps the reads still in flight instead
-of following them all. On CUDA the copies go on a side stream, from pinned host memory (the host
-does not wait; the WARM tier's copy is then pinned too) or, with `pin_host` off, from the
-pageable memory the load reads into (no page-locking of a whole state per load; each copy waits
-for its source to be staged by the driver); the staged state's `ready` event marks their end, and the engine's restore waits
-for it on the GPU (`engine/pools.py:restore_state`). The load returns the host state as before
-(the WARM tier's copy); the staged one goes to the engine with the request and is dropped once
-restored.
+of following them all. On CUDA the copies go on a side stream, from pinned host memory: blocks of
+the `HostArena` page-locked at start-up (state/host_arena.py), or, when it has no room, memory
+pinned for this load (which costs about as much as the read); with `pin_host` off, from pageable
+memory (each copy then waits for its source to be staged by the driver; for measurements). The
+staged state's `ready` event marks their end, and the engine's restore waits for it on the GPU
+(`engine/pools.py:restore_state`). The load returns the host state as before (the WARM tier's
+copy: pinned, so that a later restore from it does not wait on pageable memory); the staged one
+goes to the engine with the request and is dropped once restored.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from engram.state.host_arena import HostArena
 from engram.state.sequence_state import SequenceState
 
 # A state is staged only when its device copy takes at most this share of the device's free memory:
@@ -41,35 +44,40 @@ class DeviceStaging:
     The engine `take`s the state (so that nothing else keeps its device memory alive). On the CPU
     the copies are plain ones (the tests' stand-in for a device)."""
 
-    def __init__(self, device: torch.device, pin_host: bool = True):
+    def __init__(self, device: torch.device, pin_host: bool = True, arena: HostArena | None = None, stage: bool = True):
         self.device = device
         self.pin_host = pin_host
+        self.stage = stage  # False: only `host_empty` (a load that no request waits for: its WARM copy pinned all the same)
+        self.arena = arena if pin_host else None
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.state: SequenceState | None = None
         self.copies = 0  # parts whose copy was issued
         self._kv: dict[str, torch.Tensor] = {}
         self._recurrent: dict[str, torch.Tensor] = {}
 
-    @property
-    def pinned(self) -> bool:
-        """Whether the load should read into pinned host memory (copies from it do not block the host)."""
-        return self.stream is not None and self.pin_host
+    def host_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Host memory for a tensor the load reads (and this object then copies from): a block of
+        the arena; else, on CUDA, pinned for this load unless `pin_host` is off; else pageable."""
+        t = self.arena.empty(shape, dtype) if self.arena is not None else None
+        if t is None:
+            t = torch.empty(shape, dtype=dtype, pin_memory=self.stream is not None and self.pin_host)
+        return t
 
     def reserve(self, kv: Shapes, recurrent_bytes: int) -> bool:
         """Allocate the device KV (`kv`: name -> its whole `[state_len, heads, dim]` shape and dtype)
-        and start over; False, staging nothing, when the copy would not leave the device enough free
-        memory (the engine then copies the host state itself)."""
+        and start over; False, staging nothing, without `stage` or when the copy would not leave the
+        device enough free memory (the engine then copies the host state itself)."""
         self.state, self._kv, self._recurrent = None, {}, {}
         nbytes = recurrent_bytes + sum(dtype.itemsize * math.prod(shape) for shape, dtype in kv.values())
-        if self.stream is not None and nbytes > FREE_MEMORY_SHARE * free_device_bytes(self.device):
+        if not self.stage or (self.stream is not None and nbytes > FREE_MEMORY_SHARE * free_device_bytes(self.device)):
             return False
         with self._on_stream():
             self._kv = {name: torch.empty(shape, dtype=dtype, device=self.device) for name, (shape, dtype) in kv.items()}
         return True
 
     def kv(self, start: int, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Copy host KV rows (positions `start..`, one tensor per name; pinned if `pinned`, and never
-        written again) to the same positions of the device KV."""
+        """Copy host KV rows (positions `start..`, one tensor per name, from `host_empty` or a
+        resident state, never written again) to the same positions of the device KV."""
         with self._on_stream():
             for name, t in tensors.items():
                 self._kv[name][start : start + t.shape[0]].copy_(t, non_blocking=True)
