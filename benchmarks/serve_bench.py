@@ -367,9 +367,12 @@ async def run_http(a, server: ServerProcess, vocab: int) -> dict:
         await asyncio.gather(*(loop.run_in_executor(pool, time.sleep, 2.0) for _ in range(procs)))  # every process up
         for c in a.concurrency:
             server_cpu, loop_cpu = cpu_seconds(server)
+            ttft_before = [metric(server, f"engram:time_to_first_token_seconds_{x}") for x in ("sum", "count")]
             r, client_cpu = await http_fixed_procs(pool, procs, server.url + "/v1", c, max(c * a.rounds, c), a, vocab)
             out[f"fixed_c{c}"] = r
             server_after, loop_after = cpu_seconds(server)
+            ttft_sum, ttft_count = (metric(server, f"engram:time_to_first_token_seconds_{x}") - b for x, b in zip(("sum", "count"), ttft_before))
+            r["server_ttft_mean"] = ttft_sum / ttft_count if ttft_count else None  # from its arrival, as the server sees it
             per_token = 1e3 / r["output_tokens"]
             r["client_procs"] = min(procs, c)
             r["server_cpu_ms_per_token"] = (server_after - server_cpu) * per_token
@@ -377,7 +380,7 @@ async def run_http(a, server: ServerProcess, vocab: int) -> dict:
             r["client_cpu_ms_per_token"] = client_cpu * per_token
             log(
                 f"http fixed c={c} ({r['client_procs']} client processes): {r['output_tok_s']:,.0f} tok/s, TTFT p50 "
-                f"{r['ttft_p50'] * 1e3:.1f} ms, CPU per token: server {r['server_cpu_ms_per_token']:.3f} ms "
+                f"{r['ttft_p50'] * 1e3:.1f} ms (server's mean {ms(r['server_ttft_mean'])} ms), CPU per token: server {r['server_cpu_ms_per_token']:.3f} ms "
                 f"(event loop {r['server_loop_cpu_ms_per_token']:.3f}), clients {r['client_cpu_ms_per_token']:.3f} ms"
             )
     lengths = mixed_lengths(a.rate_requests, a.prompt_len, a.output_len, 0)
