@@ -74,7 +74,8 @@ class PromptEncoder:
             ids = encode(self.tokenizer, text, add_special_tokens=False)
         else:
             ids = base.ids[: base.kept].tolist() + encode(self.tokenizer, text[base.cut :], add_special_tokens=False)
-            self.reused_chars += base.cut
+            with self._lock:
+                self.reused_chars += base.cut
         self._remember(text, ids)
         return ids
 
