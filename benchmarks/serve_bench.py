@@ -113,6 +113,18 @@ def metric(server: ServerProcess, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
 
 
+SERVER_MEANS = {"server_ttft_mean": "engram:time_to_first_token_seconds", "server_queue_mean": "engram:request_queue_time_seconds"}
+
+
+def server_means(server: ServerProcess, before: dict[str, float] | None = None) -> dict[str, float | None]:
+    """The server's histograms' sums and counts (`before` None), or their means since `before`."""
+    now = {f"{name}_{x}": metric(server, f"{name}_{x}") for name in SERVER_MEANS.values() for x in ("sum", "count")}
+    if before is None:
+        return now
+    delta = {k: v - before[k] for k, v in now.items()}
+    return {key: delta[f"{name}_sum"] / delta[f"{name}_count"] if delta[f"{name}_count"] else None for key, name in SERVER_MEANS.items()}
+
+
 def cpu_seconds(server: ServerProcess) -> tuple[float, float]:
     """User + system CPU time so far (Linux /proc) of the server process, and of its main thread
     alone: the event loop (HTTP, SSE, the routes), which the engine thread shares the GIL with."""
@@ -367,12 +379,11 @@ async def run_http(a, server: ServerProcess, vocab: int) -> dict:
         await asyncio.gather(*(loop.run_in_executor(pool, time.sleep, 2.0) for _ in range(procs)))  # every process up
         for c in a.concurrency:
             server_cpu, loop_cpu = cpu_seconds(server)
-            ttft_before = [metric(server, f"engram:time_to_first_token_seconds_{x}") for x in ("sum", "count")]
+            means_before = server_means(server)
             r, client_cpu = await http_fixed_procs(pool, procs, server.url + "/v1", c, max(c * a.rounds, c), a, vocab)
             out[f"fixed_c{c}"] = r
             server_after, loop_after = cpu_seconds(server)
-            ttft_sum, ttft_count = (metric(server, f"engram:time_to_first_token_seconds_{x}") - b for x, b in zip(("sum", "count"), ttft_before))
-            r["server_ttft_mean"] = ttft_sum / ttft_count if ttft_count else None  # from its arrival, as the server sees it
+            r |= server_means(server, means_before)  # TTFT from its arrival, as the server sees it, and its wait for a slot
             per_token = 1e3 / r["output_tokens"]
             r["client_procs"] = min(procs, c)
             r["server_cpu_ms_per_token"] = (server_after - server_cpu) * per_token
@@ -380,7 +391,8 @@ async def run_http(a, server: ServerProcess, vocab: int) -> dict:
             r["client_cpu_ms_per_token"] = client_cpu * per_token
             log(
                 f"http fixed c={c} ({r['client_procs']} client processes): {r['output_tok_s']:,.0f} tok/s, TTFT p50 "
-                f"{r['ttft_p50'] * 1e3:.1f} ms (server's mean {ms(r['server_ttft_mean'])} ms), CPU per token: server {r['server_cpu_ms_per_token']:.3f} ms "
+                f"{r['ttft_p50'] * 1e3:.1f} ms (server's mean {ms(r['server_ttft_mean'])} ms, queued {ms(r['server_queue_mean'])} ms), "
+                f"CPU per token: server {r['server_cpu_ms_per_token']:.3f} ms "
                 f"(event loop {r['server_loop_cpu_ms_per_token']:.3f}), clients {r['client_cpu_ms_per_token']:.3f} ms"
             )
     lengths = mixed_lengths(a.rate_requests, a.prompt_len, a.output_len, 0)

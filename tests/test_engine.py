@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from checkpoints import GDN_KINDS
@@ -136,6 +138,23 @@ def test_cancel_mid_generation_frees_slot_and_pages(checkpoint_dir):
     stats = engine.stats()
     assert (stats.num_running, stats.state_slots_used, stats.kv_blocks_used) == (0, 0, 0)
     assert not engine.has_unfinished_requests()
+
+
+def test_queue_time_is_the_wait_for_a_slot(checkpoint_dir):
+    """A request that waits for the only slot reports at least the time the first took to finish."""
+    engine = make_engine(checkpoint_dir("nemotron"), max_running_requests=1)
+    engine.add_request("first", random_prompt(20, seed=1), greedy(6))
+    engine.add_request("second", random_prompt(20, seed=2), greedy(6))
+    started = time.monotonic()
+    queued: dict[str, float | None] = {}
+    first_done = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            queued.setdefault(out.request_id, out.queue_seconds)
+            if out.request_id == "first" and out.finished:
+                first_done = time.monotonic()
+    assert first_done is not None and queued["first"] is not None and queued["second"] is not None
+    assert queued["second"] >= first_done - started > queued["first"]
 
 
 def test_stop_conditions(checkpoint_dir):

@@ -175,7 +175,7 @@ def test_metrics(http):
         "kv_pool_usage",
     ):
         assert f'\nengram:{family}{{model_name="{MODEL}"}} ' in text, family
-    for histogram in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"):
+    for histogram in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"):
         assert f'\nengram:{histogram}_count{{model_name="{MODEL}"}} ' in text, histogram
     count = float(text.split(f'\nengram:time_to_first_token_seconds_count{{model_name="{MODEL}"}} ')[1].split()[0])
     assert count >= 1

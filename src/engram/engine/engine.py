@@ -719,6 +719,7 @@ class LLMEngine:
             logprobs=seq.pending_logprobs if seq.params.logprobs is not None else None,
             num_cached_tokens=seq.num_cached_tokens,
             restore_seconds=seq.restore_seconds,
+            queue_seconds=seq.queue_seconds,
             state=seq.captured_state,
             prompt_state=seq.prompt_state,
             prompt_logprobs=seq.prompt_logprobs if p.prompt_logprobs is not None and not seq.wants_prompt_rows else None,

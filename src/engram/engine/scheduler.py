@@ -247,6 +247,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self._admitted_at = admit_at
+            if seq.queue_seconds is None:  # a preempted sequence's queue time is its first wait
+                seq.queue_seconds = admit_at - seq.arrival_time
             if adopted is not None:  # the state is already in this slot and these pages
                 seq.slot, seq.blocks, seq.adopted = adopted.slot, adopted.blocks, None
                 self.state_pool.pending.settle([seq.slot])  # its capture may still be copying

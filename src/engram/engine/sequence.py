@@ -42,6 +42,7 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens whose state was restored or adopted, not computed
     restore_seconds: float = 0.0  # time to copy the restored state into the pools
     arrival_time: float = 0.0  # when the scheduler took it (its clock)
+    queue_seconds: float | None = None  # from arrival to its first admission (None: still waiting)
     captured_state: SequenceState | None = None  # taken at finish when capture_state is set
     capture_prompt: bool = False  # also return the state after the prompt (a prefix-cache entry)
     prompt_recurrent: dict[str, torch.Tensor] | None = None  # its recurrent part, copied when the prefill ended

@@ -186,6 +186,7 @@ class Metrics:
         self.ttft = histogram("engram:time_to_first_token_seconds", "time from arrival to the first token")
         self.itl = histogram("engram:inter_token_latency_seconds", "time between consecutive output tokens")
         self.e2e = histogram("engram:e2e_request_latency_seconds", "time from arrival to the last token")
+        self.queue = histogram("engram:request_queue_time_seconds", "time from reaching the engine to being admitted to a step")
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -203,9 +204,13 @@ class RequestTimer:
         self.arrival = self._last = time.perf_counter()
         self._seen_token = False
         self._ttft: float | None = None
+        self._queue: float | None = None
 
     def observe(self, out: RequestOutput) -> None:
         now = time.perf_counter()
+        if self._queue is None and out.queue_seconds is not None:
+            self._queue = out.queue_seconds
+            self.metrics.queue.observe(out.queue_seconds)
         if out.new_token_ids:
             if self._seen_token:
                 per_token = (now - self._last) / len(out.new_token_ids)
@@ -222,13 +227,15 @@ class RequestTimer:
 
     def _log(self, out: RequestOutput, e2e: float) -> None:
         ttft = f"{self._ttft * 1e3:.1f}" if self._ttft is not None else "-"
+        queue = f"{self._queue * 1e3:.1f}" if self._queue is not None else "-"
         log.info(
-            "request %s conversation=%s prompt=%d cached=%d generated=%d ttft_ms=%s e2e_ms=%.1f finish=%s",
+            "request %s conversation=%s prompt=%d cached=%d generated=%d queue_ms=%s ttft_ms=%s e2e_ms=%.1f finish=%s",
             out.request_id,
             self.conversation_id or "-",
             len(out.prompt_token_ids),
             out.num_cached_tokens,
             len(out.token_ids),
+            queue,
             ttft,
             e2e * 1e3,
             out.finish_reason.value if out.finish_reason else "-",
