@@ -49,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from server_utils import ServerProcess
 
 from engram.args import EngineArgs
+from engram.engine.async_engine import AsyncEngine
 from engram.engine.engine import LLMEngine
 from engram.engine.request import SamplingParams
 from engram.models.byte_tokenizer import build_byte_tokenizer
@@ -462,20 +463,50 @@ def engine_chats(eng: LLMEngine, a) -> tuple[Timing, Timing]:
     return first, later
 
 
+async def async_closed_loop(engine: AsyncEngine, jobs: list[tuple[list[int], int]], concurrency: int) -> dict:
+    """The jobs through `AsyncEngine` (the server's engine thread and its delivery to an event
+    loop), `concurrency` consumers on this event loop: the server's path without HTTP."""
+    timing, pending = Timing(), list(reversed(jobs))
+    started = time.perf_counter()
+
+    async def worker() -> None:
+        while pending:
+            prompt, n = pending.pop()
+            start, times = time.perf_counter(), []
+            params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+            async for out in engine.generate(f"a{len(pending)}-{time.perf_counter_ns()}", prompt, params):
+                times += [time.perf_counter()] * len(out.new_token_ids)
+            timing.add(start, times)
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return summary(timing.ttft, timing.itl, timing.e2e, timing.tokens, time.perf_counter() - started)
+
+
+def fixed_jobs(a, c: int, vocab: int) -> list[tuple[list[int], int]]:
+    return [(rand_tokens(a.prompt_len, vocab, 10_000 + i), a.output_len) for i in range(max(c * a.rounds, c))]
+
+
 def run_engine(a, engine_args: EngineArgs, vocab: int) -> dict:
     eng = LLMEngine(engine_args)
     report = eng.warm_up()
     log(f"in-process engine warmed up in {report.seconds:.1f} s")
     out = {}
     for c in a.concurrency:
-        jobs = [(rand_tokens(a.prompt_len, vocab, 10_000 + i), a.output_len) for i in range(max(c * a.rounds, c))]
         cpu = time.process_time()
-        out[f"fixed_c{c}"] = r = engine_closed_loop(eng, jobs, c)
+        out[f"fixed_c{c}"] = r = engine_closed_loop(eng, fixed_jobs(a, c, vocab), c)
         r["cpu_ms_per_token"] = (time.process_time() - cpu) * 1e3 / r["output_tokens"]
         log(f"engine fixed c={c}: {r['output_tok_s']:,.0f} tok/s, CPU per token {r['cpu_ms_per_token']:.3f} ms")
     if a.users:
         first, later = engine_chats(eng, a)
         out["chat_first"], out["chat_resumed"] = chat_row(first), chat_row(later)
+    threaded = AsyncEngine(eng)  # last: its shutdown closes the engine
+    threaded.start()
+    try:
+        for c in a.concurrency:
+            out[f"thread_c{c}"] = r = asyncio.run(async_closed_loop(threaded, fixed_jobs(a, c, vocab), c))
+            log(f"engine thread + event loop c={c}: {r['output_tok_s']:,.0f} tok/s, TTFT p50 {r['ttft_p50'] * 1e3:.1f} ms")
+    finally:
+        threaded.shutdown()
     return out
 
 
@@ -495,12 +526,13 @@ def print_tables(res: dict) -> None:
     print(f"\nmachine: {res['machine']}; commit {res['commit']}; config {res['config']}")
     print(f"command: {res['command']}\n")
     print(
-        "| workload | HTTP tok/s | engine tok/s | HTTP / engine | TTFT p50 / p99 ms (HTTP) | TTFT p50 ms (engine) | ITL p50 / p99 ms (HTTP) | "
+        "| workload | HTTP tok/s | engine tok/s | HTTP / engine | engine thread + event loop tok/s | TTFT p50 / p99 ms (HTTP) | TTFT p50 ms (engine) | "
+        "ITL p50 / p99 ms (HTTP) | "
         "E2E p50 / p99 ms (HTTP) | CPU ms/token: server (its event loop) / client / engine |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for key in [k for k in H if k.startswith(("fixed_", "rate_"))]:
-        h, e = H[key], E.get(key, {})
+        h, e, t = H[key], E.get(key, {}), E.get(key.replace("fixed_", "thread_"), {})
 
         def f(x: float | None) -> str:
             return f"{x:.3f}" if x is not None else "-"
@@ -511,6 +543,7 @@ def print_tables(res: dict) -> None:
         )
         print(
             f"| {key} | {h['output_tok_s']:,.0f} | {e.get('output_tok_s', 0):,.0f} | {ratio(h['output_tok_s'], e.get('output_tok_s'))} | "
+            f"{t.get('output_tok_s', 0):,.0f} | "
             f"{ms(h['ttft_p50'])} / {ms(h['ttft_p99'])} | {ms(e.get('ttft_p50'))} | {ms(h['itl_p50'])} / {ms(h['itl_p99'])} | "
             f"{ms(h['e2e_p50'])} / {ms(h['e2e_p99'])} | {cpu} |"
         )
