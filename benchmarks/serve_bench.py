@@ -279,16 +279,23 @@ async def http_rate(client, rate: float, lengths: list[tuple[int, int]], vocab: 
     return {"rate": rate, **summary(timing.ttft, timing.itl, timing.e2e, timing.tokens, time.perf_counter() - started)}
 
 
+TEXT_CHARS = "abcdefghij klmnopqrstuvwxyz"
+# A reply's tokens: these characters only, so that a reply's text encodes again to the tokens that
+# were generated (as a real model's text does; a random model's bytes may not be UTF-8), and a
+# client that resends it can find the previous turn's state.
+REPLY_TOKENS = build_byte_tokenizer().encode(TEXT_CHARS, add_special_tokens=False)
+
+
 def history_text(tokens: int, seed: int) -> str:
     """Text of `tokens` byte-tokenizer tokens (printable ASCII, one token a byte)."""
     rng = random.Random(seed)
-    return "".join(rng.choice("abcdefghij klmnopqrstuvwxyz") for _ in range(tokens))
+    return "".join(rng.choice(TEXT_CHARS) for _ in range(tokens))
 
 
 async def chat_turn(client, messages: list[dict], reply_len: int, conversation_id: str | None, timing: Timing) -> str:
     start = time.perf_counter()
     times, text = [], []
-    extra = {"ignore_eos": True, **({"conversation_id": conversation_id} if conversation_id else {})}
+    extra = {"ignore_eos": True, "allowed_token_ids": REPLY_TOKENS, **({"conversation_id": conversation_id} if conversation_id else {})}
     stream = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=reply_len, temperature=0, stream=True, extra_body=extra)
     async for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:

@@ -7,7 +7,7 @@ import httpx
 import pytest
 import torch
 from engine_utils import greedy, make_engine, random_prompt, run_to_end
-from server_utils import running_server
+from server_utils import metric_value, running_server
 from test_conversations import full_generation
 
 from engram.state.chunks import PrefixHasher
@@ -79,18 +79,30 @@ def test_the_least_recently_used_states_leave_first_under_the_budget():
     assert cache.lookup([1] * 7) is None and cache.lookup([0] * 7) is a and cache.lookup([2] * 7) is c
 
 
-def _resend_history_dialogue(srv, turns: int = 3, messages: list[dict] | None = None) -> tuple[list[str], list[int], list[int]]:
-    """A client that sends its whole history every turn: replies, cached and prompt tokens per turn.
-    `messages`: a dialogue to continue (extended in place)."""
+def _resend_history_dialogue(srv, turns: int = 3, messages: list[dict] | None = None) -> tuple[list[str], list[int], list[int], list[float]]:
+    """A client that sends its whole history every turn: replies, cached and prompt tokens per turn,
+    and the logprobs of every reply token.
+    `messages`: a dialogue to continue (extended in place). Replies are of ASCII letters, so that the
+    next turn's prompt holds them as the tokens that were generated (a random model's bytes may
+    not be UTF-8, and their text encodes to other tokens)."""
     if messages is None:
         messages = []
     if not messages:
         messages.append({"role": "system", "content": "You are terse. " * 20})
-    replies, cached, prompts = [], [], []
+    replies, cached, prompts, logprobs = [], [], [], []
     with httpx.Client(base_url=srv.url, timeout=60) as http:
+        letters = http.post("/tokenize", json={"model": MODEL, "prompt": "abcdefghijklmnop", "add_special_tokens": False}).json()["tokens"]
         for i in range(len(messages) // 2, len(messages) // 2 + turns):
             messages.append({"role": "user", "content": f"question {i}: " + "why " * (5 + i)})
-            body = {"model": MODEL, "messages": messages, "temperature": 0, "max_tokens": 8, "ignore_eos": True}
+            body = {
+                "model": MODEL,
+                "messages": messages,
+                "temperature": 0,
+                "max_tokens": 8,
+                "ignore_eos": True,
+                "allowed_token_ids": letters,
+                "logprobs": True,
+            }
             r = http.post("/v1/chat/completions", json=body)
             assert r.status_code == 200, r.text
             reply, usage = r.json()["choices"][0]["message"]["content"], r.json()["usage"]
@@ -98,13 +110,15 @@ def _resend_history_dialogue(srv, turns: int = 3, messages: list[dict] | None = 
             replies.append(reply)
             cached.append(usage["prompt_tokens_details"]["cached_tokens"])
             prompts.append(usage["prompt_tokens"])
-    return replies, cached, prompts
+            logprobs += [t["logprob"] for t in r.json()["choices"][0]["logprobs"]["content"]]
+    return replies, cached, prompts, logprobs
 
 
 def test_a_client_that_resends_its_history_restores_its_previous_prompt(checkpoint_dir, tmp_path):
     path = checkpoint_dir("nemotron")
     with running_server(path, MODEL, snapshot_dir=str(tmp_path / "on"), enable_prefix_caching=True, prefix_cache_min_tokens=1) as srv:
-        replies, cached, prompts = _resend_history_dialogue(srv)
+        replies, cached, prompts, logprobs = _resend_history_dialogue(srv)
+        slot_hits = metric_value(httpx.get(srv.url + "/metrics").text, "engram:prefix_cache_slot_hits_total", model_name=MODEL)
         assert len(srv.app.state.serving.conversations.manager.prefix_cache) > 0
         assert httpx.post(srv.url + "/flush_cache").json()["success"]  # SGLang's flush empties the cache
         assert len(srv.app.state.serving.conversations.manager.prefix_cache) == 0
@@ -116,9 +130,11 @@ def test_a_client_that_resends_its_history_restores_its_previous_prompt(checkpoi
         assert len(srv.app.state.serving.conversations.manager.prefix_cache) == 0
     with running_server(path, MODEL, snapshot_dir=str(tmp_path / "off"), enable_prefix_caching=False) as srv:
         without = _resend_history_dialogue(srv)
-    assert cached[0] == 0 and all(cached[i] >= prompts[i - 1] for i in range(1, len(cached))), (cached, prompts)
+    # turn 2 onwards adopts the previous turn's slot (the GPU tier): its prompt and all but its last reply token
+    assert slot_hits == 2 and cached[0] == 0 and all(cached[i] == prompts[i - 1] + 7 for i in range(1, len(cached))), (cached, prompts)
     assert without[1] == [0, 0, 0]
     assert replies == without[0] and prompts == without[2]
+    assert torch.allclose(torch.tensor(logprobs), torch.tensor(without[3]), atol=1e-4), (logprobs, without[3])  # float32: the same computation
 
 
 def test_eviction_keeps_the_state_that_saves_more_compute_where_lru_would_not():

@@ -74,6 +74,7 @@ class EngineStats:
     compilations_after_ready: int  # graph captures and compilations since `mark_ready` (should stay 0)
     captures_total: int = 0  # states captured at a request's end (final or prompt state)
     capture_bytes_total: int = 0  # bytes those captures copied device to host (only what the host lacked)
+    prefix_slot_hits_total: int = 0  # requests that adopted a retained slot found by their prompt's prefix (`resume_prefix`)
     spec_drafts_total: int = 0  # verify rows with a draft
     spec_draft_tokens_total: int = 0  # speculative tokens proposed and verified
     spec_accepted_tokens_total: int = 0  # of those, kept
@@ -200,7 +201,7 @@ class LLMEngine:
         self._aborted: list[Sequence] = []
         # Draws of requests without a seed of their own, on the device the logits live on.
         self._default_generator = torch.Generator(self.device).manual_seed(args.seed)
-        self._counters = {"prompt": 0, "generation": 0, "prefill_computed": 0, "cached": 0, "captures": 0, "capture_bytes": 0}
+        self._counters = {"prompt": 0, "generation": 0, "prefill_computed": 0, "cached": 0, "captures": 0, "capture_bytes": 0, "prefix_slot_hits": 0}
         self._inflight: InFlightTokens | None = None
         self._grammars: Grammars | None = None  # made on the first structured request (xgrammar loads in seconds)
         self._grammars_lock = threading.Lock()
@@ -278,6 +279,7 @@ class LLMEngine:
         capture_prompt_state: bool = False,
         retain_key: str | None = None,
         resume_key: str | None = None,
+        resume_prefix: str | None = None,
         require_adoption: bool = False,
         host_base: SequenceState | None = None,
         staged: DeviceStaging | None = None,
@@ -295,7 +297,9 @@ class LLMEngine:
         state/staging.py); its state is taken, the first restore copies from it on the device and
         drops it. `capture_state` returns the final state in the output; `capture_prompt_state` returns the state after the prompt (`prompt_state`: a
         prefix-cache entry; its recurrent part is copied when the prefill ends, its KV at finish);
-        `retain_key` keeps the final state in its slot under that key. An `internal`
+        `retain_key` keeps the final state in its slot under that key; `resume_prefix` (without a
+        `resume_key`) adopts the retained slot, of those whose keys start with it, that covers the
+        longest prefix of the prompt, if longer than `initial_state` (the prefix cache's GPU tier). An `internal`
         request (the server's own, such as a prefill shared by several choices) is left out of
         the received, cached and generated token counts. `grammar`: `params.structured_outputs`
         as `compile_grammar` made it (else it is compiled here, on the caller's thread). `embed`:
@@ -303,6 +307,8 @@ class LLMEngine:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt = list(prompt_token_ids)  # the request's own copy (lists compare with the states' token lists)
+        if resume_prefix is not None and resume_key is None:
+            resume_key = self.scheduler.longest_retained(prompt, resume_prefix, initial_state.state_len if initial_state is not None else 0)
         retained = self.scheduler.retained.get(resume_key) if resume_key is not None else None
         kept = retained if retained is not None and _prefix_mismatch(retained.tokens, retained.state_len, prompt) is None else None
         if resume_key is not None and retained is not None and kept is None:  # not this prompt's state
@@ -342,6 +348,7 @@ class LLMEngine:
         if not internal:
             self._counters["prompt"] += len(prompt)
             self._counters["cached"] += seq.num_cached_tokens
+            self._counters["prefix_slot_hits"] += seq.adopted is not None and resume_prefix is not None
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams, restored_prefix: int = 0) -> None:
         """What `add_request` refuses of a prompt and its parameters (ValueError); reads no engine
@@ -794,6 +801,7 @@ class LLMEngine:
             retained_slots=len(self.scheduler.retained),
             captures_total=c["captures"],
             capture_bytes_total=c["capture_bytes"],
+            prefix_slot_hits_total=c["prefix_slot_hits"],
             graph_captures=self.runner.num_graph_captures,
             kernel_compilations=kernel_compilations(),
             compilations_after_ready=after_ready,

@@ -132,6 +132,16 @@ class Scheduler:
             kept.held = False
         return kept
 
+    def longest_retained(self, prompt: list[int], namespace: str, longer_than: int = 0) -> str | None:
+        """The key, among those starting with `namespace`, of the retained slot whose state covers
+        the longest prefix of `prompt` (more than `longer_than` tokens, and not the whole prompt)."""
+        best, best_len = None, longer_than
+        for key, kept in self.retained.items():
+            n = kept.state_len
+            if best_len < n < len(prompt) and key.startswith(namespace) and kept.tokens[n - 1] == prompt[n - 1] and kept.tokens[:n] == prompt[:n]:
+                best, best_len = key, n
+        return best
+
     def drop_retained(self, key: str) -> bool:
         kept = self.retained.pop(key, None)
         if kept is not None:

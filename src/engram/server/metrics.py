@@ -63,6 +63,11 @@ class _EngineCollector(Collector):
             "bytes those captures copied device to host: the KV the host lacked and the recurrent state (per turn: the ratio of the two)",
             s.capture_bytes_total,
         )
+        yield counter(
+            "prefix_cache_slot_hits",
+            "requests whose prompt's prefix was still in a finished request's engine slot (the GPU tier)",
+            s.prefix_slot_hits_total,
+        )
         yield counter("num_preemptions", "running requests preempted (their state dropped, recomputed later)", s.num_preemptions)
         yield counter("graph_captures", "CUDA graphs captured", s.graph_captures)
         yield counter("kernel_compilations", "Triton kernels compiled", s.kernel_compilations)

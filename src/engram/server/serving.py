@@ -34,6 +34,9 @@ MAX_STAGED_STATES = 64
 # From this many prompt tokens, the n choices of a request share one prefill: the state one token
 # short of the prompt is computed once and restored into every choice, which computes the last one.
 SHARED_PREFILL_MIN_TOKENS = 256
+# Retained engine slots of finished requests of no conversation: the prefix cache's GPU tier
+# (conversations retain theirs under their ids, which hold no colon).
+PREFIX_SLOT_KEY = ":prefix:"
 
 
 @dataclasses.dataclass
@@ -167,6 +170,8 @@ class Serving:
             staging = self.conversations.manager.new_staging()  # a hit read from disk is copied to the device as it is read
             state = await asyncio.to_thread(cache.lookup, prompt_ids, staging)
             kwargs = {**kwargs, "initial_state": state, "capture_prompt_state": True, "staged": staging if state is not None else None}
+            # the GPU tier: the final state stays in its slot (until the engine needs the room), for a prompt that extends it
+            kwargs |= {"retain_key": PREFIX_SLOT_KEY + request_id, "resume_prefix": PREFIX_SLOT_KEY}
         outputs = self.engine.generate(request_id, prompt_ids, params, **kwargs)
         with _bad_input_is_400():
             first = await anext(outputs)
