@@ -13,10 +13,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from engram.args import EngineArgs
 from engram.engine.memory_planner import (
     MemoryPlanError,
     device_memory_bytes,
     kv_bytes_per_token,
+    plan_for_args,
     plan_memory,
     require_fit,
     scratch_bytes,
@@ -153,6 +155,18 @@ def test_scratch_formula() -> None:
     scan = math.ceil(2048 / 128) * 64 * 64 * 128 * F32  # one float32 state per scan chunk
     logits = 2 * 16 * 131072 * F32
     assert scratch_bytes(spec, 2048, 16, torch.bfloat16) == projections + scan + logits
+
+
+def test_cuda_graphs_count_a_second_forward_scratch() -> None:
+    """The graphs' private pool holds a captured step's activations beside the eager steps' ones."""
+    spec = load_model_spec(NEMOTRON)
+    one = scratch_bytes(spec, 2048, 16, torch.bfloat16)
+
+    def plan(device: str, graphs: bool) -> int:
+        args = EngineArgs(model_path="unused", device=device, enable_cuda_graph=graphs, max_running_requests=16, max_num_batched_tokens=2048)
+        return plan_for_args(spec, args, model_dtype=torch.bfloat16, total_memory_bytes=141 * 2**30, weights_bytes=0).scratch_bytes
+
+    assert plan("cuda", True) == 2 * one and plan("cuda", False) == plan("cpu", True) == one
 
 
 def test_no_recurrent_layers_means_no_state() -> None:

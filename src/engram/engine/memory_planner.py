@@ -375,14 +375,18 @@ def plan_memory(
 
 
 def plan_for_args(spec: ModelSpec, args: EngineArgs, *, model_dtype: torch.dtype, total_memory_bytes: int, weights_bytes: int) -> MemoryPlan:
-    """`plan_memory` for an engine configuration: the same figures at startup and in `engram plan`."""
+    """`plan_memory` for an engine configuration: the same figures at startup and in `engram plan`.
+    With CUDA graphs, the forward scratch counts twice: a captured step's activations stay in the
+    graphs' private pool (prefill graphs reach the step's token budget), beside the allocator's
+    own for the eager steps."""
     dtypes = state_dtypes(spec, model_dtype, args.mamba_ssm_dtype, args.kv_cache_dtype)
+    scratch_copies = 2 if args.enable_cuda_graph and args.device != "cpu" else 1
     return plan_memory(
         spec,
         total_memory_bytes=total_memory_bytes,
         mem_fraction_static=args.mem_fraction_static,
         weights_bytes=weights_bytes,
-        scratch_bytes=scratch_bytes(spec, args.max_num_batched_tokens, args.max_running_requests, model_dtype)
+        scratch_bytes=scratch_copies * scratch_bytes(spec, args.max_num_batched_tokens, args.max_running_requests, model_dtype)
         + verify_bytes(spec, dtypes, args.max_running_requests, speculative_tokens(args.speculative_config)),
         max_running_requests=args.max_running_requests,
         context_length=args.context_length,
