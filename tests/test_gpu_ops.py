@@ -429,7 +429,7 @@ def _kv_setup(g, dtype, hq, hkv, d, bs, ctx, n):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("hq,hkv,d,bs", [(6, 2, 8, 4), (12, 4, 128, 16), (4, 4, 12, 16)])
+@pytest.mark.parametrize("hq,hkv,d,bs", [(6, 2, 8, 4), (12, 4, 128, 16), (4, 4, 12, 16), (4, 4, 192, 16)])  # 192: Kimi-Linear latent K width
 def test_store_kv_and_paged_attention_prefill(dtype, hq, hkv, d, bs):
     g = _gen(7)
     ctx, n = [0, 5, 33, 0], [7, 1, 70, 130]
@@ -736,7 +736,11 @@ def _greedy_run(path: str, fast: bool, graphs: bool, dtype: str, prompts: list[l
 
 @needs_cuda
 @pytest.mark.parametrize(
-    "kind", ["granite", "mamba2", "nemotron", "bamba", "granite_rope", "falcon_h1", "falcon_h1_tied", "qwen3_next", "qwen3_5", "qwen3_5_moe", "lfm2"]
+    "kind",
+    [
+        *("granite", "mamba2", "nemotron", "bamba", "granite_rope", "falcon_h1", "falcon_h1_tied"),
+        *("qwen3_next", "qwen3_5", "qwen3_5_moe", "lfm2", "kimi_linear", "kimi_linear_qlora"),
+    ],
 )
 def test_greedy_tokens_fast_path_equal_reference(kind, checkpoint_dir):
     from engine_utils import random_prompt
@@ -794,7 +798,7 @@ def test_verify_graphs_give_plain_greedy_tokens(kind, wrong, checkpoint_dir):
 
 @needs_cuda
 @pytest.mark.parametrize("head", [60, 300])
-@pytest.mark.parametrize("kind", ["granite", "nemotron", "qwen3_next", "lfm2"])
+@pytest.mark.parametrize("kind", ["granite", "nemotron", "qwen3_next", "lfm2", "kimi_linear"])
 def test_resumed_turn_through_prefill_graphs_equals_reference(kind, head, checkpoint_dir):
     """A new prompt (`head` tokens: buckets 64 and 512) and a short turn on top of its captured
     state each run as one single-sequence prefill (a prefill CUDA graph on the fast path): same
