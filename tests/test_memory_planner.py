@@ -346,6 +346,17 @@ def test_plan_human_output(capsys, tmp_path: Path) -> None:
     assert rc == 1 and "fits: NO, short by" in out
 
 
+def test_plan_of_kimi_linear_lists_its_kda_state_and_expanded_kv(capsys) -> None:
+    """Kimi-Linear-48B-A3B in bfloat16 (91.5 GiB) fits an H200, not an 80 GiB card."""
+    rc, out = _run_plan(capsys, "--model-path", str(KIMI_LINEAR), "--gpu-memory-gb", "141", "--json")
+    data = json.loads(out)
+    assert rc == 0 and data["fits"] and data["max_total_tokens"] > 0
+    assert data["state_bytes_by_kind"] == {"kda.conv": 20 * 3 * 3 * 4096 * BF16, "kda.recurrent": 20 * 32 * 128 * 128 * F32}
+    assert data["kv_bytes_per_token"] == 168 << 10
+    rc, out = _run_plan(capsys, "--model-path", str(KIMI_LINEAR))
+    assert rc == 1 and "layers: 20 kda, 7 attention" in out and "fits: NO" in out
+
+
 def test_plan_bad_flag(capsys) -> None:
     assert plan_main(["--model-path", str(GRANITE), "--kv-cache-dtype", "fp8"]) == 2
     assert "--kv-cache-dtype" in capsys.readouterr().err
