@@ -229,6 +229,40 @@ _CONFIGS["lfm2"] = (
         tie_word_embeddings=True,
     ),
 )
+# Kimi-Linear: KDA with a decay per key channel and latent attention (v_head_dim other than
+# qk_head_dim, q direct or through its own latent), a dense first layer then MoE with top-k > 1
+# within the best of several groups, random correction biases, two shared experts.
+_KIMI: dict[str, Any] = dict(
+    vocab_size=274,
+    hidden_size=48,
+    intermediate_size=40,
+    moe_intermediate_size=24,
+    num_hidden_layers=4,
+    layer_types=[_L, _F, _L, _L],
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    kv_lora_rank=20,
+    q_lora_rank=None,
+    qk_rope_head_dim=4,
+    qk_nope_head_dim=8,
+    v_head_dim=6,
+    n_group=3,
+    topk_group=2,
+    num_experts_per_tok=3,
+    num_local_experts=6,
+    n_shared_experts=2,
+    routed_scaling_factor=2.5,
+    linear_head_dim=8,
+    linear_num_heads=3,
+    linear_conv_kernel_dim=3,
+    tie_word_embeddings=False,
+)
+_CONFIGS["kimi_linear"] = ("KimiLinearConfig", _KIMI)
+# attention first, a latent for q, v wider than q.k, every feed-forward a MoE, renormalization off
+_CONFIGS["kimi_linear_qlora"] = (
+    "KimiLinearConfig",
+    dict(_KIMI, layer_types=[_F, _L, _L], num_hidden_layers=3, q_lora_rank=16, v_head_dim=14, mlp_layer_types=["sparse"] * 3, norm_topk_prob=False),
+)
 _MODEL_CLASSES = {"qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}  # else AutoModelForCausalLM's
 GDN_KINDS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 
@@ -250,10 +284,22 @@ def write_checkpoint(kind: str, path: str | Path, seed: int = 0, **config_overri
     randomize_decisively(model, seed)
     if kind in GDN_KINDS:
         _center_norms(model)
+    if kind.startswith("kimi_linear"):
+        _randomize_correction_biases(model, seed)
     path = Path(path)
     model.save_pretrained(path)
     tokenizer.save_pretrained(str(path))
     return path
+
+
+def _randomize_correction_biases(model: torch.nn.Module, seed: int) -> None:
+    """The routers' e_score_correction_bias (a buffer, which `randomize_decisively` leaves at zero) of
+    the size of the sigmoid scores, so that it changes which experts and groups are chosen."""
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.3 * torch.randn(b.shape, generator=g))
 
 
 def _center_norms(model: torch.nn.Module) -> None:

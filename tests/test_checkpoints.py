@@ -8,7 +8,15 @@ from checkpoints import KINDS, write_checkpoint
 
 from engram.models.spec import LayerKind, load_model_spec
 
-M, A, P, E, G, S = LayerKind.MAMBA, LayerKind.ATTENTION, LayerKind.MLP, LayerKind.MOE, LayerKind.GATED_DELTANET, LayerKind.SHORT_CONV
+M, A, P, E, G, S, K = (
+    LayerKind.MAMBA,
+    LayerKind.ATTENTION,
+    LayerKind.MLP,
+    LayerKind.MOE,
+    LayerKind.GATED_DELTANET,
+    LayerKind.SHORT_CONV,
+    LayerKind.KDA,
+)
 LAYOUTS = {  # each layer's mixers
     "mamba2": ((M,), (M,), (M,)),
     "mamba2_tied": ((M,), (M,), (M,)),
@@ -22,6 +30,8 @@ LAYOUTS = {  # each layer's mixers
     "qwen3_5": ((G,), (A,), (G,), (A,)),
     "qwen3_5_moe": ((G,), (G,), (A,), (G,)),
     "lfm2": ((S,), (A,), (S,), (S,)),
+    "kimi_linear": ((K,), (A,), (K,), (K,)),
+    "kimi_linear_qlora": ((A,), (K,), (K,)),
 }
 TIED = {"mamba2_tied", "granite", "granite_rope", "falcon_h1_tied", "qwen3_5", "lfm2"}
 
@@ -46,13 +56,16 @@ def test_checkpoint_loads_and_is_decisive(checkpoint):
         assert spec.mamba.n_groups == 2 and spec.mamba.chunk_size == 8
     elif spec.short_conv is not None:  # a conv window of L_cache - 1 inputs over the hidden width
         assert spec.mixer_state_tensors(S)[0].shape == (2, spec.hidden_size)
+    elif spec.kda is not None:  # Kimi Delta Attention: a conv window over q, k and v, a state per head
+        assert [t.shape for t in spec.mixer_state_tensors(K)] == [(2, 3 * 3 * 8), (3, 8, 8)]
     else:  # gated DeltaNet: value heads grouped over q/k heads in all but one
         assert spec.gated_deltanet is not None and (spec.gated_deltanet.num_v_heads > spec.gated_deltanet.num_k_heads) == (kind != "qwen3_5")
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     assert spec.vocab_size >= len(tokenizer)
     assert spec.eos_token_ids == (tokenizer.eos_token_id,)
     if spec.attention is not None:
-        assert spec.attention.num_kv_heads < spec.attention.num_heads or kind == "qwen3_5_moe"
+        # latent attention expands K and V to every head
+        assert spec.attention.num_kv_heads < spec.attention.num_heads or kind == "qwen3_5_moe" or spec.attention.latent is not None
 
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True).eval()
     model.generation_config.eos_token_id = None  # always decode all the steps

@@ -12,7 +12,7 @@ from engine_utils import greedy, make_engine, random_prompt, record_logits, run_
 from engram.engine.request import FinishReason, SamplingParams
 from engram.state.sequence_state import SequenceState
 
-HYBRID_KINDS = ["nemotron", "bamba", "granite_rope", "demo", "falcon_h1", *GDN_KINDS, "lfm2"]
+HYBRID_KINDS = ["nemotron", "bamba", "granite_rope", "demo", "falcon_h1", *GDN_KINDS, "lfm2", "kimi_linear"]
 
 
 def _prefill_logits(path: str, prompt: list[int], chunk: int) -> torch.Tensor:
@@ -25,7 +25,7 @@ def _prefill_logits(path: str, prompt: list[int], chunk: int) -> torch.Tensor:
     return rows[0][0]
 
 
-@pytest.mark.parametrize("kind", ["mamba2", "nemotron", "bamba", "falcon_h1", "qwen3_next", "lfm2"])
+@pytest.mark.parametrize("kind", ["mamba2", "nemotron", "bamba", "falcon_h1", "qwen3_next", "lfm2", "kimi_linear"])
 def test_chunked_prefill_equals_one_shot(kind, checkpoint_dir):
     path = checkpoint_dir(kind)
     prompt = random_prompt(45, seed=3)
@@ -107,6 +107,7 @@ def _split_logits_tolerance(engine) -> dict:
         *(("falcon_h1", suffix) for suffix in (".k", ".ssm", ".conv")),
         *((kind, suffix) for kind in GDN_KINDS for suffix in (".conv", ".recurrent", ".v")),
         *(("lfm2", suffix) for suffix in (".conv", ".k")),
+        *(("kimi_linear", suffix) for suffix in (".conv", ".recurrent", ".v")),
     ],
 )
 def test_resume_without_one_state_tensor_is_refused(kind, suffix, checkpoint_dir):
@@ -279,6 +280,7 @@ def test_overloaded_kv_budget_preempts_and_every_request_stays_exact(checkpoint_
         ("lfm2", (".k", ".v"), 30),
         # a short conv's window reaches only the next 2 tokens: resumed right before the last one
         ("lfm2", (".conv",), 39),
+        *(("kimi_linear", suffixes, 30) for suffixes in ((".k", ".v"), (".conv",), (".recurrent",))),
     ],
 )
 def test_dropping_a_part_of_a_hybrid_state_changes_the_output(kind, suffixes, head, checkpoint_dir):

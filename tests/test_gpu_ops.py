@@ -341,25 +341,43 @@ def test_gated_delta_varlen_fla_matches_reference(dtype, lens, shape):
     assert _rel(pool, pool_ref) < limit, _rel(pool, pool_ref)
 
 
-def _gdn_inputs(lens: list[int], shape: tuple[int, int, int, int], dtype: torch.dtype, seed: int):
+@needs_cuda
+@pytest.mark.skipif(cuda_kernels is None or cuda_kernels._chunk_kda is None, reason="fla-core (with chunk_kda) is not installed")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lens", [[1, 37, 5], [1, 37, 300, 64, 5]])  # the token-by-token kernel, fla's chunk_kda
+@pytest.mark.parametrize("shape", [(3, 3, 16, 16), (32, 32, 128, 128)])  # H, H, K, V (Kimi-Linear-48B-A3B: the second)
+def test_kimi_delta_varlen_fla_matches_reference(dtype, lens, shape):
+    q, k, v, decay, beta, pool = _gdn_inputs(lens, shape, dtype, 8, per_channel=True)
+    slots = torch.tensor([2, 5, 0, 3, 1][: len(lens)], device=DEV)
+    pool_ref = pool.clone()
+    o = cuda_kernels.gated_delta_varlen(q, k, v, decay, beta, lens, pool, slots, 64, True)
+    o_ref = gated_delta.gated_delta_varlen(q, k, v, decay, beta, lens, pool_ref, slots, 64, True)
+    limit = 5e-3 if dtype == torch.float32 else 3e-2
+    assert _rel(o, o_ref) < limit, _rel(o, o_ref)
+    assert _rel(pool, pool_ref) < limit, _rel(pool, pool_ref)
+
+
+def _gdn_inputs(lens: list[int], shape: tuple[int, int, int, int], dtype: torch.dtype, seed: int, per_channel: bool = False):
+    """Per-channel: Kimi Delta Attention's decay [T, Hv, K]."""
     Hk, Hv, K, V = shape
     g = _gen(seed)
     T = sum(lens)
     q, k, v = _randn(T, Hk, K, g=g, dtype=dtype), _randn(T, Hk, K, g=g, dtype=dtype), _randn(T, Hv, V, g=g, dtype=dtype)
-    decay = -torch.rand(T, Hv, generator=g, device=DEV)
+    decay = -torch.rand(T, Hv, *((K,) if per_channel else ()), generator=g, device=DEV)
     beta = torch.rand(T, Hv, generator=g, device=DEV).to(dtype)
     return q, k, v, decay, beta, _randn(6, Hv, K, V, g=g) * 0.1
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(2, 4, 12, 40), (3, 3, 8, 12), (16, 32, 128, 128)])  # Hk, Hv, K, V (Qwen3-Next: the last)
-def test_gated_delta_scan_matches_reference(dtype, shape):
+@pytest.mark.parametrize("per_channel", [False, True])  # a decay per head (gated DeltaNet), per key channel (KDA)
+def test_gated_delta_scan_matches_reference(dtype, shape, per_channel):
     """The token-by-token kernel: a varlen prefill from the pool's states, then a decode step whose
     padding row (slot -1) leaves the pool alone."""
     from engram.ops.triton_ops import gated_delta as gdn_scan
 
     lens = [1, 37, 5, 128]
-    q, k, v, decay, beta, pool = _gdn_inputs(lens, shape, dtype, 9)
+    q, k, v, decay, beta, pool = _gdn_inputs(lens, shape, dtype, 9, per_channel)
     slots = torch.tensor([2, 5, 0, 3], device=DEV)
     pool_ref = pool.clone()
     o = gdn_scan.gated_delta_varlen_scan(q, k, v, decay, beta, lens, pool, slots, 64, True)
@@ -411,7 +429,7 @@ def _kv_setup(g, dtype, hq, hkv, d, bs, ctx, n):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("hq,hkv,d,bs", [(6, 2, 8, 4), (12, 4, 128, 16), (4, 4, 12, 16)])
+@pytest.mark.parametrize("hq,hkv,d,bs", [(6, 2, 8, 4), (12, 4, 128, 16), (4, 4, 12, 16), (4, 4, 192, 16)])  # 192: Kimi-Linear latent K width
 def test_store_kv_and_paged_attention_prefill(dtype, hq, hkv, d, bs):
     g = _gen(7)
     ctx, n = [0, 5, 33, 0], [7, 1, 70, 130]
@@ -718,7 +736,11 @@ def _greedy_run(path: str, fast: bool, graphs: bool, dtype: str, prompts: list[l
 
 @needs_cuda
 @pytest.mark.parametrize(
-    "kind", ["granite", "mamba2", "nemotron", "bamba", "granite_rope", "falcon_h1", "falcon_h1_tied", "qwen3_next", "qwen3_5", "qwen3_5_moe", "lfm2"]
+    "kind",
+    [
+        *("granite", "mamba2", "nemotron", "bamba", "granite_rope", "falcon_h1", "falcon_h1_tied"),
+        *("qwen3_next", "qwen3_5", "qwen3_5_moe", "lfm2", "kimi_linear", "kimi_linear_qlora"),
+    ],
 )
 def test_greedy_tokens_fast_path_equal_reference(kind, checkpoint_dir):
     from engine_utils import random_prompt
@@ -776,7 +798,7 @@ def test_verify_graphs_give_plain_greedy_tokens(kind, wrong, checkpoint_dir):
 
 @needs_cuda
 @pytest.mark.parametrize("head", [60, 300])
-@pytest.mark.parametrize("kind", ["granite", "nemotron", "qwen3_next", "lfm2"])
+@pytest.mark.parametrize("kind", ["granite", "nemotron", "qwen3_next", "lfm2", "kimi_linear"])
 def test_resumed_turn_through_prefill_graphs_equals_reference(kind, head, checkpoint_dir):
     """A new prompt (`head` tokens: buckets 64 and 512) and a short turn on top of its captured
     state each run as one single-sequence prefill (a prefill CUDA graph on the fast path): same

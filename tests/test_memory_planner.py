@@ -39,6 +39,7 @@ FALCON_H1 = CONFIGS / "falcon-h1-7b-instruct.json"
 QWEN3_NEXT = CONFIGS / "qwen3-next-80b-a3b.json"
 QWEN3_5 = CONFIGS / "qwen3.5-35b-a3b.json"  # the multimodal checkpoint's config: its text model is planned
 LFM2 = CONFIGS / "lfm2-1.2b.json"  # LFM2-1.2B's shapes in the legacy field names (block_ff_dim, tie_embedding)
+KIMI_LINEAR = CONFIGS / "kimi-linear-48b-a3b.json"  # the checkpoint's field names (linear_attn_config, num_experts, ...)
 
 F32, BF16 = 4, 2
 # float32 SSM state, bfloat16 conv state and KV (the defaults for these bfloat16 checkpoints)
@@ -107,6 +108,17 @@ def _lfm2_params() -> int:
     return 65536 * h + h + 16 * every_layer + 10 * conv + 6 * attention
 
 
+def _kimi_linear_params() -> int:
+    """Kimi-Linear-48B-A3B: hidden 2304; 20 KDA layers of 32 heads of 128 (decay and gate of rank 128); 7 latent
+    attention layers, 32 heads, latent 512 + 64 shared key channels, k 128 + 64 and v 128 per head; a dense
+    first MLP of 9216, then 256 experts of 1024 with a shared one; untied. Router biases are buffers and count."""
+    h, qkv = 2304, 4096
+    kda = 3 * qkv * h + 3 * qkv * 4 + 2 * (128 * h + qkv * 128) + qkv + 32 + 32 * h + 128 + h * qkv  # q k v, convs, f, g, dt_bias, A_log, b, norm, o
+    mla = 32 * 192 * h + 576 * h + 512 + 512 * 32 * 256 + 32 * 128 * h  # q, kv_a and its norm, kv_b, o
+    moe = 256 * h + 256 + 256 * 3 * 1024 * h + 3 * 1024 * h
+    return 2 * 163840 * h + h + 27 * 2 * h + 20 * kda + 7 * mla + 3 * h * 9216 + 26 * moe
+
+
 FIGURES = {
     # config: (state bytes per sequence, KV bytes per token, parameters)
     NEMOTRON: (_state(23, 64, 64, 128, 8), 2 * 6 * 2 * 128 * BF16, _nemotron_params()),
@@ -118,6 +130,8 @@ FIGURES = {
     QWEN3_5: (_gdn_state(30, 16, 32, 128, 4), 10 * 2 * 2 * 256 * BF16, _qwen_gdn_params(248320, 40, 10, 256)),
     # a conv window of 2 inputs over the hidden width in each short-conv layer
     LFM2: (10 * 2 * 2048 * BF16, 6 * 2 * 8 * 64 * BF16, _lfm2_params()),
+    # KV expanded to every head, V padded to K's 192 channels (layers/latent_attention.py)
+    KIMI_LINEAR: (_gdn_state(20, 32, 32, 128, 4), 7 * 2 * 32 * 192 * BF16, _kimi_linear_params()),
 }
 
 
@@ -145,6 +159,9 @@ def test_pinned_figures() -> None:
     assert _codestral_params() == 7_285_403_648
     assert _falcon_h1_params() == 7_585_513_568
     assert _lfm2_params() == 1_170_340_608  # LFM2-1.2B's model card: 1.17B parameters
+    assert _kimi_linear_params() == 49_122_681_728  # the model card's 48B total parameters
+    kimi = load_model_spec(KIMI_LINEAR)
+    assert state_bytes_by_kind(kimi, DEFAULT_DTYPES) == {"kda.conv": 20 * 3 * 3 * 4096 * BF16, "kda.recurrent": 20 * 32 * 128 * 128 * F32}
     falcon = load_model_spec(FALCON_H1)
     assert state_bytes_by_kind(falcon, DEFAULT_DTYPES) == {"mamba.conv": 44 * 3 * 3584 * BF16, "mamba.ssm": 44 * 24 * 128 * 256 * F32}
 
@@ -341,6 +358,17 @@ def test_plan_human_output(capsys, tmp_path: Path) -> None:
         assert label in out, label
     rc, out = _run_plan(capsys, "--model-path", str(tmp_path), "--gpu-memory-gb", "8")
     assert rc == 1 and "fits: NO, short by" in out
+
+
+def test_plan_of_kimi_linear_lists_its_kda_state_and_expanded_kv(capsys) -> None:
+    """Kimi-Linear-48B-A3B in bfloat16 (91.5 GiB) fits an H200, not an 80 GiB card."""
+    rc, out = _run_plan(capsys, "--model-path", str(KIMI_LINEAR), "--gpu-memory-gb", "141", "--json")
+    data = json.loads(out)
+    assert rc == 0 and data["fits"] and data["max_total_tokens"] > 0
+    assert data["state_bytes_by_kind"] == {"kda.conv": 20 * 3 * 3 * 4096 * BF16, "kda.recurrent": 20 * 32 * 128 * 128 * F32}
+    assert data["kv_bytes_per_token"] == 168 << 10
+    rc, out = _run_plan(capsys, "--model-path", str(KIMI_LINEAR))
+    assert rc == 1 and "layers: 20 kda, 7 attention" in out and "fits: NO" in out
 
 
 def test_plan_bad_flag(capsys) -> None:

@@ -49,7 +49,7 @@ def snapshot_info(http, conversation_id, turn):
     return r.json()
 
 
-@pytest.mark.parametrize("kind", ["mamba2", "nemotron", "falcon_h1", "demo", *GDN_KINDS, "lfm2"])
+@pytest.mark.parametrize("kind", ["mamba2", "nemotron", "falcon_h1", "demo", *GDN_KINDS, "lfm2", "kimi_linear"])
 def test_three_turns_across_a_restart_equal_one_request_over_the_history(kind, checkpoint_dir, tmp_path):
     path = str(DEMO_MODEL_DIR) if kind == "demo" else checkpoint_dir(kind)  # demo: the shipped, trained weights
     with serving(path, tmp_path) as (srv, http):

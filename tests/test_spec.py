@@ -131,6 +131,59 @@ def test_lfm2_parses_to_its_published_shapes_in_either_field_spelling():
             parse_model_spec({k: v for k, v in legacy.items() if k != field})
 
 
+def test_kimi_linear_parses_to_its_published_shapes_in_either_field_spelling():
+    """Kimi-Linear-48B-A3B's hub config (1-based linear_attn_config lists, the checkpoint's MoE names) and
+    the names transformers writes: attention at 7 layers, KDA's conv window over q, k and v and its
+    state per head, latent attention's K and V expanded to every head (V padded to K's 192 channels)."""
+    hub = config("kimi-linear-48b-a3b")
+    spec = parse_model_spec(hub)
+    K, A = LayerKind.KDA, LayerKind.ATTENTION
+    assert spec.layer_mixers == tuple((A,) if i in (3, 7, 11, 15, 19, 23, 26) else (K,) for i in range(27))
+    assert [(t.suffix, t.shape, t.role) for t in spec.state_tensors(0)] == [
+        ("conv", (3, 3 * 32 * 128), StateRole.CONV),
+        ("recurrent", (32, 128, 128), StateRole.RECURRENT),
+    ]
+    a = spec.attention
+    assert (a.num_heads, a.num_kv_heads, a.head_dim, a.rotary_dim, a.scaling) == (32, 32, 192, 0, 192**-0.5)
+    assert a.latent is not None and (a.latent.kv_lora_rank, a.latent.qk_rope_head_dim, a.latent.v_head_dim) == (512, 64, 128)
+    cfg = spec.config
+    assert (cfg["num_local_experts"], cfg["num_experts_per_tok"], cfg["n_group"], cfg["n_shared_experts"], cfg["norm_topk_prob"]) == (
+        256,
+        8,
+        1,
+        1,
+        True,
+    )
+    written = {k: v for k, v in hub.items() if k != "linear_attn_config"}
+    written.update(
+        layer_types=["full_attention" if k == A else "linear_attention" for (k,) in spec.layer_mixers],
+        linear_num_heads=32,
+        linear_head_dim=128,
+        linear_conv_kernel_dim=4,
+    )
+    assert parse_model_spec(written) == spec
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(hidden_act="gelu"), "hidden_act='gelu' is not supported"),
+        (dict(mla_use_nope=False), "mla_use_nope=False is not supported"),
+        (dict(num_key_value_heads=8), "num_key_value_heads=8 is not supported"),
+        (dict(moe_router_activation_func="softmax"), "moe_router_activation_func='softmax' is not supported"),
+        (dict(attention_bias=True), "attention_bias=True is not supported"),
+        (dict(moe_layer_freq=2), "moe_layer_freq=2 is not supported"),
+        (dict(num_expert_group=3), "num_experts 256 in n_group 3"),
+        (dict(kv_lora_rank=None), "kv_lora_rank"),
+        (dict(mlp_layer_types=["dense"] * 3), "mlp_layer_types must give"),
+        (dict(linear_attn_config=dict(config("kimi-linear-48b-a3b")["linear_attn_config"], kda_layers=[1, 2])), "name each of the 27 layers once"),
+    ],
+)
+def test_a_kimi_linear_config_it_cannot_serve_is_refused_naming_the_field(fields, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_model_spec(dict(config("kimi-linear-48b-a3b"), **fields))
+
+
 def test_old_and_new_layer_type_spellings_are_the_same_model():
     old = config("granite-4.0-h-tiny")
     new = dict(old, layer_types=["linear_attention" if t == "mamba" else "full_attention" for t in old["layer_types"]])

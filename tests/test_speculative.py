@@ -244,7 +244,7 @@ def test_a_bad_speculative_config_names_the_field(raw, says):
         SpeculativeConfig.parse(raw)
 
 
-@pytest.mark.parametrize("kind, mixer", [("qwen3_next", "gated_deltanet"), ("lfm2", "short_conv")])
+@pytest.mark.parametrize("kind, mixer", [("qwen3_next", "gated_deltanet"), ("lfm2", "short_conv"), ("kimi_linear", "kda")])
 def test_a_model_without_verify_states_refuses_speculation_by_name(kind, mixer, checkpoint_dir):
     """Its verify step would write every drafted token into the recurrent state: refused at start-up."""
     with pytest.raises(ValueError, match=f"--speculative-config: .*the {mixer} layers of"):

@@ -123,7 +123,9 @@ def test_a_split_that_does_not_divide_is_refused_naming_the_field(tmp_path, caps
     assert "linear_num_key_heads = 2 is not divisible" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("kind, architecture", [("falcon_h1", "FalconH1ForCausalLM"), ("lfm2", "Lfm2ForCausalLM")])
+@pytest.mark.parametrize(
+    "kind, architecture", [("falcon_h1", "FalconH1ForCausalLM"), ("lfm2", "Lfm2ForCausalLM"), ("kimi_linear", "KimiLinearForCausalLM")]
+)
 def test_an_architecture_without_a_split_is_refused_before_any_rank_starts(kind, architecture, checkpoint_dir):
     with pytest.raises(ConfigError, match=f"{architecture} does not run with --tensor-parallel-size > 1"):
         make_engine(checkpoint_dir(kind), tensor_parallel_size=2)

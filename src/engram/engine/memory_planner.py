@@ -177,6 +177,8 @@ def _widest_activation(spec: ModelSpec) -> int:
         widths.append(2 * m.intermediate_size + 2 * m.n_groups * m.state_size + m.num_heads)  # in_proj
     if spec.gated_deltanet is not None:
         widths.append(spec.gated_deltanet.in_proj_size)
+    if spec.kda is not None:
+        widths.append(spec.kda.in_proj_size)
     if spec.short_conv is not None:
         widths.append(3 * spec.short_conv.hidden_size)  # in_proj: B, C, x
     if spec.attention is not None:
@@ -202,6 +204,9 @@ def scratch_bytes(spec: ModelSpec, max_num_batched_tokens: int, max_running_requ
     if spec.gated_deltanet is not None:
         g = spec.gated_deltanet
         scan = max(scan, math.ceil(max_num_batched_tokens / g.chunk_size) * _nbytes(g.recurrent_state_shape, torch.float32))
+    if spec.kda is not None:
+        d = spec.kda
+        scan = max(scan, math.ceil(max_num_batched_tokens / d.chunk_size) * _nbytes(d.recurrent_state_shape, torch.float32))
     logits = LOGIT_COPIES * max_running_requests * spec.vocab_size * torch.float32.itemsize
     return projections + scan + logits
 

@@ -17,6 +17,26 @@ from engram.ops.dispatch import kernels
 from engram.ops.rotary import apply_rotary, rotary_cos_sin
 
 
+def paged_attend(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch: ForwardBatch, layer_index: int, scaling: float) -> torch.Tensor:
+    """Store this step's keys and values in the layer's paged cache, then attend each new token's
+    queries over its sequence's cached context. Returns [T, heads, head_dim]."""
+    k = kernels()
+    k_cache, v_cache = batch.kv_pool.k[layer_index], batch.kv_pool.v[layer_index]
+    k.store_kv(k_cache, v_cache, key, value, batch.slot_mapping)
+    return k.paged_attention(
+        q,
+        k_cache,
+        v_cache,
+        batch.seq_lens,
+        batch.context_lens,
+        batch.block_tables,
+        batch.kv_pool.block_size,
+        scaling,
+        batch.cu_seqlens,
+        batch.context_lens_t,
+    )
+
+
 class Attention(nn.Module):
     def __init__(self, spec: AttentionSpec, hidden_size: int, layer_index: int):
         super().__init__()
@@ -69,7 +89,7 @@ class Attention(nn.Module):
         return {f"layers.{self.layer_index}.k": heads, f"layers.{self.layer_index}.v": heads}
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        s, k = self.spec, kernels()
+        s = self.spec
         q, key, value = self.qkv_proj(hidden).split(self.qkv_sizes, dim=-1)
         gate = None
         if s.output_gate:  # each head's q, then its gate
@@ -82,21 +102,7 @@ class Attention(nn.Module):
         if s.rotary_dim:
             cos, sin = rotary_cos_sin(batch.positions, s.rotary_dim, s.rope_theta, q.dtype)
             q, key = apply_rotary(q, cos, sin), apply_rotary(key, cos, sin)
-        k_cache, v_cache = batch.kv_pool.k[self.layer_index], batch.kv_pool.v[self.layer_index]
-        k.store_kv(k_cache, v_cache, key, value, batch.slot_mapping)
-        out = k.paged_attention(
-            q,
-            k_cache,
-            v_cache,
-            batch.seq_lens,
-            batch.context_lens,
-            batch.block_tables,
-            batch.kv_pool.block_size,
-            s.scaling,
-            batch.cu_seqlens,
-            batch.context_lens_t,
-        )
-        out = out.reshape(-1, s.num_heads * s.head_dim)
+        out = paged_attend(q, key, value, batch, self.layer_index, s.scaling).reshape(-1, s.num_heads * s.head_dim)
         if gate is not None:
             out = out * torch.sigmoid(gate.reshape(out.shape))
         out = self.o_proj(out)

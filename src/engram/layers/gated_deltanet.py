@@ -25,6 +25,30 @@ from engram.models.spec import GatedDeltaNetSpec
 from engram.ops.dispatch import kernels
 
 
+def project_and_convolve(
+    hidden: torch.Tensor, in_proj: Linear, conv1d: nn.Conv1d, sizes: list[int], batch: ForwardBatch, layer_index: int
+) -> list[torch.Tensor]:
+    """The input projection's parts (`sizes`), the first (q, k and v) through the causal conv with
+    SiLU from the slot's window `layers.<i>.conv`; at decode the conv update rides on the projection."""
+    k, conv_pool, slots = kernels(), batch.state_pool.of(layer_index, "conv"), batch.state_slots
+    weight = conv1d.weight[:, 0, :]
+    if batch.is_decode:
+        return list(k.linear_conv_update(hidden, in_proj.weight, None, weight, None, conv_pool, slots, 0).split(sizes, dim=-1))
+    qkv, *rest = in_proj(hidden).split(sizes, dim=-1)
+    return [k.causal_conv1d_varlen(qkv, weight, None, conv_pool, slots, batch.seq_lens, batch.cu_seqlens), *rest]
+
+
+def delta_rule(
+    q: torch.Tensor, key: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, batch: ForwardBatch, layer_index: int, chunk_size: int
+) -> torch.Tensor:
+    """The gated delta rule (q and k L2-normed) from and into the slots' states `layers.<i>.recurrent`:
+    one token each at decode, chunked varlen prefill otherwise. Returns o (float32)."""
+    k, pool, slots = kernels(), batch.state_pool.of(layer_index, "recurrent"), batch.state_slots
+    if batch.is_decode:
+        return k.gated_delta_state_update(pool, slots, q, key, v, g, beta, True)
+    return k.gated_delta_varlen(q, key, v, g, beta, batch.seq_lens, pool, slots, chunk_size, True, None, batch.cu_seqlens)
+
+
 class GatedDeltaNet(nn.Module):
     def __init__(self, spec: GatedDeltaNetSpec, hidden_size: int, layer_index: int):
         super().__init__()
@@ -98,25 +122,13 @@ class GatedDeltaNet(nn.Module):
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         s, k = self.spec, kernels()
         assert batch.verify is None, "speculative verify steps are refused for gated DeltaNet models at start-up"
-        conv_pool = batch.state_pool.of(self.layer_index, "conv")
-        state_pool = batch.state_pool.of(self.layer_index, "recurrent")
-        slots = batch.state_slots
-        weight = self.conv1d.weight[:, 0, :]
-        if batch.is_decode:
-            proj = k.linear_conv_update(hidden, self.in_proj.weight, None, weight, None, conv_pool, slots, 0)
-            qkv, z, b, a = proj.split(self.sizes, dim=-1)
-        else:
-            qkv, z, b, a = self.in_proj(hidden).split(self.sizes, dim=-1)
-            qkv = k.causal_conv1d_varlen(qkv, weight, None, conv_pool, slots, batch.seq_lens, batch.cu_seqlens)
+        qkv, z, b, a = project_and_convolve(hidden, self.in_proj, self.conv1d, self.sizes, batch, self.layer_index)
         q, key, v = qkv.split([s.key_dim, s.key_dim, s.value_dim], dim=-1)
         q, key = q.reshape(-1, s.num_k_heads, s.head_k_dim), key.reshape(-1, s.num_k_heads, s.head_k_dim)
         v = v.reshape(-1, s.num_v_heads, s.head_v_dim)
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        if batch.is_decode:
-            o = k.gated_delta_state_update(state_pool, slots, q, key, v, g, beta, True)
-        else:
-            o = k.gated_delta_varlen(q, key, v, g, beta, batch.seq_lens, state_pool, slots, s.chunk_size, True, None, batch.cu_seqlens)
+        o = delta_rule(q, key, v, g, beta, batch, self.layer_index, s.chunk_size)
         # each head's values normalized, then gated (Falcon-H1's norm-before-gate with one head a group)
         o = k.norm_then_gate(
             o.to(hidden.dtype).reshape(-1, s.head_v_dim), z.reshape(-1, s.head_v_dim), self.norm.weight, s.norm_eps, s.head_v_dim, hidden.dtype

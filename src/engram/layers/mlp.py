@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -153,35 +154,66 @@ class SoftmaxTopKMoE(_Sharded):
         return {"input_linear": Shard(-2, self._inner(2)), "output_linear": Shard(-1, self._inner())}
 
 
-class SigmoidGroupedMoE(_Sharded):
-    """Nemotron-H MoE: sigmoid router with correction bias and group choice, relu^2 experts,
-    plus always-on shared experts."""
+@dataclass(frozen=True)
+class GroupedRouting:
+    """DeepSeek-V3's expert choice (Nemotron-H, Kimi-Linear): sigmoid scores; with the correction
+    bias added, the best `topk_group` of `n_group` groups by their two best scores, the top k within
+    them; their scores renormalized when `norm_topk_prob`, times `routed_scaling`."""
 
-    def __init__(self, cfg: dict, hidden_size: int, act: Callable[[torch.Tensor], torch.Tensor]):
+    top_k: int
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling: float = 1.0
+
+    @classmethod
+    def from_config(cls, cfg: dict) -> GroupedRouting:
+        """From DeepSeek-V3's field names, which both configs use."""
+        return cls(
+            cfg["num_experts_per_tok"],
+            cfg.get("n_group") or 1,
+            cfg.get("topk_group") or 1,
+            bool(cfg.get("norm_topk_prob", True)),
+            float(cfg.get("routed_scaling_factor", 1.0)),
+        )
+
+
+class SigmoidGroupedMoE(_Sharded):
+    """MoE with `GroupedRouting` plus always-on shared experts: relu^2 experts beside a plain shared
+    MLP (Nemotron-H), or gated SiLU experts (gate and up stacked in `up_proj`) beside a gated one
+    (Kimi-Linear)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        intermediate_size: int,
+        routing: GroupedRouting,
+        act: Callable[[torch.Tensor], torch.Tensor],
+        shared_experts: PlainMLP | GatedMLP,
+        gated: bool = False,
+    ):
         super().__init__()
-        num_experts, inter = cfg["n_routed_experts"], self._local_width(cfg["moe_intermediate_size"])
-        self.top_k = cfg["num_experts_per_tok"]
-        self.n_group, self.topk_group = cfg.get("n_group", 1), cfg.get("topk_group", 1)
-        self.norm_topk_prob = cfg.get("norm_topk_prob", True)
-        self.routed_scaling = float(cfg.get("routed_scaling_factor", 1.0))
-        self.act = act
+        inter = self._local_width(intermediate_size)
+        self.routing, self.act, self.gated = routing, act, gated
         self.gate = _Gate(hidden_size, num_experts)
-        self.up_proj = nn.Parameter(torch.empty(num_experts, inter, hidden_size))
+        self.up_proj = nn.Parameter(torch.empty(num_experts, (2 if gated else 1) * inter, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, inter))
-        self.shared_experts = PlainMLP(hidden_size, cfg["moe_shared_expert_intermediate_size"], act, cfg.get("mlp_bias", False))
+        self.shared_experts = shared_experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        r = self.routing
         logits = F.linear(x.float(), self.gate.weight.float())
         weights, ids = route_sigmoid_grouped(
-            logits, self.gate.e_score_correction_bias, self.top_k, self.n_group, self.topk_group, self.norm_topk_prob, self.routed_scaling
+            logits, self.gate.e_score_correction_bias, r.top_k, r.n_group, r.topk_group, r.norm_topk_prob, r.routed_scaling
         )
-        shared = self.shared_experts.as_shared_expert()
-        out = self._reduce(kernels().moe_experts(x, self.up_proj, self.down_proj, weights, ids, self.act, False, shared))
+        shared = self.shared_experts.as_shared_expert() if isinstance(self.shared_experts, PlainMLP) else None
+        out = self._reduce(kernels().moe_experts(x, self.up_proj, self.down_proj, weights, ids, self.act, self.gated, shared))
         return out if shared is not None else out + self.shared_experts(x)
 
     def tp_shards(self) -> dict[str, Shard]:
         """Tensor-parallel inside each expert (the router and its bias are whole)."""
-        return {"up_proj": Shard(-2, self._inner()), "down_proj": Shard(-1, self._inner())}
+        return {"up_proj": Shard(-2, self._inner(2 if self.gated else 1)), "down_proj": Shard(-1, self._inner())}
 
 
 class _Experts(nn.Module):

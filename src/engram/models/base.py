@@ -16,6 +16,8 @@ from engram.cache.forward_batch import ForwardBatch
 from engram.layers import parallel
 from engram.layers.attention import Attention
 from engram.layers.gated_deltanet import GatedDeltaNet
+from engram.layers.kimi_delta import KimiDeltaAttention
+from engram.layers.latent_attention import LatentAttention
 from engram.layers.mamba2 import Mamba2Mixer
 from engram.layers.norm import RMSNorm
 from engram.layers.parallel import Shard
@@ -33,7 +35,8 @@ WeightPlace = tuple[str, WeightRows | None]
 
 
 def sequence_mixer(spec: ModelSpec, index: int) -> nn.Module:
-    """The token mixer of a layer that has one: Mamba2, gated DeltaNet, short conv or attention."""
+    """The token mixer of a layer that has one: Mamba2, gated DeltaNet, Kimi Delta Attention, short
+    conv or attention (latent attention where its spec has a latent)."""
     (kind,) = spec.mixers(index)
     if kind == LayerKind.MAMBA:
         assert spec.mamba is not None, "a Mamba layer's spec has its dimensions"
@@ -41,16 +44,25 @@ def sequence_mixer(spec: ModelSpec, index: int) -> nn.Module:
     if kind == LayerKind.GATED_DELTANET:
         assert spec.gated_deltanet is not None, "a gated DeltaNet layer's spec has its dimensions"
         return GatedDeltaNet(spec.gated_deltanet, spec.hidden_size, index)
+    if kind == LayerKind.KDA:
+        assert spec.kda is not None, "a Kimi Delta Attention layer's spec has its dimensions"
+        return KimiDeltaAttention(spec.kda, spec.hidden_size, index)
     if kind == LayerKind.SHORT_CONV:
         assert spec.short_conv is not None, "a short-conv layer's spec has its dimensions"
         return ShortConv(spec.short_conv, index)
     assert kind == LayerKind.ATTENTION and spec.attention is not None, f"{kind.value} is no sequence mixer with dimensions"
+    if spec.attention.latent is not None:
+        return LatentAttention(spec.attention, spec.hidden_size, index)
     return Attention(spec.attention, spec.hidden_size, index)
 
 
 class CausalLM(nn.Module):
     rename_rules: RenameRules = []
     ignored_weights: tuple[str, ...] = ()  # regexes of checkpoint tensors the engine does not use
+    # Experts whose gate and up projections the checkpoint keeps apart, each loaded into its half of
+    # the expert's rows of a stacked [experts, 2 x width, hidden] parameter: a pattern with groups
+    # `expert` and `half`, the stacked parameter's template, and the name of the first (gate) half.
+    expert_halves: tuple[str, str, str] | None = None
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0  # scales each block's output added to the residual stream
     logits_scaling: float = 1.0
@@ -113,12 +125,32 @@ class CausalLM(nn.Module):
 
     def map_weight_name(self, name: str) -> WeightPlace | None:
         """Checkpoint tensor name -> its place in the model; None to skip it."""
+        half = self.expert_half(name)
+        if half is not None:
+            stacked, expert, second = half
+            size = self.get_parameter(stacked).shape[-2] // 2  # this rank's width
+            return stacked, (expert, slice(second * size, (second + 1) * size))
         internal = self._internal_name(name)
         if internal is None:
             return None
         if internal[1] is not None:
             return internal
         return self._packed_place(internal[0])
+
+    def expert_half(self, name: str) -> tuple[str, int, int] | None:
+        """(stacked parameter, expert, 0 for the gate half or 1 for the up half) of an expert's gate
+        or up projection; None for any other tensor, and for one naming a layer without experts
+        (the loader then says it has no place)."""
+        m = re.fullmatch(self.expert_halves[0], name) if self.expert_halves is not None else None
+        if m is None:
+            return None
+        assert self.expert_halves is not None
+        stacked = m.expand(self.expert_halves[1])
+        try:
+            self.get_parameter(stacked)
+        except AttributeError:
+            return None
+        return stacked, int(m["expert"]), int(m["half"] != self.expert_halves[2])
 
     def _internal_name(self, name: str) -> tuple[str, int | None] | None:
         """Checkpoint tensor name -> (internal name, expert row or None), before packed parts are placed."""

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from engram.cache.forward_batch import ForwardBatch
-from engram.layers.mlp import PlainMLP, SigmoidGroupedMoE
+from engram.layers.mlp import GroupedRouting, PlainMLP, SigmoidGroupedMoE
 from engram.layers.norm import RMSNorm
 from engram.models.base import CausalLM, sequence_mixer
 from engram.models.spec import LayerKind, ModelSpec
@@ -31,7 +31,10 @@ class NemotronHBlock(nn.Module):
         elif kind == LayerKind.MLP:
             self.mixer = PlainMLP(spec.hidden_size, cfg["intermediate_size"], act, cfg.get("mlp_bias", False))
         else:
-            self.mixer = SigmoidGroupedMoE(cfg, spec.hidden_size, act)
+            shared = PlainMLP(spec.hidden_size, cfg["moe_shared_expert_intermediate_size"], act, cfg.get("mlp_bias", False))
+            self.mixer = SigmoidGroupedMoE(
+                spec.hidden_size, cfg["n_routed_experts"], cfg["moe_intermediate_size"], GroupedRouting.from_config(cfg), act, shared
+            )
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         h, residual = self.input_norm.add_and_norm(hidden, residual)

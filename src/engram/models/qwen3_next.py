@@ -4,8 +4,6 @@ zero-centered RMS norms."""
 
 from __future__ import annotations
 
-import re
-
 import torch
 from torch import nn
 
@@ -13,13 +11,13 @@ from engram.cache.forward_batch import ForwardBatch
 from engram.layers.mlp import GatedMLP, SharedExpertGateMoE
 from engram.layers.norm import ZeroCenteredRMSNorm
 from engram.layers.parallel import Shard
-from engram.models.base import CausalLM, WeightPlace, sequence_mixer
+from engram.models.base import CausalLM, sequence_mixer
 from engram.models.spec import ModelSpec
 
 # The language model's weights; multimodal Qwen3.5 checkpoints nest them under `language_model`.
 _PREFIX = r"model\.(?:language_model\.)?"
 # An expert's gate or up projection: a half of its rows in the stacked gate_up_proj.
-_EXPERT_HALF = re.compile(_PREFIX + r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up)_proj\.weight")
+_EXPERT_HALF = _PREFIX + r"layers\.(\d+)\.mlp\.experts\.(?P<expert>\d+)\.(?P<half>gate|up)_proj\.weight"
 
 
 def feed_forward(cfg: dict, hidden_size: int, index: int, norm_topk_prob: bool) -> nn.Module:
@@ -58,6 +56,7 @@ class Qwen3NextForCausalLM(CausalLM):
         (_PREFIX + r"norm\.(.*)", r"norm.\1"),
     ]
     ignored_weights: tuple[str, ...] = (r"^mtp\.",)
+    expert_halves = (_EXPERT_HALF, r"layers.\1.mlp.experts.gate_up_proj", "gate")
 
     def __init__(self, spec: ModelSpec):
         super().__init__(spec)
@@ -69,24 +68,11 @@ class Qwen3NextForCausalLM(CausalLM):
     def renormalizes_topk(cfg: dict) -> bool:
         return bool(cfg.get("norm_topk_prob", True))
 
-    def _expert_half(self, name: str) -> tuple[re.Match[str], SharedExpertGateMoE] | None:
-        """An expert's gate or up projection and the MoE it belongs to (None for any other tensor,
-        and for one naming a layer without experts: the loader then says it has no place)."""
-        m = _EXPERT_HALF.fullmatch(name)
-        moe = self.get_submodule(f"layers.{m[1]}.mlp") if m is not None and int(m[1]) < len(self.layers) else None
-        return (m, moe) if m is not None and isinstance(moe, SharedExpertGateMoE) else None
-
-    def map_weight_name(self, name: str) -> WeightPlace | None:
-        half = self._expert_half(name)
-        if half is None:
-            return super().map_weight_name(name)
-        m, moe = half
-        size = moe.experts.gate_up_proj.shape[-2] // 2  # this rank's width
-        return f"layers.{m[1]}.mlp.experts.gate_up_proj", (int(m[2]), slice(0, size) if m[3] == "gate" else slice(size, 2 * size))
-
     def weight_shard(self, name: str) -> Shard | None:
-        half = self._expert_half(name) if self.tensor_parallel_size > 1 else None
+        half = self.expert_half(name) if self.tensor_parallel_size > 1 else None
         if half is None:
             return super().weight_shard(name)
-        m, moe = half
-        return moe.tp_shards()[f"experts.{m[3]}_proj"]
+        stacked, _, second = half
+        moe = self.get_submodule(stacked.removesuffix(".experts.gate_up_proj"))
+        assert isinstance(moe, SharedExpertGateMoE)
+        return moe.tp_shards()[("experts.gate_proj", "experts.up_proj")[second]]

@@ -6,6 +6,7 @@ from engram.models.bamba import BambaForCausalLM
 from engram.models.base import CausalLM
 from engram.models.falcon_h1 import FalconH1ForCausalLM
 from engram.models.granitemoehybrid import GraniteMoeHybridForCausalLM
+from engram.models.kimi_linear import KimiLinearForCausalLM
 from engram.models.lfm2 import Lfm2ForCausalLM
 from engram.models.mamba2 import Mamba2ForCausalLM
 from engram.models.nemotron_h import NemotronHForCausalLM
@@ -25,6 +26,7 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "qwen3_5_moe": Qwen3_5ForCausalLM,
     "qwen3_5_moe_text": Qwen3_5ForCausalLM,
     "lfm2": Lfm2ForCausalLM,
+    "kimi_linear": KimiLinearForCausalLM,
 }
 
 

@@ -22,6 +22,7 @@ class ConfigError(ValueError):
 class LayerKind(str, Enum):
     MAMBA = "mamba"
     GATED_DELTANET = "gated_deltanet"
+    KDA = "kda"  # Kimi Delta Attention: the gated delta rule with a decay per key channel
     SHORT_CONV = "short_conv"
     ATTENTION = "attention"
     MLP = "mlp"
@@ -172,7 +173,58 @@ class ShortConvSpec:
         return (StateTensor("conv", (self.conv_kernel - 1, self.hidden_size), StateRole.CONV),)
 
 
-RecurrentSpec = MambaSpec | GatedDeltaNetSpec | ShortConvSpec
+@dataclass(frozen=True)
+class KimiDeltaSpec:
+    """Shapes of one Kimi Delta Attention mixer (Kimi-Linear): `num_heads` heads of `head_dim` for
+    q, k and v alike, a causal conv over each, a decay per head and key channel from a low-rank
+    projection (rank `head_dim`), and a low-rank sigmoid output gate."""
+
+    num_heads: int
+    head_dim: int
+    conv_kernel: int
+    norm_eps: float
+    chunk_size: int = 64  # of the chunked prefill (the result does not depend on it)
+
+    @property
+    def qkv_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 3 * self.qkv_dim
+
+    @property
+    def recurrent_state_shape(self) -> tuple[int, int, int]:
+        return (self.num_heads, self.head_dim, self.head_dim)
+
+    @property
+    def in_proj_size(self) -> int:
+        """q, k, v, the decay's and the gate's low-rank inputs, and each head's write strength."""
+        return self.conv_dim + 2 * self.head_dim + self.num_heads
+
+    @property
+    def state_tensors(self) -> tuple[StateTensor, ...]:
+        return _conv_and_scan(self.conv_kernel, self.conv_dim, "recurrent", self.recurrent_state_shape)
+
+
+RecurrentSpec = MambaSpec | GatedDeltaNetSpec | ShortConvSpec | KimiDeltaSpec
+
+
+@dataclass(frozen=True)
+class LatentAttentionSpec:
+    """Multi-head latent attention (DeepSeek-V2's MLA, Kimi-Linear's without rotation): k and v of
+    every head from one normed latent of `kv_lora_rank` channels, plus `qk_rope_head_dim` key
+    channels shared by all heads; q direct or through a normed latent of `q_lora_rank`."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True)
@@ -189,6 +241,8 @@ class AttentionSpec:
     qk_norm: bool = False
     qk_norm_zero_centered: bool = True  # (1 + w), as Qwen has it; False: a plain RMS norm (LFM2)
     norm_eps: float = 1e-6
+    # Kimi-Linear: K and V expanded from a latent (head_dim is then the cache's, K's and V's widest)
+    latent: LatentAttentionSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -210,6 +264,7 @@ class ModelSpec:
     config_sha256: str = ""
     gated_deltanet: GatedDeltaNetSpec | None = None
     short_conv: ShortConvSpec | None = None
+    kda: KimiDeltaSpec | None = None
 
     def __post_init__(self) -> None:
         for i in range(self.num_layers):  # the mixers of a layer share its snapshot names `layers.<i>.*`
@@ -226,6 +281,8 @@ class ModelSpec:
             mixers[LayerKind.GATED_DELTANET] = self.gated_deltanet
         if self.short_conv is not None:
             mixers[LayerKind.SHORT_CONV] = self.short_conv
+        if self.kda is not None:
+            mixers[LayerKind.KDA] = self.kda
         return mixers
 
     def mixers(self, layer: int) -> tuple[LayerKind, ...]:
@@ -265,6 +322,10 @@ class ModelSpec:
     @property
     def short_conv_layers(self) -> list[int]:
         return self.layers_of(LayerKind.SHORT_CONV)
+
+    @property
+    def kda_layers(self) -> list[int]:
+        return self.layers_of(LayerKind.KDA)
 
     @property
     def attention_layers(self) -> list[int]:
@@ -554,6 +615,85 @@ def _parse_lfm2(cfg: dict, arch: str) -> tuple[Layers, ShortConvSpec | None, Att
     return _one_mixer_each(kinds), short_conv, attention
 
 
+def kimi_mlp_layer_types(cfg: dict) -> list[str]:
+    """Kimi-Linear's feed-forward per layer, "dense" or "sparse" (MoE): `mlp_layer_types`, else the
+    first `first_k_dense_replace` layers dense (transformers' default: 1)."""
+    n = int(cfg["num_hidden_layers"])
+    return list(cfg.get("mlp_layer_types") or ["dense" if i < int(cfg.get("first_k_dense_replace", 1)) else "sparse" for i in range(n)])
+
+
+def _kimi_layer_types(cfg: dict, arch: str, linear: dict) -> list[str]:
+    """`layer_types`; else the checkpoint's 1-based `linear_attn_config` lists; else transformers'
+    default (full attention at every fourth layer but the first)."""
+    n = _positive_int(cfg, "num_hidden_layers", arch)
+    if cfg.get("layer_types"):
+        return list(cfg["layer_types"])
+    if "full_attn_layers" in linear and "kda_layers" in linear:
+        types = {i - 1: "full_attention" for i in linear["full_attn_layers"]} | {i - 1: "linear_attention" for i in linear["kda_layers"]}
+        if sorted(types) != list(range(n)):
+            raise ConfigError(f"{arch}: linear_attn_config's full_attn_layers and kda_layers do not name each of the {n} layers once")
+        return [types[i] for i in range(n)]
+    return ["full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(n)]
+
+
+def _refuse(cfg: dict, arch: str, field_name: str, allowed: tuple[Any, ...], why: str) -> None:
+    if field_name in cfg and cfg[field_name] not in allowed:
+        raise ConfigError(f"{arch}: {field_name}={cfg[field_name]!r} is not supported ({why})")
+
+
+def _parse_kimi_linear(cfg: dict, arch: str) -> tuple[Layers, KimiDeltaSpec | None, AttentionSpec | None]:
+    """Kimi-Linear: KDA or latent attention (no rotation), then a dense gated MLP or a MoE with
+    sigmoid grouped routing and shared experts (transformers' KimiLinearForCausalLM)."""
+    _refuse(cfg, arch, "hidden_act", ("silu",), "only 'silu'")
+    _refuse(cfg, arch, "mla_use_nope", (True,), "transformers' Kimi-Linear attention has no rotary embedding")
+    _refuse(cfg, arch, "moe_router_activation_func", ("sigmoid",), "only sigmoid routing")
+    _refuse(cfg, arch, "attention_bias", (False,), "attention projections without biases only")
+    _refuse(cfg, arch, "moe_layer_freq", (1,), "transformers reads a MoE in every layer past first_k_dense_replace")
+    linear = cfg.get("linear_attn_config") or {}
+    kinds = _layer_kinds(_kimi_layer_types(cfg, arch, linear), arch, linear=LayerKind.KDA)
+    mlp_types = kimi_mlp_layer_types(cfg)
+    if len(mlp_types) != len(kinds) or set(mlp_types) - {"dense", "sparse"}:
+        raise ConfigError(f"{arch}: mlp_layer_types must give 'dense' or 'sparse' for each of the {len(kinds)} layers, got {mlp_types}")
+    if "sparse" in mlp_types:
+        experts, groups = _positive_int(cfg, "num_local_experts", arch), _positive_int(cfg, "n_group", arch)
+        top_k, topk_group = _positive_int(cfg, "num_experts_per_tok", arch), _positive_int(cfg, "topk_group", arch)
+        _positive_int(cfg, "moe_intermediate_size", arch)
+        if experts % groups or topk_group > groups or top_k > topk_group * (experts // groups):
+            raise ConfigError(f"{arch}: num_experts {experts} in n_group {groups} with topk_group {topk_group} cannot give top {top_k}")
+    if "dense" in mlp_types:
+        _positive_int(cfg, "intermediate_size", arch)
+    eps = float(cfg.get("rms_norm_eps", 1e-5))
+    kda = None
+    if LayerKind.KDA in kinds:
+        # the checkpoint's linear_attn_config wins over the flat fields, as in transformers
+        named = {"num_heads": "linear_num_heads", "head_dim": "linear_head_dim", "short_conv_kernel_size": "linear_conv_kernel_dim"}
+        fields = {**cfg, **{new: linear[old] for old, new in named.items() if old in linear}}
+        kda = KimiDeltaSpec(
+            num_heads=_positive_int(fields, "linear_num_heads", arch),
+            head_dim=_positive_int(fields, "linear_head_dim", arch),
+            conv_kernel=_positive_int(fields, "linear_conv_kernel_dim", arch),
+            norm_eps=eps,
+        )
+    attention = None
+    if LayerKind.ATTENTION in kinds:
+        heads = _positive_int(cfg, "num_attention_heads", arch)
+        if cfg.get("num_key_value_heads") not in (None, heads):
+            raise ConfigError(
+                f"{arch}: num_key_value_heads={cfg['num_key_value_heads']} is not supported (latent attention expands K and V to every head)"
+            )
+        latent = LatentAttentionSpec(
+            q_lora_rank=_positive_int(cfg, "q_lora_rank", arch) if cfg.get("q_lora_rank") is not None else None,
+            kv_lora_rank=_positive_int(cfg, "kv_lora_rank", arch),
+            qk_nope_head_dim=_positive_int(cfg, "qk_nope_head_dim", arch),
+            qk_rope_head_dim=_positive_int(cfg, "qk_rope_head_dim", arch),
+            v_head_dim=_positive_int(cfg, "v_head_dim", arch),
+        )
+        head_dim = max(latent.qk_head_dim, latent.v_head_dim)
+        # the latents' norms: RMSNorm's default epsilon in transformers, not rms_norm_eps
+        attention = replace(_attention(cfg, arch, latent.qk_head_dim**-0.5, 0, 10000.0, head_dim, bias=False), latent=latent, norm_eps=1e-6)
+    return _one_mixer_each(kinds), kda, attention
+
+
 _PARSERS = {
     "mamba2": _parse_mamba2,
     "granitemoehybrid": _parse_granite_or_bamba,
@@ -566,10 +706,22 @@ _PARSERS = {
     "qwen3_5_moe": _parse_qwen_gdn,
     "qwen3_5_moe_text": _parse_qwen_gdn,
     "lfm2": _parse_lfm2,
+    "kimi_linear": _parse_kimi_linear,
 }
 
 # Older field names transformers still reads in place of the new ones (they win when present).
-_LEGACY_FIELDS = {"lfm2": {"tie_embedding": "tie_word_embeddings", "block_ff_dim": "intermediate_size"}}
+_LEGACY_FIELDS = {
+    "lfm2": {"tie_embedding": "tie_word_embeddings", "block_ff_dim": "intermediate_size"},
+    # the checkpoint's names of transformers' KimiLinearConfig attributes (its attribute_map)
+    "kimi_linear": {
+        "model_max_length": "max_position_embeddings",
+        "moe_renormalize": "norm_topk_prob",
+        "num_expert_group": "n_group",
+        "num_experts": "num_local_experts",
+        "num_experts_per_token": "num_experts_per_tok",
+        "num_shared_experts": "n_shared_experts",
+    },
+}
 
 # Multimodal checkpoints whose language model's config is nested under `text_config`.
 _TEXT_CONFIG_TYPES = {"qwen3_5", "qwen3_5_moe"}
@@ -615,6 +767,7 @@ def parse_model_spec(cfg: dict, generation_config: dict | None = None, config_sh
         config_sha256=config_sha256,
         gated_deltanet=recurrent if isinstance(recurrent, GatedDeltaNetSpec) else None,
         short_conv=recurrent if isinstance(recurrent, ShortConvSpec) else None,
+        kda=recurrent if isinstance(recurrent, KimiDeltaSpec) else None,
     )
 
 

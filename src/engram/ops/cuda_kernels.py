@@ -23,7 +23,8 @@
   by this package's token-by-token kernel (triton_ops/gated_delta.py: states read and written in
   the pool by slot, no host work, so decode and prefill graphs can hold it); longer prefills through
   fla-core's `chunk_gated_delta_rule` over `cu_seqlens`, with the states gathered from the pool by
-  slot and written back (the token-by-token kernel without fla-core).
+  slot and written back (the token-by-token kernel without fla-core). Kimi Delta Attention (a
+  decay per key channel) takes the same kernel's PER_CHANNEL variant and fla-core's `chunk_kda`.
 
 Importing this module raises ImportError when Triton is missing; `dispatch.select_kernels`
 then keeps the references.
@@ -47,6 +48,10 @@ try:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as _chunk_gdr
 except Exception:  # noqa: BLE001
     _chunk_gdr = None
+try:
+    from fla.ops.kda import chunk_kda as _chunk_kda
+except Exception:  # noqa: BLE001
+    _chunk_kda = None
 
 # Up to this many tokens per sequence the token-by-token kernel serves prefill: at least the longest
 # prefill graph (engine/runner.py, 128 tokens), which fla-core's host work could not be captured in.
@@ -115,13 +120,14 @@ def ssd_varlen(x, dt, dt_bias, dt_limit, A_log, B, C, D, chunk_size, seq_lens, s
 
 def gated_delta_varlen(q, k, v, g, beta, seq_lens, state_pool, slots, chunk_size=64, l2_norm_qk=False, scale=None, cu_seqlens=None):
     """Short sequences: the token-by-token kernel. Long ones: fla-core's chunked kernels (fla's
-    chunk size is its own; the chunking does not change the result)."""
-    if _chunk_gdr is None or max(seq_lens, default=0) <= GDN_RECURRENT_MAX_LEN:
+    chunk size is its own; the chunking does not change the result), KDA's for a per-channel g."""
+    chunked = _chunk_kda if g.dim() == 3 else _chunk_gdr
+    if chunked is None or max(seq_lens, default=0) <= GDN_RECURRENT_MAX_LEN:
         return gated_delta.gated_delta_varlen_scan(q, k, v, g, beta, seq_lens, state_pool, slots, chunk_size, l2_norm_qk, scale, cu_seqlens)
     if cu_seqlens is None:
         cu_seqlens = common.cu_seqlens_of(seq_lens, q.device)
     cu_cpu = torch.tensor([0, *torch.tensor(seq_lens).cumsum(0).tolist()], dtype=torch.int64)
-    o, final = _chunk_gdr(
+    o, final = chunked(
         q[None],
         k[None],
         v[None].to(q.dtype),

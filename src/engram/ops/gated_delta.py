@@ -7,6 +7,9 @@ Per value head, with state S [K, V], log decay g_t <= 0 and write strength beta_
 Shapes: q and k [L, Hk, K], v [L, Hv, V], g and beta [L, Hv], state [Hv, K, V] (fla's layout).
 Each q/k head serves Hv // Hk consecutive value heads (grouped value attention). Computation is
 float32; outputs are float32.
+
+Kimi Delta Attention (KDA) is the same rule with a decay per key channel: g [L, Hv, K], and
+S' = diag(exp(g_t)) S. Every op takes either shape of g.
 """
 
 from __future__ import annotations
@@ -29,6 +32,14 @@ def _prepare(q: torch.Tensor, k: torch.Tensor, num_v_heads: int, l2_norm_qk: boo
     return q.repeat_interleave(repeat, dim=-2), k.repeat_interleave(repeat, dim=-2)
 
 
+def _decayed_products(q: torch.Tensor, k: torch.Tensor, c: torch.Tensor, lower: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """KDA's intra-chunk products sum_d x_i[d] k_j[d] exp(c_i[d] - c_j[d]) for x = k and x = q, j <= i
+    ([H, n, n] each). The decay of each pair is formed before the exponential, as transformers does:
+    exp(c_i) * exp(-c_j) would overflow over a long chunk of strong decay."""
+    decay = (c[:, :, None] - c[:, None, :]).masked_fill(~lower[..., None], -torch.inf).exp()  # [H, n, n, K]
+    return torch.einsum("hid,hjd,hijd->hij", k, k, decay), torch.einsum("hid,hjd,hijd->hij", q, k, decay)
+
+
 def gated_delta_chunk(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -40,13 +51,15 @@ def gated_delta_chunk(
     l2_norm_qk: bool = False,
     scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence, chunked. Returns (o [L, Hv, V], final_state [Hv, K, V]).
+    """One sequence, chunked. Returns (o [L, Hv, V], final_state [Hv, K, V]). g [L, Hv] or, per
+    key channel (KDA), [L, Hv, K].
 
     Inside a chunk with inclusive cumulative log decay c and entry state S0, the residuals U solve
     the unit lower-triangular system (I + A) U = beta V - beta exp(c) K S0 with
     A[i, j] = beta_i exp(c_i - c_j) k_i.k_j for j < i; then o_i = exp(c_i) q_i S0 +
     sum_{j<=i} exp(c_i - c_j) (q_i.k_j) u_j and S_end = exp(c_end) S0 + sum_j exp(c_end - c_j) k_j u_j^T."""
     length, heads, _ = v.shape
+    per_channel = g.dim() == 3
     q, k = _prepare(q, k, heads, l2_norm_qk, scale)
     # [H, L, .] per head; padded steps have g = 0 and beta = 0: no decay, no write.
     q, k, v = (t.transpose(0, 1) for t in (q, k, v.float()))
@@ -58,17 +71,22 @@ def gated_delta_chunk(
         end = min(start + chunk_size, length)
         n = end - start
         qc, kc, vc = q[:, start:end], k[:, start:end], v[:, start:end]
-        c = g[:, start:end].cumsum(dim=-1)  # [H, n]
+        c = g[:, start:end].cumsum(dim=1)  # [H, n] (per channel: [H, n, K])
         bc = beta[:, start:end, None]
-        mask = lower[:n, :n]
-        decay = (c[:, :, None] - c[:, None, :]).masked_fill(~mask, -torch.inf).exp()  # [H, n, n]
+        if per_channel:
+            kk, qk = _decayed_products(qc, kc, c, lower[:n, :n])
+            tail, end_decay = (c[:, -1:] - c).exp(), c[:, -1, :, None].exp()  # [H, n, K], [H, K, 1]
+            c = c.exp()  # the entry state's decay at each step, [H, n, K]
+        else:
+            mask = lower[:n, :n]
+            decay = (c[:, :, None] - c[:, None, :]).masked_fill(~mask, -torch.inf).exp()  # [H, n, n]
+            kk, qk = (kc @ kc.transpose(-1, -2)) * decay, (qc @ kc.transpose(-1, -2)) * decay
+            tail, end_decay = (c[:, -1:] - c).exp()[..., None], c[:, -1].exp()[:, None, None]  # [H, n, 1], [H, 1, 1]
+            c = c.exp()[..., None]
         # The solve reads only the strict lower triangle of A and takes the diagonal as ones.
-        system = bc * (kc @ kc.transpose(-1, -2)) * decay
-        rhs = bc * vc - (bc * c.exp()[..., None] * kc) @ state
-        u = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
-        outputs.append(c.exp()[..., None] * (qc @ state) + ((qc @ kc.transpose(-1, -2)) * decay) @ u)
-        tail = (c[:, -1:] - c).exp()[..., None]  # [H, n, 1]
-        state = c[:, -1].exp()[:, None, None] * state + (tail * kc).transpose(-1, -2) @ u
+        u = torch.linalg.solve_triangular(bc * kk, bc * vc - (bc * c * kc) @ state, upper=False, unitriangular=True)
+        outputs.append((c * qc) @ state + qk @ u)
+        state = end_decay * state + (tail * kc).transpose(-1, -2) @ u
     o = torch.cat(outputs, dim=1) if outputs else v.new_zeros(heads, 0, v.shape[-1])
     return o.transpose(0, 1), state
 
@@ -112,10 +130,11 @@ def gated_delta_state_update(
     l2_norm_qk: bool = False,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """Decode: one token for each of S sequences. q, k [S, Hk, K], v [S, Hv, V], g and beta
-    [S, Hv]; state_pool[slots] [S, Hv, K, V] is advanced in place. Returns o [S, Hv, V] (float32)."""
+    """Decode: one token for each of S sequences. q, k [S, Hk, K], v [S, Hv, V], g [S, Hv] (KDA:
+    [S, Hv, K]) and beta [S, Hv]; state_pool[slots] [S, Hv, K, V] is advanced in place. Returns o [S, Hv, V] (float32)."""
     q, k = _prepare(q, k, v.shape[-2], l2_norm_qk, scale)
-    s = state_pool[slots].float() * g.float().exp()[..., None, None]
+    decay = g.float().exp()
+    s = state_pool[slots].float() * (decay[..., None] if decay.dim() == 3 else decay[..., None, None])
     u = beta.float()[..., None] * (v.float() - (k[..., None] * s).sum(dim=-2))
     s = s + k[..., None] * u[..., None, :]
     state_pool[slots] = s.to(state_pool.dtype)

@@ -21,7 +21,7 @@ from engram.models.spec import ModelSpec
 @dataclass(frozen=True)
 class PrefillCost:
     """FLOPs of a prefill of n tokens: `per_token * n + per_pair * n * (n + 1) / 2` (causal pairs).
-    `of` counts the sequence mixers (Mamba2 and gated DeltaNet projections and scans, short convs, attention
+    `of` counts the sequence mixers (Mamba2, gated DeltaNet and KDA projections and scans, short convs, attention
     projections, scores and values); the feed-forward layers are left out (the spec does not size them), which
     understates the linear term alike for every entry of a model."""
 
@@ -41,6 +41,11 @@ class PrefillCost:
             projections = h * g.in_proj_size + g.value_dim * h
             scan = 6 * g.num_v_heads * g.head_k_dim * g.head_v_dim  # decay, read, write and output of the state
             per_token += len(spec.gated_deltanet_layers) * (2 * projections + scan)
+        if spec.kda is not None:
+            d = spec.kda
+            projections = h * d.in_proj_size + 2 * d.head_dim * d.qkv_dim + d.qkv_dim * h  # in, decay and gate up-projections, out
+            scan = 6 * d.num_heads * d.head_dim * d.head_dim
+            per_token += len(spec.kda_layers) * (2 * projections + scan)
         if spec.short_conv is not None:
             c = spec.short_conv
             projections = h * 3 * h + h * h  # in_proj (B, C, x) and out_proj

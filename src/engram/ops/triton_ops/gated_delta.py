@@ -1,7 +1,7 @@
 """The gated delta rule token by token (Qwen3-Next / Qwen3.5 decode and short prefills), state by slot.
 
-`ops.gated_delta`'s contract: q, k [T, Hk, K], v [T, Hv, V], g and beta [T, Hv], the pool
-[slots, Hv, K, V]. One program per (sequence, value head, block of V columns) keeps its [K, BV]
+`ops.gated_delta`'s contract: q, k [T, Hk, K], v [T, Hv, V], g and beta [T, Hv] (g per key
+channel, Kimi Delta Attention: [T, Hv, K]), the pool [slots, Hv, K, V]. One program per (sequence, value head, block of V columns) keeps its [K, BV]
 slice of the state in registers, reads it from the pool at the sequence's slot and writes it back;
 a slot of -1 (a decode graph's padding row) touches nothing. No host work: CUDA-graph safe.
 """
@@ -36,6 +36,7 @@ def _gated_delta_kernel(
     stride_vt,
     stride_vh,
     stride_gt,
+    stride_gh,
     stride_bt,
     stride_ot,
     stride_oh,
@@ -45,6 +46,7 @@ def _gated_delta_kernel(
     scale,
     VARLEN: tl.constexpr,
     L2NORM: tl.constexpr,
+    PER_CHANNEL: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
@@ -73,9 +75,12 @@ def _gated_delta_kernel(
             k = k * tl.rsqrt(tl.sum(k * k) + 1e-6)
         q = q * scale
         v = tl.load(V + t * stride_vt + hv * stride_vh + rv, mask=vm, other=0.0).to(tl.float32)
-        g = tl.load(G + t * stride_gt + hv).to(tl.float32)
         beta = tl.load(Beta + t * stride_bt + hv).to(tl.float32)
-        st = st * tl.exp(g)
+        if PER_CHANNEL:
+            g = tl.load(G + t * stride_gt + hv * stride_gh + rk, mask=km, other=0.0).to(tl.float32)
+            st = st * tl.exp(g)[:, None]
+        else:
+            st = st * tl.exp(tl.load(G + t * stride_gt + hv * stride_gh).to(tl.float32))
         u = beta * (v - tl.sum(st * k[:, None], axis=0))
         st = st + k[:, None] * u[None, :]
         tl.store(O + t * stride_ot + hv * stride_oh + rv, tl.sum(st * q[:, None], axis=0), mask=vm)
@@ -111,6 +116,7 @@ def _launch(q, k, v, g, beta, state_pool, slots, cu_seqlens, num_seqs, l2_norm_q
         v.stride(0),
         v.stride(1),
         g.stride(0),
+        g.stride(1),
         beta.stride(0),
         o.stride(0),
         o.stride(1),
@@ -120,6 +126,7 @@ def _launch(q, k, v, g, beta, state_pool, slots, cu_seqlens, num_seqs, l2_norm_q
         DK**-0.5 if scale is None else scale,
         VARLEN=cu_seqlens is not None,
         L2NORM=l2_norm_qk,
+        PER_CHANNEL=g.dim() == 3,
         BLOCK_K=np2(DK),
         BLOCK_V=bv,
         num_warps=4,
