@@ -1,5 +1,9 @@
 """What the Triton kernels share: sizes, the dot precision, rows of an input, and programmatic
-dependent launch (PDL)."""
+dependent launch (PDL).
+
+A mask that joins a block with a scalar condition (a padding slot, a repeated row) is written
+`tl.where(cond, mask, False)`, not `mask & cond`: Triton's interpreter (TRITON_INTERPRET=1, which
+runs tests/test_gpu_ops.py's kernel comparisons on the CPU) refuses the latter's dtype."""
 
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ def _ssd_tile(Pool, Slots, s, stride_ps, stride_ph, stride_pp, P, N, HPG, BLOCK_
     nm = n < N
     slot = tl.load(Slots + s).to(tl.int64)
     ptr = Pool + slot * stride_ps + h * stride_ph + p[:, None] * stride_pp + n[None, :]
-    return h, h // HPG, p, n, pm, nm, ptr, pm[:, None] & nm[None, :] & (slot >= 0)
+    return h, h // HPG, p, n, pm, nm, ptr, tl.where(slot >= 0, pm[:, None] & nm[None, :], False)
 
 
 @triton.jit
@@ -274,7 +274,7 @@ def _ssd_scan_kernel(
         st = st * tl.exp(dt * A) + (x * dt)[:, None] * b[None, :]
         y = tl.sum(st * c[None, :], axis=1) + x * Dh
         if VERIFY:
-            tl.store(Y + t * stride_yt + h * stride_yh + p, y, mask=pm & (t != last))
+            tl.store(Y + t * stride_yt + h * stride_yh + p, y, mask=tl.where(t != last, pm, False))
             last = t
             kept = st.to(States.dtype.element_ty)
             tl.store(out + i * stride_sl, kept, mask=pm[:, None] & nm[None, :])
