@@ -97,17 +97,19 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         s, k = self.spec, kernels()
-        assert batch.verify is None, "speculative verify steps are refused for gated DeltaNet models at start-up"
         conv_pool = batch.state_pool.of(self.layer_index, "conv")
         state_pool = batch.state_pool.of(self.layer_index, "recurrent")
-        slots = batch.state_slots
+        slots, verify = batch.state_slots, batch.verify
         weight = self.conv1d.weight[:, 0, :]
         if batch.is_decode:
             proj = k.linear_conv_update(hidden, self.in_proj.weight, None, weight, None, conv_pool, slots, 0)
             qkv, z, b, a = proj.split(self.sizes, dim=-1)
         else:
             qkv, z, b, a = self.in_proj(hidden).split(self.sizes, dim=-1)
-            qkv = k.causal_conv1d_varlen(qkv, weight, None, conv_pool, slots, batch.seq_lens, batch.cu_seqlens)
+            if verify is not None:  # a speculative step: every position's state kept, the pool left as it is
+                qkv = k.causal_conv1d_verify(qkv, weight, None, conv_pool, slots, verify.rows, verify.flat, verify.windows[self.layer_index, "conv"])
+            else:
+                qkv = k.causal_conv1d_varlen(qkv, weight, None, conv_pool, slots, batch.seq_lens, batch.cu_seqlens)
         q, key, v = qkv.split([s.key_dim, s.key_dim, s.value_dim], dim=-1)
         q, key = q.reshape(-1, s.num_k_heads, s.head_k_dim), key.reshape(-1, s.num_k_heads, s.head_k_dim)
         v = v.reshape(-1, s.num_v_heads, s.head_v_dim)
@@ -115,6 +117,10 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         if batch.is_decode:
             o = k.gated_delta_state_update(state_pool, slots, q, key, v, g, beta, True)
+        elif verify is not None:
+            o = k.gated_delta_verify(
+                q, key, v, g, beta, verify.rows, verify.flat, state_pool, slots, verify.states[self.layer_index, "recurrent"], True
+            )
         else:
             o = k.gated_delta_varlen(q, key, v, g, beta, batch.seq_lens, state_pool, slots, s.chunk_size, True, None, batch.cu_seqlens)
         # each head's values normalized, then gated (Falcon-H1's norm-before-gate with one head a group)

@@ -293,12 +293,14 @@ def _conv_verify_kernel(
     L,
     K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
     """A verify step's conv (ops/verify.py:causal_conv1d_verify) for a block of channels of sequence
     s: its window rows written to Win[s] (the pool's K - 1, then each position's input), each
-    position's silu(conv) as a decode step computes it, stored at its flat row (a position past the
-    sequence's length repeats its last row: not stored again). The pool is not written."""
+    position's silu(conv) (conv without SILU: LFM2's short conv) as a decode step computes it,
+    stored at its flat row (a position past the sequence's length repeats its last row: not stored
+    again). The pool is not written."""
     s = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     cm = c < C
@@ -320,7 +322,7 @@ def _conv_verify_kernel(
         r = tl.load(Rows + s * stride_rs + t).to(tl.int64)
         x = tl.load(X + r * stride_x + c, mask=cm, other=0.0)
         tl.store(win + (K - 1 + t) * stride_wt, x.to(wt), mask=cm)
-        y = conv_value(x, (s0, s1, s2, w0, w1, w2, w3), bias, K, True)
+        y = conv_value(x, (s0, s1, s2, w0, w1, w2, w3), bias, K, SILU)
         tl.store(Y + r * stride_y + c, y.to(Y.dtype.element_ty), mask=tl.where(r != last, cm, False))
         last = r
         if K == 2:
@@ -334,7 +336,7 @@ def _conv_verify_kernel(
             s2 = x.to(s2.dtype)
 
 
-def causal_conv1d_verify(x, weight, bias, conv_pool, slots, rows, flat, windows):
+def causal_conv1d_verify(x, weight, bias, conv_pool, slots, rows, flat, windows, silu=True):
     """`verify.causal_conv1d_verify` in one launch, over fixed [S, L] positions read from device
     memory (a verify graph can hold it); `flat` is implied by `rows`."""
     S, L = rows.shape
@@ -355,6 +357,7 @@ def causal_conv1d_verify(x, weight, bias, conv_pool, slots, rows, flat, windows)
             L,
             K=K,
             HAS_BIAS=bias is not None,
+            SILU=silu,
             BLOCK_C=block,
             num_warps=4,
             **PDL_LAUNCH,
