@@ -37,6 +37,23 @@ class ContinuationDrafter:
         return [t + 1 for t in draft] if self.wrong else draft
 
 
+class ReferenceDrafter:
+    """Drafts the target's own greedy continuation (transformers), or with `wrong` a token off by one
+    at each position: every draft accepted, or every draft rejected. With `mixed` only the first
+    len(token_ids) % (k + 1) tokens are right: drafts kept in part, rolled back at every position."""
+
+    def __init__(self, ref: torch.nn.Module, wrong: bool = False, mixed: bool = False):
+        self.ref, self.wrong, self.mixed = ref, wrong, mixed
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        draft: list[int] = []
+        for _ in range(k):  # full forwards, no cache: transformers' cached generate drifts after some prompt lengths
+            with torch.no_grad():
+                draft.append(int(self.ref(torch.tensor([token_ids + draft])).logits[0, -1].argmax()))
+        right = 0 if self.wrong else len(token_ids) % (k + 1) if self.mixed else k
+        return draft[:right] + [(t + 1) % self.ref.config.vocab_size for t in draft[right:]]
+
+
 def greedy(max_tokens: int, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
 

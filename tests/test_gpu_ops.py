@@ -212,9 +212,10 @@ def test_ssd_state_update_in_place_by_slot(dtype, shape):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("K", [2, 4])
+@pytest.mark.parametrize("K", [2, 3, 4])
 @pytest.mark.parametrize("bias", [False, True])
-def test_conv_verify_keeps_every_window(dtype, K, bias):
+@pytest.mark.parametrize("silu", [True, False])  # Mamba2's and gated DeltaNet's conv, LFM2's short conv
+def test_conv_verify_keeps_every_window(dtype, K, bias, silu):
     """The one-launch verify conv against ops/verify.py: y and the windows of sequences of different
     lengths (positions past a length repeat its last row), the pool untouched."""
     g = _gen(26)
@@ -227,8 +228,8 @@ def test_conv_verify_keeps_every_window(dtype, K, bias):
     full = torch.zeros(len(lens), K - 1 + max(lens) + 2, C, dtype=dtype, device=DEV)  # a view narrower than its buffer
     windows, ref_windows = full[:, : K - 1 + max(lens)], full.clone()[:, : K - 1 + max(lens)]
     before = pool.clone()
-    y = triton_ops.conv.causal_conv1d_verify(x, w, b, pool, slots, rows, flat, windows)
-    y_ref = verify.causal_conv1d_verify(x, w, b, pool, slots, rows, flat, ref_windows)
+    y = triton_ops.conv.causal_conv1d_verify(x, w, b, pool, slots, rows, flat, windows, silu)
+    y_ref = verify.causal_conv1d_verify(x, w, b, pool, slots, rows, flat, ref_windows, silu)
     assert torch.equal(pool, before) and torch.equal(windows, ref_windows)
     torch.testing.assert_close(y, y_ref, **_tol(dtype))
 
@@ -392,6 +393,30 @@ def test_gated_delta_scan_matches_reference(dtype, shape, per_channel):
     live = [0, 1, 3]
     o_ref = gated_delta.gated_delta_state_update(pool_ref, step_slots[live], *(t[rows][live] for t in (q, k, v, decay, beta)), True)
     assert _rel(o[live], o_ref) < limit and _rel(pool, pool_ref) < limit, (_rel(o[live], o_ref), _rel(pool, pool_ref))
+
+
+@pytest.mark.parametrize("pool_dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(2, 4, 12, 40), (3, 3, 8, 12), (16, 32, 128, 128)])  # Hk, Hv, K, V (Qwen3-Next: the last)
+def test_gated_delta_verify_keeps_the_state_after_every_position(pool_dtype, shape):
+    """The one-launch verify gated delta rule against ops/verify.py: o and every position's state of
+    sequences of different lengths (positions past a length repeat its last row), the pool
+    untouched; a padding sequence (slot -1) starts from zeros, as the reference's from the zeroed last slot."""
+    from engram.ops.triton_ops import gated_delta as gdn_scan
+
+    Hk, Hv, K, V = shape
+    lens, slots = [3, 1, 5, 2], torch.tensor([4, -1, 0, 2], device=DEV)
+    q, k, v, decay, beta, pool = _gdn_inputs(lens, shape, torch.float32, 27)
+    pool = pool.to(pool_dtype)
+    pool[-1] = 0
+    rows, flat = verify.verify_layout(lens, torch.device(DEV))
+    full = torch.zeros(len(lens), max(lens) + 2, Hv, K, V, dtype=pool_dtype, device=DEV)  # a view narrower than its buffer
+    states, ref_states = full[:, : max(lens)], full.clone()[:, : max(lens)]
+    before = pool.clone()
+    o = gdn_scan.gated_delta_verify(q, k, v, decay, beta, rows, flat, pool, slots, states, True)
+    o_ref = verify.gated_delta_verify(q, k, v, decay, beta, rows, flat, pool, slots, ref_states, True)
+    assert torch.equal(pool, before)
+    limit = 1e-4 if pool_dtype == torch.float32 else 3e-2
+    assert _rel(o, o_ref) < limit and _rel(states, ref_states) < limit, (_rel(o, o_ref), _rel(states, ref_states))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -765,7 +790,7 @@ def test_greedy_tokens_fast_path_equal_reference(kind, checkpoint_dir):
 
 
 @needs_cuda
-@pytest.mark.parametrize("kind", ["granite", "mamba2", "nemotron", "bamba", "falcon_h1"])
+@pytest.mark.parametrize("kind", ["granite", "mamba2", "nemotron", "bamba", "falcon_h1", "qwen3_next", "qwen3_5", "qwen3_5_moe", "lfm2"])
 @pytest.mark.parametrize("wrong", [False, True])
 def test_verify_graphs_give_plain_greedy_tokens(kind, wrong, checkpoint_dir):
     """Speculative steps replayed from verify graphs (and their commits from commit graphs), drafts

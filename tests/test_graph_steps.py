@@ -118,12 +118,17 @@ def test_a_capture_keeps_the_tokens_of_the_graph_step_before(cpu_graphs, checkpo
     assert sorted(engine.runner._graphs) == [1, 2]
 
 
+# recurrent layers only, as above: Mamba2, gated DeltaNet, short conv
+_RECURRENT_ONLY = {"mamba2": {}, "qwen3_next": {"layer_types": ["linear_attention"] * 4}, "lfm2": {"layer_types": ["conv"] * 4}}
+
+
+@pytest.mark.parametrize("arch", list(_RECURRENT_ONLY))
 @pytest.mark.parametrize("wrong", [False, True])
-def test_verify_steps_in_graphs_give_the_eager_steps_tokens(cpu_graphs, checkpoint_dir, wrong):
+def test_verify_steps_in_graphs_give_the_eager_steps_tokens(cpu_graphs, tmp_path, arch, wrong):
     """Speculative verify steps replayed from graphs (engine/verify_graphs.py): drafts padded to k + 1
     tokens, padding sequences in wider buckets, the states committed from the graphs' buffers; the
-    tokens are plain greedy decoding's. Mamba2 layers only, as above."""
-    path = checkpoint_dir("mamba2")
+    tokens are plain greedy decoding's. Recurrent layers only, as above."""
+    path = str(write_checkpoint(arch, tmp_path, **_RECURRENT_ONLY[arch]))
     ngram = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}'
     prompts = [random_prompt(10 + i, seed=41 + i) for i in range(3)]
 

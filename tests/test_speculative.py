@@ -9,35 +9,23 @@ import json
 
 import pytest
 import torch
-from engine_utils import greedy, launch_counts, make_engine, run_to_end
+from engine_utils import ReferenceDrafter, greedy, launch_counts, make_engine, run_to_end
 from scipy.stats import chisquare
 
+from engram.engine import speculative
 from engram.engine.drafter import NgramDrafter
 from engram.engine.request import FinishReason, SamplingParams, StructuredOutputsParams
 from engram.engine.spec_config import SpeculativeConfig
+from engram.models.spec import LayerKind
 from engram.ops import verify
 from engram.ops.dispatch import kernels, use_kernels
 
-ARCHS = ["mamba2", "granite", "nemotron", "bamba", "falcon_h1"]
+# every architecture: Mamba2 (alone, beside attention, side by side with it), gated DeltaNet, short conv
+ARCHS = ["mamba2", "granite", "nemotron", "bamba", "falcon_h1", "qwen3_next", "qwen3_5", "qwen3_5_moe", "lfm2"]
 K = 3
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, "prompt_lookup_max": 3})
 # mixed lengths, some repeating (prompt lookup finds drafts), one longer than a mamba chunk
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7], [10, 11, 12] * 7, list(range(20, 60)), [3, 4]]
-
-
-class ReferenceDrafter:
-    """Drafts the target's own greedy continuation (transformers), or with `wrong` a token off by one
-    at each position: every draft accepted, or every draft rejected."""
-
-    def __init__(self, ref: torch.nn.Module, wrong: bool = False):
-        self.ref, self.wrong = ref, wrong
-
-    def propose(self, token_ids: list[int], k: int) -> list[int]:
-        draft: list[int] = []
-        for _ in range(k):  # full forwards, no cache: transformers' cached generate drifts after some prompt lengths
-            with torch.no_grad():
-                draft.append(int(self.ref(torch.tensor([token_ids + draft])).logits[0, -1].argmax()))
-        return [(t + 1) % self.ref.config.vocab_size for t in draft] if self.wrong else draft
 
 
 def generate(engine, prompts, params, drafter=None) -> list[list[int]]:
@@ -62,7 +50,7 @@ def test_greedy_with_speculation_equals_greedy_without(arch, checkpoint_dir, hf_
 
     assert generate(engine, PROMPTS, greedy(20)) == plain
     drafted, _ = spec_counts(engine)
-    assert drafted > 0  # prompt lookup found drafts in the repeating prompts
+    assert drafted > 0  # prompt lookup found drafts in the repeating prompts (a random model's output rarely repeats: few kept)
 
     ref = hf_model(path)
     before = spec_counts(engine)
@@ -76,6 +64,11 @@ def test_greedy_with_speculation_equals_greedy_without(arch, checkpoint_dir, hf_
     drafted, accepted = (a - b for a, b in zip(spec_counts(engine), before))
     assert drafted > 0 and accepted == 0  # forced wrong: every draft rejected, and still exact
     assert steps_right.spec_accepted_per_position[K - 1] > 0
+
+    before = spec_counts(engine)
+    assert generate(engine, PROMPTS, greedy(20), ReferenceDrafter(ref, mixed=True)) == plain
+    drafted, accepted = (a - b for a, b in zip(spec_counts(engine), before))
+    assert 0 < accepted < drafted  # kept in part: the state rolled back past a kept token
     done = engine.stats()
     assert done.kv_blocks_used == 0 and done.state_slots_used == 0  # the draft's pages went back
 
@@ -93,18 +86,23 @@ def test_speculation_under_kv_pressure_equals_plain(checkpoint_dir, hf_model):
     assert engine.stats().kv_blocks_used == 0
 
 
-def test_a_broken_rollback_is_caught(checkpoint_dir, hf_model):
-    """Committing the state after the last fed position (the rejected drafts included) instead of the
-    one after the kept tokens changes the output: the test above would fail."""
-    path = checkpoint_dir("granite")
+@pytest.mark.parametrize(
+    ("arch", "op"), [("granite", "commit_states"), ("qwen3_next", "commit_states"), ("qwen3_next", "commit_windows"), ("lfm2", "commit_windows")]
+)
+def test_a_broken_rollback_is_caught(arch, op, checkpoint_dir, hf_model):
+    """Committing a state tensor after one token more than was kept (the first rejected draft
+    included) changes the output: the test above would fail, for each kind of state buffer."""
+    path = checkpoint_dir(arch)
     plain = generate(make_engine(path), PROMPTS, greedy(20))
     engine = make_engine(path, speculative_config=NGRAM)
-
-    def commit_last(conv_pool, ssm_pool, slots, windows, states, rows, fed):
-        verify.commit_verified(conv_pool, ssm_pool, slots, windows, states, rows, torch.full_like(fed, states.shape[1]))
-
     correct = kernels()
-    use_kernels(dataclasses.replace(correct, commit_verified=commit_last))
+    commit = getattr(correct, op)
+
+    def one_too_many(pool, slots, buffer, rows, fed):
+        positions = buffer.shape[1] - (pool.shape[1] if op == "commit_windows" else 0)  # a window's first K-1 rows are the old state
+        commit(pool, slots, buffer, rows, (fed + 1).clamp_max(positions))
+
+    use_kernels(dataclasses.replace(correct, **{op: one_too_many}))
     try:
         assert generate(engine, PROMPTS, greedy(20), ReferenceDrafter(hf_model(path), wrong=True)) != plain
     finally:
@@ -134,10 +132,11 @@ def test_max_tokens_and_stop_tokens_hold(checkpoint_dir, hf_model):
     assert out.token_ids == full[: full.index(stop) + 1] and out.finish_reason == FinishReason.STOP
 
 
-def test_a_speculative_turn_snapshot_resumes_exactly(checkpoint_dir, hf_model):
+@pytest.mark.parametrize("arch", ["bamba", "qwen3_next", "lfm2"])
+def test_a_speculative_turn_snapshot_resumes_exactly(arch, checkpoint_dir, hf_model):
     """The state captured after a speculative turn is the committed one: continuing from it (in an engine
     without speculation) equals a full prefill of the whole history."""
-    path = checkpoint_dir("bamba")
+    path = checkpoint_dir(arch)
     engine = make_engine(path, speculative_config=NGRAM)
     engine.speculator.drafter = ReferenceDrafter(hf_model(path), wrong=True)
     engine.add_request("t1", PROMPTS[1], greedy(9), capture_state=True)
@@ -244,11 +243,16 @@ def test_a_bad_speculative_config_names_the_field(raw, says):
         SpeculativeConfig.parse(raw)
 
 
-@pytest.mark.parametrize("kind, mixer", [("qwen3_next", "gated_deltanet"), ("lfm2", "short_conv"), ("kimi_linear", "kda")])
-def test_a_model_without_verify_states_refuses_speculation_by_name(kind, mixer, checkpoint_dir):
-    """Its verify step would write every drafted token into the recurrent state: refused at start-up."""
-    with pytest.raises(ValueError, match=f"--speculative-config: .*the {mixer} layers of"):
-        make_engine(checkpoint_dir(kind), speculative_config=NGRAM)
+@pytest.mark.parametrize(
+    "arch, kind",
+    [("qwen3_next", LayerKind.GATED_DELTANET), ("lfm2", LayerKind.SHORT_CONV), ("granite", LayerKind.MAMBA), ("kimi_linear", LayerKind.KDA)],
+)
+def test_a_model_without_verify_states_refuses_speculation_by_name(arch, kind, checkpoint_dir, monkeypatch):
+    """A kind that keeps state but is not declared verified (`VERIFIED_KINDS`) would write every
+    drafted token into the recurrent state: refused at start-up, by its name."""
+    monkeypatch.setattr(speculative, "VERIFIED_KINDS", speculative.VERIFIED_KINDS - {kind})
+    with pytest.raises(ValueError, match=f"--speculative-config: .*the {kind.value} layers of"):
+        make_engine(checkpoint_dir(arch), speculative_config=NGRAM)
 
 
 def test_speculative_config_defaults_follow_vllm():
@@ -258,12 +262,14 @@ def test_speculative_config_defaults_follow_vllm():
     assert (c.prompt_lookup_min, c.prompt_lookup_max) == (5, 5)
 
 
-def test_the_memory_plan_reserves_a_full_verify_step(checkpoint_dir):
-    path = checkpoint_dir("bamba")
+@pytest.mark.parametrize("arch", ["bamba", "qwen3_next", "lfm2"])
+def test_the_memory_plan_reserves_a_full_verify_step(arch, checkpoint_dir):
+    path = checkpoint_dir(arch)
     plain, spec = make_engine(path), make_engine(path, speculative_config=NGRAM)
     reserved = spec.plan.scratch_bytes - plain.plan.scratch_bytes
     buffers = spec.speculator._buffers(spec.args.max_running_requests, K + 1)
-    used = sum(t.numel() * t.element_size() for t in (*buffers.conv.values(), *buffers.ssm.values()))
+    assert len(buffers.windows) + len(buffers.states) == len(spec.state_pool.tensors)  # every state tensor has its buffer
+    used = sum(t.numel() * t.element_size() for t in (*buffers.windows.values(), *buffers.states.values()))
     logits = spec.args.max_running_requests * K * spec.spec.vocab_size * 4  # the k more rows each sequence samples from
     assert reserved >= used + logits
 
@@ -306,7 +312,8 @@ def test_verify_ops_keep_the_state_after_every_position():
         ref_ssm_y, _ = ssd_sequential(x[rows], dtd[rows], A, B[rows], C[rows], D, ssm_before[slots[i]])
         torch.testing.assert_close(y[rows], ref_ssm_y)
         start += length
-    verify.commit_verified(conv_pool, ssm_pool, slots, windows, states, torch.arange(3), fed)
+    verify.commit_windows(conv_pool, slots, windows, torch.arange(3), fed)
+    verify.commit_states(ssm_pool, slots, states, torch.arange(3), fed)
     start = 0
     for i, f in enumerate(fed.tolist()):
         rows = slice(start, start + f)
@@ -316,6 +323,56 @@ def test_verify_ops_keep_the_state_after_every_position():
         torch.testing.assert_close(ssm_pool[slots[i]], ssm_ref)
         start += lens[i]
     assert torch.equal(conv_pool[1], conv_before[1]) and torch.equal(ssm_pool[1], ssm_before[1])  # no row of this step
+
+
+def test_gated_delta_and_short_conv_verify_keep_the_state_after_every_position():
+    """ops/verify.py's gated delta rule against its chunked form (`gated_delta_chunk`, the prefill's
+    algorithm): o, and the state after each of f tokens of every sequence is the chunked form's
+    final state over its first f tokens; the short conv's window (no SiLU) against `causal_conv1d`;
+    the pool is written only by the commits, with each sequence's own f."""
+    from engram.ops.conv import causal_conv1d
+    from engram.ops.gated_delta import gated_delta_chunk
+
+    g = torch.Generator().manual_seed(1)
+    hk, hv, dk, dv, chans, k1 = 2, 4, 5, 3, 6, 2
+    lens, slots = [3, 1, 4], torch.tensor([2, 0, 3])
+    total = sum(lens)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g)
+
+    q, k, v = rand(total, hk, dk), rand(total, hk, dk), rand(total, hv, dv)
+    decay, beta = -torch.rand(total, hv, generator=g), torch.rand(total, hv, generator=g)
+    x, weight = rand(total, chans), rand(chans, k1 + 1)
+    pool, conv_pool = rand(4, hv, dk, dv), rand(4, k1, chans)
+    before, conv_before = pool.clone(), conv_pool.clone()
+    states, windows = torch.empty(3, max(lens), hv, dk, dv), torch.empty(3, k1 + max(lens), chans)
+
+    rows, flat = verify.verify_layout(lens, torch.device("cpu"))
+    o = verify.gated_delta_verify(q, k, v, decay, beta, rows, flat, pool, slots, states, True)
+    y = verify.causal_conv1d_verify(x, weight, None, conv_pool, slots, rows, flat, windows, silu=False)
+    assert torch.equal(pool, before) and torch.equal(conv_pool, conv_before)
+    fed = torch.tensor([2, 1, 4])
+    verify.commit_states(pool, slots, states, torch.arange(3), fed)
+    verify.commit_windows(conv_pool, slots, windows, torch.arange(3), fed)
+    start = 0
+    for i, length in enumerate(lens):
+        seq = slice(start, start + length)
+        ref_o, _ = gated_delta_chunk(q[seq], k[seq], v[seq], decay[seq], beta[seq], before[slots[i]], 4, True)
+        torch.testing.assert_close(o[seq], ref_o)
+        ref_y, _ = causal_conv1d(x[seq], weight, None, conv_before[slots[i]], silu=False)
+        torch.testing.assert_close(y[seq], ref_y)
+        for f in range(1, length + 1):
+            kept = slice(start, start + f)
+            _, ref_state = gated_delta_chunk(q[kept], k[kept], v[kept], decay[kept], beta[kept], before[slots[i]], 4, True)
+            torch.testing.assert_close(states[i, f - 1], ref_state)
+        kept = slice(start, start + int(fed[i]))
+        _, ref_state = gated_delta_chunk(q[kept], k[kept], v[kept], decay[kept], beta[kept], before[slots[i]], 4, True)
+        _, ref_window = causal_conv1d(x[kept], weight, None, conv_before[slots[i]], silu=False)
+        torch.testing.assert_close(pool[slots[i]], ref_state)
+        torch.testing.assert_close(conv_pool[slots[i]], ref_window)
+        start += length
+    assert torch.equal(pool[1], before[1]) and torch.equal(conv_pool[1], conv_before[1])  # no row of this step
 
 
 class _Repeat:

@@ -11,14 +11,21 @@ from engram.cache.views import KVCache, StateCache
 
 @dataclass
 class VerifyStates:
-    """A speculative verify step's recurrent states at every position, by layer (ops/verify.py):
-    the recurrent layers fill these instead of writing the pool, and the engine commits the one
-    after each sequence's accepted tokens (engine/speculative.py)."""
+    """A speculative verify step's recurrent states at every position, by (layer, state suffix)
+    (ops/verify.py): the recurrent layers fill these instead of writing the pool, and the engine
+    commits the one after each sequence's accepted tokens (engine/speculative.py). Every declared
+    state tensor has one buffer (`StateTensor.verify_shape`): a conv window or per-position states."""
 
-    conv: dict[int, torch.Tensor]  # [S, K-1 + L, C]: the old conv state, then the step's inputs
-    ssm: dict[int, torch.Tensor]  # [S, L, H, P, N]: the SSM state after each position
+    windows: dict[tuple[int, str], torch.Tensor]  # [S, K-1 + L, C]: the old conv state, then the step's inputs
+    states: dict[tuple[int, str], torch.Tensor]  # [S, L, *shape]: a scan's state after each position
     rows: torch.Tensor  # [S, L] int64: each position's row of the flat batch (past a sequence's length: its last)
     flat: torch.Tensor  # [T] int64: each flat row's place in the [S * L] layout
+
+    def narrowed(self, num_seqs: int, length: int, rows: torch.Tensor, flat: torch.Tensor) -> VerifyStates:
+        """Views of these buffers for a step of num_seqs sequences and `length` positions, with its layout."""
+        unused = self.rows.shape[1] - length
+        windows = {key: w[:num_seqs, : w.shape[1] - unused] for key, w in self.windows.items()}
+        return VerifyStates(windows, {key: t[:num_seqs, :length] for key, t in self.states.items()}, rows, flat)
 
 
 @dataclass

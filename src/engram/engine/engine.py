@@ -32,13 +32,13 @@ from engram.engine.sampler import (
 from engram.engine.scheduler import ScheduledChunk, Scheduler
 from engram.engine.sequence import Sequence, SequenceStatus
 from engram.engine.spec_config import SpeculativeConfig, SpeculativeConfigError
-from engram.engine.speculative import Speculator
+from engram.engine.speculative import Speculator, unverified_kinds
 from engram.engine.tensor_parallel import Leader, LeaderKVPool, LeaderStatePool, rank_state
 from engram.engine.token_masks import bad_words_token_ids, mask_logits
 from engram.engine.warmup import WarmupReport, install_compile_counter, kernel_compilations, name_late_compilations, warm_up
 from engram.layers.parallel import local_spec
 from engram.models.loader import load_model, load_model_from_state_dict
-from engram.models.spec import LayerKind, load_model_spec
+from engram.models.spec import load_model_spec
 from engram.ops.dispatch import kernels, select_kernels, use_kernels
 from engram.state.sequence_state import SequenceState, check_state
 from engram.state.staging import DeviceStaging
@@ -168,9 +168,7 @@ class LLMEngine:
             max_prefill_graph_tokens=args.max_num_batched_tokens,
             batch_sink=self.tp_leader.forward if self.tp_leader is not None else None,
         )
-        # a verify step keeps every position's state by mixer kind (ops/verify.py): Mamba2's only so far
-        recurrent_kinds = {k for mixers in self.spec.layer_mixers for k in mixers if self.spec.mixer_state_tensors(k)}
-        unverified = sorted(k.value for k in recurrent_kinds - {LayerKind.MAMBA})
+        unverified = unverified_kinds(self.spec)  # a verify step keeps every position's state by mixer kind
         if args.speculative_config is not None and unverified:
             raise SpeculativeConfigError(
                 f"--speculative-config: speculative decoding does not support the {' and '.join(unverified)} "
@@ -179,6 +177,7 @@ class LLMEngine:
         self.speculator = (
             Speculator(
                 SpeculativeConfig.parse(args.speculative_config),
+                self.spec,
                 self.state_pool,
                 self.kv_pool,
                 self.max_context_length,

@@ -212,16 +212,14 @@ def scratch_bytes(spec: ModelSpec, max_num_batched_tokens: int, max_running_requ
 
 
 def verify_bytes(spec: ModelSpec, dtypes: StateDtypes, max_running_requests: int, num_speculative_tokens: int) -> int:
-    """A speculative step's buffers (ops/verify.py) for every running sequence: each Mamba layer's SSM
-    state after each of the k + 1 positions and its conv window, and k more float32 logits rows."""
+    """A speculative step's buffers (ops/verify.py) for every running sequence: each recurrent state
+    tensor's conv window or scan state after each of the k + 1 positions (`StateTensor.verify_shape`),
+    and k more float32 logits rows."""
     if num_speculative_tokens == 0:
         return 0
     positions = num_speculative_tokens + 1
     per_seq = LOGIT_COPIES * num_speculative_tokens * spec.vocab_size * torch.float32.itemsize
-    if spec.mamba is not None:
-        m = spec.mamba
-        window = (m.conv_kernel - 1 + positions, m.conv_dim)
-        per_seq += len(spec.mamba_layers) * (positions * _nbytes(m.ssm_state_shape, dtypes.ssm) + _nbytes(window, dtypes.conv))
+    per_seq += sum(_nbytes(t.verify_shape(positions), dtypes.of(t.role)) for i in spec.recurrent_layers for t in spec.state_tensors(i))
     return max_running_requests * per_seq
 
 

@@ -13,8 +13,12 @@ distribution of its own (MTP) would replace this rule with the general one.
 
 Attention wrote KV for all k + 1 positions; the rejected entries lie past `num_computed` and are
 overwritten when those positions are fed again (pages past the kept tokens go back to the pool).
-Recurrent layers wrote nothing to the pool (ops/verify.py); `commit` writes the state after the
-kept tokens, lazily: before a finishing sequence's state is captured, or at the end of the step.
+Recurrent layers wrote nothing to the pool (ops/verify.py): each declared state tensor of every
+recurrent layer has a buffer in the step's `VerifyStates` (`StateTensor.verify_shape`: a conv
+window, or a scan's state after each position), which the layer fills. `commit` writes the state
+after the kept tokens, tensor by tensor, lazily: before a finishing sequence's state is captured,
+or at the end of the step. The mixer kinds whose layers fill their buffers are `VERIFIED_KINDS`;
+the engine refuses `--speculative-config` for a model with any other kind that keeps state.
 
 With CUDA graphs on, every chunk is padded to k + 1 fed tokens (`pad_drafts`) and a verify step
 replays a graph of its batch bucket, its commit another (engine/verify_graphs.py); otherwise it
@@ -36,8 +40,18 @@ from engram.engine.pools import KVPool, StatePool
 from engram.engine.scheduler import ScheduledChunk
 from engram.engine.sequence import Sequence
 from engram.engine.spec_config import SpeculativeConfig
+from engram.models.spec import LayerKind, ModelSpec, StateRole
 from engram.ops.dispatch import kernels
 from engram.ops.verify import verify_layout
+
+# The mixer kinds whose layers fill a verify step's buffers instead of writing the pool.
+VERIFIED_KINDS = frozenset({LayerKind.MAMBA, LayerKind.GATED_DELTANET, LayerKind.SHORT_CONV})
+
+
+def unverified_kinds(spec: ModelSpec) -> list[str]:
+    """The model's mixer kinds that keep state but have no verify step (speculation is refused for them)."""
+    kinds = {k for mixers in spec.layer_mixers for k in mixers if spec.mixer_state_tensors(k)}
+    return sorted(k.value for k in kinds - VERIFIED_KINDS)
 
 
 class CommitGraphs(Protocol):
@@ -48,9 +62,12 @@ class CommitGraphs(Protocol):
 
 
 def commit_layers(state_pool: StateCache, buffers: VerifyStates, slots: torch.Tensor, rows: torch.Tensor, fed: torch.Tensor) -> None:
-    """Into each Mamba2 layer's pool slots[i]: the state after fed[i] tokens of row rows[i] of `buffers`."""
-    for i, windows in buffers.conv.items():
-        kernels().commit_verified(state_pool.of(i, "conv"), state_pool.of(i, "ssm"), slots, windows, buffers.ssm[i], rows, fed)
+    """Into each buffered state tensor's pool slots[i]: the state after fed[i] tokens of row rows[i] of `buffers`."""
+    k = kernels()
+    for (layer, suffix), windows in buffers.windows.items():
+        k.commit_windows(state_pool.of(layer, suffix), slots, windows, rows, fed)
+    for (layer, suffix), states in buffers.states.items():
+        k.commit_states(state_pool.of(layer, suffix), slots, states, rows, fed)
 
 
 @dataclass
@@ -70,9 +87,16 @@ class _Pending:
 
 class Speculator:
     def __init__(
-        self, config: SpeculativeConfig, state_pool: StatePool, kv_pool: KVPool, max_context_length: int, max_seqs: int, device: torch.device
+        self,
+        config: SpeculativeConfig,
+        spec: ModelSpec,
+        state_pool: StatePool,
+        kv_pool: KVPool,
+        max_context_length: int,
+        max_seqs: int,
+        device: torch.device,
     ):
-        self.config, self.device = config, device
+        self.config, self.spec, self.device = config, spec, device
         self.state_pool, self.kv_pool = state_pool, kv_pool
         self.max_context_length = max_context_length
         self.max_seqs = max_seqs
@@ -136,19 +160,18 @@ class Speculator:
                 c.padding = width - c.length
                 c.length = width
 
-    def _mamba_states(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        """Each Mamba2 layer's (conv, ssm) pool tensors, the states a verify step keeps per position."""
-        pool = self.state_pool
-        layers = sorted({int(name.split(".")[1]) for name in pool.tensors if name.endswith(".ssm")})
-        return {i: (pool.of(i, "conv"), pool.of(i, "ssm")) for i in layers}
-
     def _buffers(self, num_seqs: int, length: int) -> VerifyStates:
-        """Buffers of a step of num_seqs sequences feeding `length` tokens each."""
-        states = self._mamba_states()
-        conv = {i: torch.empty(num_seqs, c.shape[1] + length, c.shape[2], dtype=c.dtype, device=c.device) for i, (c, _) in states.items()}
-        ssm = {i: torch.empty(num_seqs, length, *t.shape[1:], dtype=t.dtype, device=t.device) for i, (_, t) in states.items()}
+        """Buffers of a step of num_seqs sequences feeding `length` tokens each: one per state tensor
+        of every recurrent layer, in its pool's dtype."""
+        windows: dict[tuple[int, str], torch.Tensor] = {}
+        states: dict[tuple[int, str], torch.Tensor] = {}
+        for i in self.spec.recurrent_layers:
+            for t in self.spec.state_tensors(i):
+                pool = self.state_pool.of(i, t.suffix)
+                buffer = torch.empty(num_seqs, *t.verify_shape(length), dtype=pool.dtype, device=pool.device)
+                (windows if t.role is StateRole.CONV else states)[i, t.suffix] = buffer
         rows, flat = verify_layout([length] * num_seqs, self.device)
-        return VerifyStates(conv, ssm, rows, flat)
+        return VerifyStates(windows, states, rows, flat)
 
     def full_buffers(self) -> VerifyStates:
         """The widest step's buffers (max_seqs sequences of k + 1 tokens), kept: every step's are views of
@@ -159,13 +182,11 @@ class Speculator:
 
     def _step_buffers(self, seq_lens: list[int]) -> VerifyStates:
         full, n, length = self.full_buffers(), len(seq_lens), max(seq_lens)
-        unused = self.config.num_speculative_tokens + 1 - length  # positions of the widest step this one lacks
-        if not unused and min(seq_lens) == length:  # a padded step: its layout is the widest's (no copy)
+        if length == full.rows.shape[1] and min(seq_lens) == length:  # a padded step: its layout is the widest's (no copy)
             rows, flat = full.rows[:n], full.flat[: n * length]
         else:
             rows, flat = verify_layout(seq_lens, self.device)
-        conv = {i: t[:n, : t.shape[1] - unused] for i, t in full.conv.items()}
-        return VerifyStates(conv, {i: t[:n, :length] for i, t in full.ssm.items()}, rows, flat)
+        return full.narrowed(n, length, rows, flat)
 
     def keep(self, seq: Sequence, fed: int) -> None:
         """The sequence's state is to cover `fed` tokens of its verify chunk (its num_computed now says so)."""
@@ -182,7 +203,7 @@ class Speculator:
         done = [(seq, slot, self._pending.pop(seq)) for seq in seqs if seq in self._pending and (slot := seq.slot) is not None]
         if not done or self._verify is None:
             return
-        if self._verify.conv:
+        if self._verify.windows or self._verify.states:
             entries = [[slot for _, slot, _ in done], [p.row for _, _, p in done], [p.fed for _, _, p in done]]
             if self.commit_graphs is None or not self.commit_graphs.commit(entries):
                 slots, rows, fed = torch.tensor(entries).to(self.device)

@@ -69,7 +69,7 @@ class VerifyGraphs:
         st, w, t = self._static, self.width, self.max_batch * self.width
         p, n = st["packed"], b * w
         s = self.states
-        verify = VerifyStates({i: c[:b] for i, c in s.conv.items()}, {i: c[:b] for i, c in s.ssm.items()}, s.rows[:b], s.flat[:n])
+        verify = s.narrowed(b, w, s.rows[:b], s.flat[:n])
         return ForwardBatch(
             input_ids=p[:n],
             positions=p[t : t + n],

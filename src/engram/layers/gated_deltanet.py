@@ -35,6 +35,8 @@ def project_and_convolve(
     if batch.is_decode:
         return list(k.linear_conv_update(hidden, in_proj.weight, None, weight, None, conv_pool, slots, 0).split(sizes, dim=-1))
     qkv, *rest = in_proj(hidden).split(sizes, dim=-1)
+    if (verify := batch.verify) is not None:  # a speculative step: every position's window kept, the pool left as it is
+        return [k.causal_conv1d_verify(qkv, weight, None, conv_pool, slots, verify.rows, verify.flat, verify.windows[layer_index, "conv"]), *rest]
     return [k.causal_conv1d_varlen(qkv, weight, None, conv_pool, slots, batch.seq_lens, batch.cu_seqlens), *rest]
 
 
@@ -42,10 +44,13 @@ def delta_rule(
     q: torch.Tensor, key: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, batch: ForwardBatch, layer_index: int, chunk_size: int
 ) -> torch.Tensor:
     """The gated delta rule (q and k L2-normed) from and into the slots' states `layers.<i>.recurrent`:
-    one token each at decode, chunked varlen prefill otherwise. Returns o (float32)."""
+    one token each at decode, every position's state kept aside in a verify step, chunked varlen
+    prefill otherwise. Returns o (float32)."""
     k, pool, slots = kernels(), batch.state_pool.of(layer_index, "recurrent"), batch.state_slots
     if batch.is_decode:
         return k.gated_delta_state_update(pool, slots, q, key, v, g, beta, True)
+    if (verify := batch.verify) is not None:  # every position's state kept (ops/verify.py), the pool left as it is
+        return k.gated_delta_verify(q, key, v, g, beta, verify.rows, verify.flat, pool, slots, verify.states[layer_index, "recurrent"], True)
     return k.gated_delta_varlen(q, key, v, g, beta, batch.seq_lens, pool, slots, chunk_size, True, None, batch.cu_seqlens)
 
 
@@ -121,7 +126,6 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         s, k = self.spec, kernels()
-        assert batch.verify is None, "speculative verify steps are refused for gated DeltaNet models at start-up"
         qkv, z, b, a = project_and_convolve(hidden, self.in_proj, self.conv1d, self.sizes, batch, self.layer_index)
         q, key, v = qkv.split([s.key_dim, s.key_dim, s.value_dim], dim=-1)
         q, key = q.reshape(-1, s.num_k_heads, s.head_k_dim), key.reshape(-1, s.num_k_heads, s.head_k_dim)

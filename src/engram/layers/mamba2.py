@@ -86,7 +86,7 @@ class Mamba2Mixer(nn.Module):
             gate, xbc, dt = self.in_proj(hidden).split([s.intermediate_size, s.conv_dim, heads], dim=-1)
             if batch.verify is not None:  # a speculative step: every position's state kept, the pool left as it is
                 v = batch.verify
-                xbc = k.causal_conv1d_verify(xbc, weight, self.conv1d.bias, conv_pool, slots, v.rows, v.flat, v.conv[self.layer_index])
+                xbc = k.causal_conv1d_verify(xbc, weight, self.conv1d.bias, conv_pool, slots, v.rows, v.flat, v.windows[self.layer_index, "conv"])
             else:
                 xbc = k.causal_conv1d_varlen(xbc, weight, self.conv1d.bias, conv_pool, slots, batch.seq_lens, batch.cu_seqlens)
 
@@ -118,7 +118,7 @@ class Mamba2Mixer(nn.Module):
         elif batch.verify is not None:
             v = batch.verify
             y = k.ssd_verify(
-                x, dt, self.dt_bias, s.time_step_limit, self.A_log, B, C, self.D, v.rows, v.flat, ssm_pool, slots, v.ssm[self.layer_index]
+                x, dt, self.dt_bias, s.time_step_limit, self.A_log, B, C, self.D, v.rows, v.flat, ssm_pool, slots, v.states[self.layer_index, "ssm"]
             )
         else:
             y = k.ssd_varlen(

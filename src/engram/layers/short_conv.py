@@ -26,12 +26,13 @@ class ShortConv(nn.Module):
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         k = kernels()
-        assert batch.verify is None, "speculative verify steps are refused for short-conv models at start-up"
         b, c, x = self.in_proj(hidden).chunk(3, dim=-1)
         pool, slots = batch.state_pool.of(self.layer_index, "conv"), batch.state_slots
         weight = self.conv.weight[:, 0, :]
         if batch.is_decode:
             y = k.short_conv1d_update(b * x, weight, self.conv.bias, pool, slots)
+        elif (v := batch.verify) is not None:  # a speculative step: every position's window kept, the pool left as it is
+            y = k.short_conv1d_verify(b * x, weight, self.conv.bias, pool, slots, v.rows, v.flat, v.windows[self.layer_index, "conv"])
         else:
             y = k.short_conv1d_varlen(b * x, weight, self.conv.bias, pool, slots, batch.seq_lens, batch.cu_seqlens)
         return self.out_proj(c * y)

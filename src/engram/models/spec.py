@@ -44,6 +44,14 @@ class StateTensor:
     shape: tuple[int, ...]
     role: StateRole
 
+    def verify_shape(self, positions: int) -> tuple[int, ...]:
+        """Its buffer in a speculative verify step of `positions` fed tokens per sequence (without
+        the sequence dim): a conv window [K-1 + positions, C], the old inputs then the fed ones, or
+        a scan's state after each position [positions, *shape]."""
+        if self.role is StateRole.CONV:
+            return (self.shape[0] + positions, *self.shape[1:])
+        return (positions, *self.shape)
+
 
 # Every spelling of a layer type seen in HF configs, old and new. "linear_attention" is absent: it
 # names the architecture's own linear mixer (Mamba2 in Granite and Nemotron-H configs written by

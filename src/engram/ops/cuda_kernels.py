@@ -6,12 +6,12 @@
   residual add before them), gated RMS norm, SiLU-and-mul, the single-token SSD state update and
   causal-conv update (in place in the state pool, by slot; up to LINEAR_GEMV_MAX_ROWS rows the
   update also applies Mamba2's gate and norm weight, and the output projection's GEMV the norm's
-  row statistic), a speculative verify step's conv and SSD (every position's state kept, one
-  launch each), the varlen causal conv1d (both convs with Mamba2's SiLU, or without it as LFM2's
-  short conv), KV store, paged attention (prefill with context and
-  decode), router top-k and the fused MoE (per-pair GEMV at small batch, grouped GEMM over the
-  expert-sorted routed tokens above), the greedy token's argmax over the vocabulary, and a decode
-  graph's inputs taken from pinned host memory.
+  row statistic), a speculative verify step's conv (with or without the SiLU), SSD and gated
+  delta rule (every position's state kept, one launch each), the varlen causal conv1d (both
+  convs with Mamba2's SiLU, or without it as LFM2's short conv), KV store, paged attention
+  (prefill with context and decode), router top-k and the fused MoE (per-pair GEMV at small
+  batch, grouped GEMM over the expert-sorted routed tokens above), the greedy token's argmax over
+  the vocabulary, and a decode graph's inputs taken from pinned host memory.
 - fla-core (optional, the `cuda` extra): Mamba2 chunked prefill through `chunk_simple_gla`, which
   computes SSD exactly with q=C, k=B, v=x*dt, g=A*dt, scale=1 and the groups repeated to heads,
   over `cu_seqlens` with initial states read from the state pool, for sequences longer than
@@ -21,7 +21,8 @@
   without fla-core every prefill takes that scan.
 - gated delta rule (Qwen3-Next / Qwen3.5): decode and sequences up to GDN_RECURRENT_MAX_LEN tokens
   by this package's token-by-token kernel (triton_ops/gated_delta.py: states read and written in
-  the pool by slot, no host work, so decode and prefill graphs can hold it); longer prefills through
+  the pool by slot, no host work, so decode, prefill and verify graphs can hold it; its VERIFY
+  variant keeps every position's state instead of writing the pool); longer prefills through
   fla-core's `chunk_gated_delta_rule` over `cu_seqlens`, with the states gathered from the pool by
   slot and written back (the token-by-token kernel without fla-core). Kimi Delta Attention (a
   decay per key channel) takes the same kernel's PER_CHANNEL variant and fla-core's `chunk_kda`.
@@ -151,10 +152,12 @@ def available() -> dict:
         ssd_varlen=ssd_varlen,
         gated_delta_varlen=gated_delta_varlen,
         gated_delta_state_update=gated_delta.gated_delta_state_update,
+        gated_delta_verify=gated_delta.gated_delta_verify,
         causal_conv1d_varlen=conv.causal_conv1d_varlen,
         linear_conv_update=linear.linear_conv_update,
         short_conv1d_varlen=partial(conv.causal_conv1d_varlen, silu=False),
         short_conv1d_update=partial(conv.causal_conv1d_update, silu=False),
+        short_conv1d_verify=partial(conv.causal_conv1d_verify, silu=False),
         ssd_state_update=ssd.ssd_state_update,
         ssd_state_update_norm_linear=ssd.ssd_state_update_norm_linear,
         ssd_verify=ssd.ssd_verify,

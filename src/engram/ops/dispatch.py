@@ -49,8 +49,11 @@ class KernelSet:
     # A speculative step's per-position states and their commit (ops/verify.py): fixed shapes, no
     # host data, so that a verify step of a given (batch, k) can be captured (engine/verify_graphs.py).
     causal_conv1d_verify: Callable = verify.causal_conv1d_verify
+    short_conv1d_verify: Callable = partial(verify.causal_conv1d_verify, silu=False)
     ssd_verify: Callable = verify.ssd_verify
-    commit_verified: Callable = verify.commit_verified
+    gated_delta_verify: Callable = verify.gated_delta_verify
+    commit_windows: Callable = verify.commit_windows
+    commit_states: Callable = verify.commit_states
     # Every op a decode step runs is free of host syncs and of data-dependent shapes, and
     # tolerates padding rows (slot -1, context -1): the step can be captured in a CUDA graph.
     graph_safe_decode: bool = False

@@ -22,7 +22,7 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
-def _prepare(q: torch.Tensor, k: torch.Tensor, num_v_heads: int, l2_norm_qk: bool, scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+def prepare_qk(q: torch.Tensor, k: torch.Tensor, num_v_heads: int, l2_norm_qk: bool, scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
     """q, k -> float32, optionally L2-normed, q scaled, both repeated to the value heads."""
     q, k = q.float(), k.float()
     if l2_norm_qk:
@@ -60,7 +60,7 @@ def gated_delta_chunk(
     sum_{j<=i} exp(c_i - c_j) (q_i.k_j) u_j and S_end = exp(c_end) S0 + sum_j exp(c_end - c_j) k_j u_j^T."""
     length, heads, _ = v.shape
     per_channel = g.dim() == 3
-    q, k = _prepare(q, k, heads, l2_norm_qk, scale)
+    q, k = prepare_qk(q, k, heads, l2_norm_qk, scale)
     # [H, L, .] per head; padded steps have g = 0 and beta = 0: no decay, no write.
     q, k, v = (t.transpose(0, 1) for t in (q, k, v.float()))
     g, beta = g.float().transpose(0, 1), beta.float().transpose(0, 1)
@@ -132,10 +132,20 @@ def gated_delta_state_update(
 ) -> torch.Tensor:
     """Decode: one token for each of S sequences. q, k [S, Hk, K], v [S, Hv, V], g [S, Hv] (KDA:
     [S, Hv, K]) and beta [S, Hv]; state_pool[slots] [S, Hv, K, V] is advanced in place. Returns o [S, Hv, V] (float32)."""
-    q, k = _prepare(q, k, v.shape[-2], l2_norm_qk, scale)
+    q, k = prepare_qk(q, k, v.shape[-2], l2_norm_qk, scale)
+    s, o = gated_delta_step(state_pool[slots], q, k, v, g, beta)
+    state_pool[slots] = s.to(state_pool.dtype)
+    return o
+
+
+def gated_delta_step(
+    state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of each of B states [B, Hv, K, V], q and k from `prepare_qk`, g [B, Hv] or per key
+    channel [B, Hv, K]: (the new state, o [B, Hv, V]), in float32. Decode and a verify step's
+    positions share it, so they round alike."""
     decay = g.float().exp()
-    s = state_pool[slots].float() * (decay[..., None] if decay.dim() == 3 else decay[..., None, None])
+    s = state.float() * (decay[..., None] if decay.dim() == 3 else decay[..., None, None])
     u = beta.float()[..., None] * (v.float() - (k[..., None] * s).sum(dim=-2))
     s = s + k[..., None] * u[..., None, :]
-    state_pool[slots] = s.to(state_pool.dtype)
-    return (q[..., None] * s).sum(dim=-2)
+    return s, (q[..., None] * s).sum(dim=-2)

@@ -298,7 +298,7 @@ def _store_kv_kernel(K, V, Kc, Vc, SlotMap, stride_k, stride_v, stride_kc, strid
     m = off < HD
     k = tl.load(K + t * stride_k + off, mask=m, other=0.0)
     v = tl.load(V + t * stride_v + off, mask=m, other=0.0)
-    ok = m & (slot >= 0)
+    ok = tl.where(slot >= 0, m, False)
     tl.store(Kc + slot * stride_kc + off, k.to(Kc.dtype.element_ty), mask=ok)
     tl.store(Vc + slot * stride_vc + off, v.to(Vc.dtype.element_ty), mask=ok)
 

@@ -1,5 +1,9 @@
 """What the Triton kernels share: sizes, the dot precision, rows of an input, and programmatic
-dependent launch (PDL)."""
+dependent launch (PDL).
+
+A mask that joins a block with a scalar condition (a padding slot, a repeated row) is written
+`tl.where(cond, mask, False)`, not `mask & cond`: Triton's interpreter (TRITON_INTERPRET=1, which
+runs tests/test_gpu_ops.py's kernel comparisons on the CPU) refuses the latter's dtype."""
 
 from __future__ import annotations
 
@@ -92,6 +96,36 @@ def _load_acquire(ptr):
 def as_rows(x: torch.Tensor) -> torch.Tensor:
     x2 = x.reshape(-1, x.shape[-1])
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+@triton.jit
+def verify_row(Rows, stride_rs, s, i, VERIFY: tl.constexpr):
+    """The flat row of step i of sequence s in a token-by-token scan: Rows[s, i] in a verify step
+    (its positions laid out [S, L], ops/verify.py), else i itself."""
+    t = i
+    if VERIFY:
+        t = tl.load(Rows + s * stride_rs + i).to(tl.int64)
+    return t
+
+
+@triton.jit
+def keep_verified(y_ptr, y, y_mask, t, last, state_ptr, st, state_mask):
+    """A verify step's output of flat row t (unless row `last`, stored before it: a position past
+    the sequence's length repeats its last row) and its state after the position, stored rounded to
+    the buffer's dtype; returns that state as float32, carried on rounded as decode steps carry it."""
+    tl.store(y_ptr, y, mask=tl.where(t != last, y_mask, False))
+    kept = st.to(state_ptr.dtype.element_ty)
+    tl.store(state_ptr, kept, mask=state_mask)
+    return kept.to(tl.float32)
+
+
+def verify_args(verify: tuple[torch.Tensor, torch.Tensor] | None, slots: torch.Tensor, out: torch.Tensor) -> tuple:
+    """The VERIFY arguments of a token-by-token scan kernel (triton_ops/ssd.py, gated_delta.py):
+    Rows, States, Rows' sequence stride, States' strides of its first four dims, L. `verify` is
+    (rows [S, L], states [S, L, H, ., .]); None: stand-ins the kernel does not read (slots, out)."""
+    rows, states = verify if verify is not None else (slots, out.view(1, *out.shape, 1))
+    assert rows.stride(-1) == 1 and states.stride(-1) == 1
+    return rows, states, rows.stride(0), *(states.stride(i) for i in range(4)), rows.shape[-1] if verify is not None else 0
 
 
 def cu_seqlens_of(seq_lens: list[int], device: torch.device) -> torch.Tensor:

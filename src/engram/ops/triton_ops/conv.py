@@ -20,14 +20,19 @@ def conv_window(state, stride_pk, w, stride_wk, m, sm, K: tl.constexpr):
     """The pool's window rows and the conv weights of a block of (sequence, channel) entries:
     (s0, s1, s2, w0, w1, w2, w3), rows past K - 1 and weights past K as zeros. `state` points at row
     0 of each entry's window, `w` at its weight row; masks `m` (channel valid) and `sm` (and a state
-    to touch)."""
+    to touch). The taps K leaves out are constexpr branches, not masks: Triton's interpreter takes
+    no mask of a tensor and a Python bool."""
     s0 = tl.load(state, mask=sm, other=0.0)
-    s1 = tl.load(state + stride_pk, mask=sm & (K >= 3), other=0.0)
-    s2 = tl.load(state + 2 * stride_pk, mask=sm & (K >= 4), other=0.0)
     w0 = tl.load(w, mask=m, other=0.0)
     w1 = tl.load(w + stride_wk, mask=m, other=0.0)
-    w2 = tl.load(w + 2 * stride_wk, mask=m & (K >= 3), other=0.0)
-    w3 = tl.load(w + 3 * stride_wk, mask=m & (K >= 4), other=0.0)
+    s1, s2 = tl.zeros_like(s0), tl.zeros_like(s0)
+    w2, w3 = tl.zeros_like(w0), tl.zeros_like(w0)
+    if K >= 3:
+        s1 = tl.load(state + stride_pk, mask=sm, other=0.0)
+        w2 = tl.load(w + 2 * stride_wk, mask=m, other=0.0)
+    if K >= 4:
+        s2 = tl.load(state + 2 * stride_pk, mask=sm, other=0.0)
+        w3 = tl.load(w + 3 * stride_wk, mask=m, other=0.0)
     return s0, s1, s2, w0, w1, w2, w3
 
 
@@ -103,7 +108,7 @@ def _conv_update_kernel(
     cm = c < C
     slot = tl.load(Slots + s).to(tl.int64)
     state = Pool + slot * stride_ps + c
-    sm = cm & (slot >= 0)
+    sm = tl.where(slot >= 0, cm, False)
     window = conv_window(state, stride_pk, W + c * stride_wc, stride_wk, cm, sm, K)
     bias = tl.load(Bias + c, mask=cm, other=0.0).to(tl.float32) if HAS_BIAS else 0.0
     wait_for_previous_kernel()
@@ -179,7 +184,7 @@ def _conv_varlen_kernel(
     slot = tl.load(Slots + s).to(tl.int64)
     tm = t < n
     cm = c < C
-    sm = tm & (slot >= 0)  # a padding row (slot -1) reads a zero window
+    sm = tl.where(slot >= 0, tm, False)  # a padding row (slot -1) reads a zero window
     acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
     for j in tl.static_range(K):
         p = t - (K - 1) + j  # input position of tap j, relative to the sequence start
@@ -213,7 +218,7 @@ def _conv_state_kernel(X, Pool, Slots, Cu, stride_x, stride_ps, stride_pk, C, K:
     start = tl.load(Cu + s).to(tl.int64)
     n = tl.load(Cu + s + 1).to(tl.int64) - start
     slot = tl.load(Slots + s).to(tl.int64)
-    m = (c < C) & (slot >= 0)
+    m = tl.where(slot >= 0, c < C, False)
     base = Pool + slot * stride_ps
     pt = Pool.dtype.element_ty
     r0 = _window_row(X, base, start, n, 0, stride_x, stride_pk, c, m, K)
@@ -288,17 +293,21 @@ def _conv_verify_kernel(
     L,
     K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
     """A verify step's conv (ops/verify.py:causal_conv1d_verify) for a block of channels of sequence
     s: its window rows written to Win[s] (the pool's K - 1, then each position's input), each
-    position's silu(conv) as a decode step computes it, stored at its flat row (a position past the
-    sequence's length repeats its last row: not stored again). The pool is not written."""
+    position's silu(conv) (conv without SILU: LFM2's short conv) as a decode step computes it,
+    stored at its flat row (a position past the sequence's length repeats its last row: not stored
+    again). The pool is not written."""
     s = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     cm = c < C
     slot = tl.load(Slots + s).to(tl.int64)
-    s0, s1, s2, w0, w1, w2, w3 = conv_window(Pool + slot * stride_ps + c, stride_pk, W + c * stride_wc, stride_wk, cm, cm & (slot >= 0), K)
+    s0, s1, s2, w0, w1, w2, w3 = conv_window(
+        Pool + slot * stride_ps + c, stride_pk, W + c * stride_wc, stride_wk, cm, tl.where(slot >= 0, cm, False), K
+    )
     bias = tl.load(Bias + c, mask=cm, other=0.0).to(tl.float32) if HAS_BIAS else 0.0
     wait_for_previous_kernel()
     win = Win + s * stride_ws + c
@@ -313,8 +322,8 @@ def _conv_verify_kernel(
         r = tl.load(Rows + s * stride_rs + t).to(tl.int64)
         x = tl.load(X + r * stride_x + c, mask=cm, other=0.0)
         tl.store(win + (K - 1 + t) * stride_wt, x.to(wt), mask=cm)
-        y = conv_value(x, (s0, s1, s2, w0, w1, w2, w3), bias, K, True)
-        tl.store(Y + r * stride_y + c, y.to(Y.dtype.element_ty), mask=cm & (r != last))
+        y = conv_value(x, (s0, s1, s2, w0, w1, w2, w3), bias, K, SILU)
+        tl.store(Y + r * stride_y + c, y.to(Y.dtype.element_ty), mask=tl.where(r != last, cm, False))
         last = r
         if K == 2:
             s0 = x.to(s0.dtype)
@@ -327,7 +336,7 @@ def _conv_verify_kernel(
             s2 = x.to(s2.dtype)
 
 
-def causal_conv1d_verify(x, weight, bias, conv_pool, slots, rows, flat, windows):
+def causal_conv1d_verify(x, weight, bias, conv_pool, slots, rows, flat, windows, silu=True):
     """`verify.causal_conv1d_verify` in one launch, over fixed [S, L] positions read from device
     memory (a verify graph can hold it); `flat` is implied by `rows`."""
     S, L = rows.shape
@@ -348,6 +357,7 @@ def causal_conv1d_verify(x, weight, bias, conv_pool, slots, rows, flat, windows)
             L,
             K=K,
             HAS_BIAS=bias is not None,
+            SILU=silu,
             BLOCK_C=block,
             num_warps=4,
             **PDL_LAUNCH,

@@ -4,6 +4,9 @@
 channel, Kimi Delta Attention: [T, Hv, K]), the pool [slots, Hv, K, V]. One program per (sequence, value head, block of V columns) keeps its [K, BV]
 slice of the state in registers, reads it from the pool at the sequence's slot and writes it back;
 a slot of -1 (a decode graph's padding row) touches nothing. No host work: CUDA-graph safe.
+
+Its VERIFY variant is a speculative verify step's (ops/verify.py:gated_delta_verify): the pool is
+read, not written, and the state after each of the sequence's L positions is kept.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engram.ops.triton_ops.common import PDL_LAUNCH, cu_seqlens_of, np2, wait_for_previous_kernel
+from engram.ops.triton_ops.common import PDL_LAUNCH, cu_seqlens_of, keep_verified, np2, verify_args, verify_row, wait_for_previous_kernel
 
 
 @triton.jit
@@ -44,30 +47,50 @@ def _gated_delta_kernel(
     DV,
     GROUP,
     scale,
+    Rows,
+    States,
+    stride_rs,
+    stride_ss,
+    stride_sl,
+    stride_sh,
+    stride_sk,
+    L,
     VARLEN: tl.constexpr,
     L2NORM: tl.constexpr,
     PER_CHANNEL: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    VERIFY: tl.constexpr,
 ):
+    """VERIFY: the sequence's L positions are the flat rows Rows[s, :] (past its length its last
+    row again, whose o is not stored twice), the state after each is stored in States[s, t]
+    (rounded to its dtype and carried on rounded, as decode steps carry the pool's), and the pool
+    is not written; a padding sequence (slot -1) starts from zeros."""
     wait_for_previous_kernel()
     s = tl.program_id(0).to(tl.int64)
     hv = tl.program_id(1)
     hk = hv // GROUP
     slot = tl.load(Slots + s).to(tl.int64)
-    if slot < 0:
-        return
+    if not VERIFY:
+        if slot < 0:
+            return
     rk = tl.arange(0, BLOCK_K)
     rv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
     km, vm = rk < DK, rv < DV
     ptr = Pool + slot * stride_ps + hv * stride_ph + rk[:, None] * stride_pk + rv[None, :]
     m2 = km[:, None] & vm[None, :]
-    st = tl.load(ptr, mask=m2, other=0.0).to(tl.float32)
-    if VARLEN:
+    st = tl.load(ptr, mask=tl.where(slot >= 0, m2, False), other=0.0).to(tl.float32)
+    if VERIFY:
+        start = 0
+        end = L
+    elif VARLEN:
         start, end = tl.load(Cu + s), tl.load(Cu + s + 1)
     else:  # one token per sequence: row s
         start, end = s, s + 1
-    for t in range(start, end):
+    out = States + s * stride_ss + hv * stride_sh + rk[:, None] * stride_sk + rv[None, :]
+    last = s * 0 - 1  # VERIFY: the flat row whose o was stored last (int64)
+    for i in range(start, end):
+        t = verify_row(Rows, stride_rs, s, i, VERIFY)
         q = tl.load(Q + t * stride_qt + hk * stride_qh + rk, mask=km, other=0.0).to(tl.float32)
         k = tl.load(K + t * stride_kt + hk * stride_kh + rk, mask=km, other=0.0).to(tl.float32)
         if L2NORM:
@@ -83,11 +106,18 @@ def _gated_delta_kernel(
             st = st * tl.exp(tl.load(G + t * stride_gt + hv * stride_gh).to(tl.float32))
         u = beta * (v - tl.sum(st * k[:, None], axis=0))
         st = st + k[:, None] * u[None, :]
-        tl.store(O + t * stride_ot + hv * stride_oh + rv, tl.sum(st * q[:, None], axis=0), mask=vm)
-    tl.store(ptr, st.to(Pool.dtype.element_ty), mask=m2)
+        o = tl.sum(st * q[:, None], axis=0)
+        if VERIFY:
+            st = keep_verified(O + t * stride_ot + hv * stride_oh + rv, o, vm, t, last, out + i * stride_sl, st, m2)
+            last = t
+        else:
+            tl.store(O + t * stride_ot + hv * stride_oh + rv, o, mask=vm)
+    if not VERIFY:
+        tl.store(ptr, st.to(Pool.dtype.element_ty), mask=m2)
 
 
-def _launch(q, k, v, g, beta, state_pool, slots, cu_seqlens, num_seqs, l2_norm_qk, scale) -> torch.Tensor:
+def _launch(q, k, v, g, beta, state_pool, slots, cu_seqlens, num_seqs, l2_norm_qk, scale, verify=None) -> torch.Tensor:
+    """The kernel over num_seqs sequences; `verify`: (rows, states) for its VERIFY variant."""
     T, Hk, DK = q.shape
     Hv, DV = v.shape[1], v.shape[2]
     o = torch.empty((T, Hv, DV), dtype=torch.float32, device=q.device)
@@ -124,11 +154,13 @@ def _launch(q, k, v, g, beta, state_pool, slots, cu_seqlens, num_seqs, l2_norm_q
         DV,
         Hv // Hk,
         DK**-0.5 if scale is None else scale,
+        *verify_args(verify, slots, o),
         VARLEN=cu_seqlens is not None,
         L2NORM=l2_norm_qk,
         PER_CHANNEL=g.dim() == 3,
         BLOCK_K=np2(DK),
         BLOCK_V=bv,
+        VERIFY=verify is not None,
         num_warps=4,
         **PDL_LAUNCH,
     )
@@ -145,3 +177,9 @@ def gated_delta_varlen_scan(q, k, v, g, beta, seq_lens, state_pool, slots, chunk
 def gated_delta_state_update(state_pool, slots, q, k, v, g, beta, l2_norm_qk=False, scale=None):
     """`ops.gated_delta.gated_delta_state_update`: one token per sequence, padding rows (slot -1) skipped."""
     return _launch(q, k, v, g, beta, state_pool, slots, None, q.shape[0], l2_norm_qk, scale)
+
+
+def gated_delta_verify(q, k, v, g, beta, rows, flat, state_pool, slots, states, l2_norm_qk=False, scale=None):
+    """`verify.gated_delta_verify` in one launch (the kernel's VERIFY variant), over fixed [S, L]
+    positions read from device memory (a verify graph can hold it); `flat` is implied by `rows`."""
+    return _launch(q, k, v, g, beta, state_pool, slots, None, rows.shape[0], l2_norm_qk, scale, (rows, states))

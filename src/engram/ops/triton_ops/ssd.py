@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engram.ops.triton_ops.common import PDL_LAUNCH, cu_seqlens_of, np2, wait_for_previous_kernel
+from engram.ops.triton_ops.common import PDL_LAUNCH, cu_seqlens_of, keep_verified, np2, verify_args, verify_row, wait_for_previous_kernel
 from engram.ops.triton_ops.linear import gemv, gemv_applies, linear
 from engram.ops.triton_ops.norm import gated_rms_norm
 
@@ -24,7 +24,7 @@ def _ssd_tile(Pool, Slots, s, stride_ps, stride_ph, stride_pp, P, N, HPG, BLOCK_
     nm = n < N
     slot = tl.load(Slots + s).to(tl.int64)
     ptr = Pool + slot * stride_ps + h * stride_ph + p[:, None] * stride_pp + n[None, :]
-    return h, h // HPG, p, n, pm, nm, ptr, pm[:, None] & nm[None, :] & (slot >= 0)
+    return h, h // HPG, p, n, pm, nm, ptr, tl.where(slot >= 0, pm[:, None] & nm[None, :], False)
 
 
 @triton.jit
@@ -263,10 +263,7 @@ def _ssd_scan_kernel(
     out = States + s * stride_ss + h * stride_sh + p[:, None] * stride_sp + n[None, :]
     last = s * 0 - 1  # VERIFY: the flat row whose y was stored last (int64)
     for i in range(start, end):
-        if VERIFY:
-            t = tl.load(Rows + s * stride_rs + i).to(tl.int64)
-        else:
-            t = i
+        t = verify_row(Rows, stride_rs, s, i, VERIFY)
         dt = _ssd_dt(tl.load(DT + t * stride_dtt + h).to(tl.float32), dtb, dt_min, dt_max)
         x = tl.load(X + t * stride_xt + h * stride_xh + p, mask=pm, other=0.0).to(tl.float32)
         b = tl.load(Bm + t * stride_bt + g * stride_bg + n, mask=nm, other=0.0).to(tl.float32)
@@ -274,11 +271,8 @@ def _ssd_scan_kernel(
         st = st * tl.exp(dt * A) + (x * dt)[:, None] * b[None, :]
         y = tl.sum(st * c[None, :], axis=1) + x * Dh
         if VERIFY:
-            tl.store(Y + t * stride_yt + h * stride_yh + p, y, mask=pm & (t != last))
+            st = keep_verified(Y + t * stride_yt + h * stride_yh + p, y, pm, t, last, out + i * stride_sl, st, pm[:, None] & nm[None, :])
             last = t
-            kept = st.to(States.dtype.element_ty)
-            tl.store(out + i * stride_sl, kept, mask=pm[:, None] & nm[None, :])
-            st = kept.to(tl.float32)
         else:
             tl.store(Y + t * stride_yt + h * stride_yh + p, y, mask=pm)
     if not VERIFY:
@@ -289,8 +283,6 @@ def _launch_scan(x, dt, dt_bias, dt_limit, A_log, B, C, D, ssm_pool, slots, y, c
     """The scan kernel over S sequences; `verify`: (rows, states) for its VERIFY variant."""
     H, P = x.shape[1], x.shape[2]
     assert x.stride(2) == 1 and B.stride(2) == 1 and C.stride(2) == 1 and ssm_pool.stride(3) == 1
-    rows, states = verify if verify is not None else (slots, y.view(1, *y.shape, 1))  # unused stand-ins
-    assert rows.stride(-1) == 1 and states.stride(-1) == 1
     bp = min(16, np2(P))
     _ssd_scan_kernel[(S, H, triton.cdiv(P, bp))](
         ssm_pool,
@@ -305,14 +297,7 @@ def _launch_scan(x, dt, dt_bias, dt_limit, A_log, B, C, D, ssm_pool, slots, y, c
         D,
         y,
         *_ssd_strides(ssm_pool, x, dt, B, C, y, dt_limit),
-        rows,
-        states,
-        rows.stride(0),
-        states.stride(0),
-        states.stride(1),
-        states.stride(2),
-        states.stride(3),
-        rows.shape[-1] if verify is not None else 0,
+        *verify_args(verify, slots, y),
         BLOCK_P=bp,
         BLOCK_N=np2(B.shape[2]),
         VERIFY=verify is not None,
