@@ -158,6 +158,40 @@ def test_queue_time_is_the_wait_for_a_slot(checkpoint_dir):
     assert queued["second"] >= first_done - started > queued["first"]
 
 
+def _retained_prefixes(engine, prompts: dict[str, list[int]]) -> dict[str, list[int]]:
+    """Run each prompt to its end as a prefix-cache slot; each one's tokens after its state (all but the last)."""
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, prompt, greedy(4), prefix_slots="ns:")
+    return {rid: prompts[rid] + out.token_ids for rid, out in run_to_end(engine).items()}
+
+
+def test_requests_holding_adopted_slots_go_past_one_that_waits_for_their_room(checkpoint_dir):
+    """An adopted slot is no longer reclaimable: were its request left waiting behind one that needs
+    that slot, nothing would run and nothing would free it (the engine would spin for ever)."""
+    engine = make_engine(checkpoint_dir("nemotron"), max_running_requests=2)
+    done = _retained_prefixes(engine, {f"p{i}": random_prompt(40, seed=i) for i in (1, 2)})
+    assert engine.state_pool.num_free == 0 and len(engine.scheduler.retained) == 2
+    engine.add_request("new", random_prompt(40, seed=9), greedy(4), prefix_slots="ns:")  # needs a slot both resent histories adopt
+    for i in (1, 2):
+        engine.add_request(f"a{i}", done[f"p{i}"] + [7, 8], greedy(4), prefix_slots="ns:")
+    finished = {}
+    for _ in range(100):
+        finished |= {o.request_id: o for o in engine.step() if o.finished}
+        if not engine.has_unfinished_requests():
+            break
+    assert set(finished) == {"new", "a1", "a2"}, [s.request_id for s in engine.scheduler.waiting]
+    assert [finished[f"a{i}"].num_cached_tokens for i in (1, 2)] == [len(done[f"p{i}"]) - 1 for i in (1, 2)]
+
+
+def test_prefix_cache_slots_are_reclaimed_before_a_conversations(checkpoint_dir):
+    engine = make_engine(checkpoint_dir("nemotron"), max_running_requests=2)
+    engine.add_request("turn", random_prompt(30, seed=3), greedy(4), retain_key="conv@1")
+    run_to_end(engine)
+    _retained_prefixes(engine, {"one-shot": random_prompt(30, seed=4)})  # the last free slot, kept as a prefix-cache slot
+    _retained_prefixes(engine, {"another": random_prompt(30, seed=5)})  # takes it back, not the conversation's
+    assert list(engine.scheduler.retained) == ["conv@1", "ns:another"]
+
+
 def test_stop_conditions(checkpoint_dir):
     engine = make_engine(checkpoint_dir("nemotron"))
     prompt = random_prompt(12, seed=7)

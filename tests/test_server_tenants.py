@@ -213,3 +213,28 @@ def test_sighup_reloads_the_keys_file(checkpoint_dir, tmp_path):
             assert http.get("/v1/models").status_code == 401
     finally:
         server.kill()
+
+
+def test_a_tenants_reply_is_not_continued_from_another_tenants_gpu_slot(checkpoint_dir, tmp_path):
+    """The prefix cache's GPU tier keeps a request's prompt and reply in its slot: another tenant that
+    resends that history (a guess of the reply) must not adopt it, or cached_tokens would tell it
+    that it guessed right."""
+    with serving(checkpoint_dir("nemotron"), tmp_path, api_key=[ALICE, BOB], enable_prefix_caching=True, prefix_cache_min_tokens=1) as (srv, http):
+
+        def tokens(text: str) -> list[int]:
+            return http.post("/tokenize", json={"model": MODEL, "prompt": text, "add_special_tokens": False}, headers=bearer(ALICE)).json()["tokens"]
+
+        prompt = [5 + i % 50 for i in range(60)]
+        letters = tokens("abcdefghij")  # a reply whose text encodes to the tokens generated
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "allowed_token_ids": letters}
+        first = http.post("/v1/completions", json=body, headers=bearer(ALICE)).json()
+        reply = tokens(first["choices"][0]["text"])
+        resent = {**body, "prompt": prompt + reply + [9, 9]}
+
+        def cached(key: str) -> int:
+            r = http.post("/v1/completions", json=resent, headers=bearer(key))
+            assert r.status_code == 200, r.text
+            return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        assert len(reply) == 6 and cached(BOB) <= len(prompt)  # at most the prompt, from the host tier
+        assert cached(ALICE) == len(prompt) + len(reply) - 1  # her own slot: prompt and reply

@@ -40,6 +40,7 @@ _ENGINE_FLAGS = (
     "kv_cache_dtype",
     "speculative_config",
     "tensor_parallel_size",
+    "enable_cuda_graph",
 )
 
 
@@ -113,6 +114,7 @@ def run_plan(args: argparse.Namespace) -> int:
             model_dtype=dtype,
             total_memory_bytes=int(args.gpu_memory_gb * GiB),
             weights_bytes=weights_bytes_per_rank(weights_bytes(args.model_path, dtype), spec, size),
+            cuda_graphs=args.enable_cuda_graph and size == 1,  # as the engine captures on a GPU
         )
     except ValueError as e:  # ConfigError, unknown dtype names
         print(f"engram plan: {e}", file=sys.stderr)

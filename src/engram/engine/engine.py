@@ -74,7 +74,7 @@ class EngineStats:
     compilations_after_ready: int  # graph captures and compilations since `mark_ready` (should stay 0)
     captures_total: int = 0  # states captured at a request's end (final or prompt state)
     capture_bytes_total: int = 0  # bytes those captures copied device to host (only what the host lacked)
-    prefix_slot_hits_total: int = 0  # requests that adopted a retained slot found by their prompt's prefix (`resume_prefix`)
+    prefix_slot_hits_total: int = 0  # requests that adopted a prefix-cache slot found by their prompt (`prefix_slots`)
     spec_drafts_total: int = 0  # verify rows with a draft
     spec_draft_tokens_total: int = 0  # speculative tokens proposed and verified
     spec_accepted_tokens_total: int = 0  # of those, kept
@@ -262,6 +262,7 @@ class LLMEngine:
             model_dtype=self.dtype,
             total_memory_bytes=memory_planner.device_memory_bytes(self.device.type, self.args.cpu_memory_gb),
             weights_bytes=sum(p.numel() * p.element_size() for p in self.model.parameters()),
+            cuda_graphs=self.device.type == "cuda" and self.args.enable_cuda_graph and self.tp_leader is None and self._kernels.graph_safe_decode,
         )
         return memory_planner.require_fit(plan)
 
@@ -278,7 +279,7 @@ class LLMEngine:
         capture_prompt_state: bool = False,
         retain_key: str | None = None,
         resume_key: str | None = None,
-        resume_prefix: str | None = None,
+        prefix_slots: str | None = None,
         require_adoption: bool = False,
         host_base: SequenceState | None = None,
         staged: DeviceStaging | None = None,
@@ -296,9 +297,11 @@ class LLMEngine:
         state/staging.py); its state is taken, the first restore copies from it on the device and
         drops it. `capture_state` returns the final state in the output; `capture_prompt_state` returns the state after the prompt (`prompt_state`: a
         prefix-cache entry; its recurrent part is copied when the prefill ends, its KV at finish);
-        `retain_key` keeps the final state in its slot under that key; `resume_prefix` (without a
-        `resume_key`) adopts the retained slot, of those whose keys start with it, that covers the
-        longest prefix of the prompt, if longer than `initial_state` (the prefix cache's GPU tier). An `internal`
+        `retain_key` keeps the final state in its slot under that key. `prefix_slots` (a key
+        namespace; the prefix cache's GPU tier) keeps it under `prefix_slots + request_id` as a
+        prefix-cache slot (reclaimed before the others), and adopts the prefix-cache slot of that
+        namespace that covers the longest prefix of the prompt, if longer than `initial_state`
+        (which, in host memory, then serves as `host_base`). An `internal`
         request (the server's own, such as a prefill shared by several choices) is left out of
         the received, cached and generated token counts. `grammar`: `params.structured_outputs`
         as `compile_grammar` made it (else it is compiled here, on the caller's thread). `embed`:
@@ -306,14 +309,18 @@ class LLMEngine:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt = list(prompt_token_ids)  # the request's own copy (lists compare with the states' token lists)
-        if resume_prefix is not None and resume_key is None:
-            resume_key = self.scheduler.longest_retained(prompt, resume_prefix, initial_state.state_len if initial_state is not None else 0)
+        if prefix_slots is not None:
+            retain_key = retain_key or prefix_slots + request_id
+            if resume_key is None:
+                resume_key = self.scheduler.longest_retained(prompt, prefix_slots, initial_state.state_len if initial_state is not None else 0)
         retained = self.scheduler.retained.get(resume_key) if resume_key is not None else None
         kept = retained if retained is not None and _prefix_mismatch(retained.tokens, retained.state_len, prompt) is None else None
         if resume_key is not None and retained is not None and kept is None:  # not this prompt's state
             self.scheduler.drop_retained(resume_key)
         if require_adoption and kept is None:
             raise SlotNotRetainedError(f"no retained slot under {resume_key!r} holds a prefix of this prompt")
+        if kept is not None and host_base is None and initial_state is not None and _on_host(initial_state):
+            host_base = initial_state  # the captures copy from the device only the KV past it
         restored = kept.state_len if kept is not None else (initial_state.state_len if initial_state is not None else 0)
         self.check_request(prompt, params, restored)
         if (embed or params.prompt_logprobs is not None) and restored:
@@ -335,7 +342,7 @@ class LLMEngine:
             grammar = self.compile_grammar(params.structured_outputs)
         generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         seq = Sequence(request_id, prompt, params, generator, initial_state, capture_state, retain_key, internal)
-        seq.capture_prompt = capture_prompt_state
+        seq.capture_prompt, seq.retain_cache = capture_prompt_state, prefix_slots is not None
         seq.embed, seq.bad_words_ids = embed, bad_words
         seq.adopted = self.scheduler.adopt(resume_key) if resume_key is not None and kept is not None else None
         seq.host_base = host_base if kept is not None else None
@@ -347,7 +354,7 @@ class LLMEngine:
         if not internal:
             self._counters["prompt"] += len(prompt)
             self._counters["cached"] += seq.num_cached_tokens
-            self._counters["prefix_slot_hits"] += seq.adopted is not None and resume_prefix is not None
+            self._counters["prefix_slot_hits"] += seq.adopted is not None and prefix_slots is not None
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams, restored_prefix: int = 0) -> None:
         """What `add_request` refuses of a prompt and its parameters (ValueError); reads no engine
@@ -703,7 +710,7 @@ class LLMEngine:
                 self._counters["captures"] += 1
                 self._counters["capture_bytes"] += self.copier.bytes_copied - copied
             if seq.retain_key is not None:
-                seq.retained = self.scheduler.retain(seq.retain_key, seq)
+                seq.retained = self.scheduler.retain(seq.retain_key, seq, cache=seq.retain_cache)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         self.scheduler.remove(seq)

@@ -377,13 +377,15 @@ def plan_memory(
     )
 
 
-def plan_for_args(spec: ModelSpec, args: EngineArgs, *, model_dtype: torch.dtype, total_memory_bytes: int, weights_bytes: int) -> MemoryPlan:
+def plan_for_args(
+    spec: ModelSpec, args: EngineArgs, *, model_dtype: torch.dtype, total_memory_bytes: int, weights_bytes: int, cuda_graphs: bool
+) -> MemoryPlan:
     """`plan_memory` for an engine configuration: the same figures at startup and in `engram plan`.
-    With CUDA graphs, the forward scratch counts twice: a captured step's activations stay in the
-    graphs' private pool (prefill graphs reach the step's token budget), beside the allocator's
-    own for the eager steps."""
+    With `cuda_graphs` (the engine will capture steps), the forward scratch counts twice: a captured
+    step's activations stay in the graphs' private pool (prefill graphs reach the step's token
+    budget), beside the allocator's own for the eager steps."""
     dtypes = state_dtypes(spec, model_dtype, args.mamba_ssm_dtype, args.kv_cache_dtype)
-    scratch_copies = 2 if args.enable_cuda_graph and args.device != "cpu" else 1
+    scratch_copies = 2 if cuda_graphs else 1
     return plan_memory(
         spec,
         total_memory_bytes=total_memory_bytes,

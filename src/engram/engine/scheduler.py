@@ -13,6 +13,7 @@ does not need: they are reclaimed, least recently used first, before anything is
 from __future__ import annotations
 
 import time
+from array import array
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -66,6 +67,14 @@ class RetainedSlot:
     tokens: list[int]
     state_len: int
     held: bool = True  # False once adopted by a request or freed (reclaimed, released, superseded)
+    # A prefix-cache slot (`LLMEngine.add_request(prefix_slots=)`): reclaimed before the others, and
+    # its tokens' bytes kept for `longest_retained` to compare a prompt against without a copy.
+    cache_key: bytes | None = None
+
+
+def token_bytes(tokens: list[int]) -> bytes:
+    """Token ids as bytes (8 each): one sequence's prefix of another's is a bytes prefix."""
+    return array("q", tokens).tobytes()
 
 
 class Scheduler:
@@ -109,7 +118,7 @@ class Scheduler:
         if need <= 0:
             return True
         while need > self.kv_pool.num_free and self.retained:
-            self.drop_retained(next(iter(self.retained)))
+            self.drop_retained(self._reclaimable())
         if need > self.kv_pool.num_free:
             return False
         seq.blocks.extend(self.kv_pool.allocate(need))
@@ -117,11 +126,14 @@ class Scheduler:
 
     # ---- the ACTIVE tier --------------------------------------------------------------------
 
-    def retain(self, key: str, seq: Sequence) -> RetainedSlot:
-        """Keep a finished sequence's slot and pages under `key` instead of freeing them."""
+    def retain(self, key: str, seq: Sequence, cache: bool = False) -> RetainedSlot:
+        """Keep a finished sequence's slot and pages under `key` instead of freeing them (`cache`: as
+        a prefix-cache slot)."""
         self.drop_retained(key)  # an older state under the same key is superseded
         assert seq.slot is not None, "a finished sequence keeps its slot until it is freed or retained"
-        kept = self.retained[key] = RetainedSlot(seq.slot, seq.blocks, list(seq.token_ids), seq.num_computed)
+        tokens = list(seq.token_ids)
+        cache_key = token_bytes(tokens[: seq.num_computed]) if cache else None
+        kept = self.retained[key] = RetainedSlot(seq.slot, seq.blocks, tokens, seq.num_computed, cache_key=cache_key)
         seq.slot, seq.blocks = None, []
         return kept
 
@@ -133,12 +145,16 @@ class Scheduler:
         return kept
 
     def longest_retained(self, prompt: list[int], namespace: str, longer_than: int = 0) -> str | None:
-        """The key, among those starting with `namespace`, of the retained slot whose state covers
-        the longest prefix of `prompt` (more than `longer_than` tokens, and not the whole prompt)."""
-        best, best_len = None, longer_than
+        """The key, among the prefix-cache slots' starting with `namespace`, of the one whose state
+        covers the longest prefix of `prompt` (more than `longer_than` tokens, and not the whole
+        prompt). Each candidate costs one memcmp of its tokens' bytes."""
+        best, best_len, prompt_key = None, longer_than, b""
         for key, kept in self.retained.items():
             n = kept.state_len
-            if best_len < n < len(prompt) and key.startswith(namespace) and kept.tokens[n - 1] == prompt[n - 1] and kept.tokens[:n] == prompt[:n]:
+            if kept.cache_key is None or not best_len < n < len(prompt) or not key.startswith(namespace) or kept.tokens[n - 1] != prompt[n - 1]:
+                continue
+            prompt_key = prompt_key or token_bytes(prompt)
+            if prompt_key.startswith(kept.cache_key):
                 best, best_len = key, n
         return best
 
@@ -156,8 +172,13 @@ class Scheduler:
 
     def _free_slot_available(self) -> bool:
         while not self.state_pool.num_free and self.retained:
-            self.drop_retained(next(iter(self.retained)))
+            self.drop_retained(self._reclaimable())
         return self.state_pool.num_free > 0
+
+    def _reclaimable(self) -> str:
+        """The retained slot to free first: the oldest prefix-cache slot, else the oldest of all
+        (a conversation's turn is adopted far more often than a one-shot request's prefix)."""
+        return next((key for key, kept in self.retained.items() if kept.cache_key is not None), next(iter(self.retained)))
 
     def release(self, seq: Sequence) -> None:
         """Give back the sequence's slot and pages (finish, abort or preemption)."""
@@ -248,14 +269,23 @@ class Scheduler:
                 budget -= n
 
         admitted: list[Sequence] = []
-        while prefill and admit_at is not None and self.waiting and budget > 0 and len(self.running) < self.max_running:
-            seq = self.waiting[0]
+        if not prefill or admit_at is None:
+            return chunks, admitted
+        blocked = False  # a sequence found no room: only those behind it that hold an adopted slot go on
+        for seq in list(self.waiting):
+            if budget == 0 or len(self.running) >= self.max_running:
+                break
             adopted = seq.adopted
+            if blocked and adopted is None:
+                continue
             start = adopted.state_len if adopted else (seq.initial_state.state_len if seq.initial_state else 0)
             n = min(seq.num_tokens - start, budget)
             if adopted is None and not (self._fits(start + n) and self._free_slot_available()):  # no slot dropped for a refusal
-                break
-            self.waiting.popleft()
+                # An adopted slot is no longer reclaimable: were its holder left waiting behind this
+                # sequence, nothing would ever free the room this one waits for.
+                blocked = True
+                continue
+            self.waiting.remove(seq)
             self._admitted_at = admit_at
             if seq.queue_seconds is None:  # a preempted sequence's queue time is its first wait
                 seq.queue_seconds = admit_at - seq.arrival_time

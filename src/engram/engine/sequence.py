@@ -35,6 +35,7 @@ class Sequence:
     capture_state: bool = False
     retain_key: str | None = None  # keep the slot and pages under this key when finished
     internal: bool = False  # made by the server for itself: its tokens count as neither received nor generated
+    retain_cache: bool = False  # retained as a prefix-cache slot (reclaimed first)
     adopted: RetainedSlot | None = None  # a retained slot this request continues (until admitted)
     host_base: SequenceState | None = None  # a host state whose KV the pages hold for its positions (captures share it)
     staged_state: SequenceState | None = None  # initial_state's copy on the device, made by its load (until the first restore)

@@ -47,7 +47,7 @@ async def generate(request: GenerateRequest, raw_request: Request) -> StreamingR
     if not request.is_batch and n == 1:
         rid = request.rid if isinstance(request.rid, str) else uuid.uuid4().hex
         outputs = await s.generate(
-            engine_request_id(tenant, rid), prompts[0], params, initial_state=s.take_staged_state(tenant, rid), cache_prefix=True
+            engine_request_id(tenant, rid), prompts[0], params, initial_state=s.take_staged_state(tenant, rid), cache_prefix=True, tenant=tenant
         )
         if request.stream:
             return sse_response(generate_events(rid, request.return_logprob, start, outputs, token_text))
@@ -59,7 +59,7 @@ async def generate(request: GenerateRequest, raw_request: Request) -> StreamingR
     try:
         for i, (rid, prompt_ids) in enumerate(zip(rids, prompts)):
             engine_rid = engine_request_id(tenant, rid if isinstance(request.rid, list) else f"{rid}-p{i}")
-            streams += await s.generate_choices(engine_rid, prompt_ids, params, n)
+            streams += await s.generate_choices(engine_rid, prompt_ids, params, n, tenant)
     except BaseException:
         for stream in streams:
             await stream.aclose()

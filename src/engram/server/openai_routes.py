@@ -111,7 +111,8 @@ async def chat_completions(request: ChatCompletionRequest, raw_request: Request)
     if request.conversation_id is None:
         where = ConversationFields()
         prompt = await s.encode_chat(messages, request.chat_template_options())
-        streams = await s.generate_choices(engine_request_id(caller_of(raw_request).tenant, rid), prompt, params, request.n)
+        tenant = caller_of(raw_request).tenant
+        streams = await s.generate_choices(engine_request_id(tenant, rid), prompt, params, request.n, tenant)
     else:  # one choice (the protocol refuses n > 1 there)
         where, outputs = await _conversation_turn(s, request, request.conversation_id, rid, messages, params, caller_of(raw_request), key, fmt)
         fmt = dataclasses.replace(fmt, call_ids=turn_call_ids(where))
@@ -258,7 +259,9 @@ async def completions(request: CompletionRequest, raw_request: Request) -> Strea
     streams: list[RequestOutputs] = []
     try:
         for i, prompt_ids in enumerate(prompts):  # prompt-major: choice j of prompt i is i * n + j
-            streams += await s.generate_choices(engine_rid if len(prompts) == 1 else f"{engine_rid}-p{i}", prompt_ids, params, request.n)
+            streams += await s.generate_choices(
+                engine_rid if len(prompts) == 1 else f"{engine_rid}-p{i}", prompt_ids, params, request.n, caller_of(raw_request).tenant
+            )
     except BaseException:
         for stream in streams:
             await stream.aclose()

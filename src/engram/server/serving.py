@@ -34,8 +34,9 @@ MAX_STAGED_STATES = 64
 # From this many prompt tokens, the n choices of a request share one prefill: the state one token
 # short of the prompt is computed once and restored into every choice, which computes the last one.
 SHARED_PREFILL_MIN_TOKENS = 256
-# Retained engine slots of finished requests of no conversation: the prefix cache's GPU tier
-# (conversations retain theirs under their ids, which hold no colon).
+# Retained engine slots of finished requests of no conversation, the prefix cache's GPU tier, under
+# `:prefix:<tenant>:` (conversations retain theirs under their ids, tenants have names, and neither
+# holds a colon): a tenant's prompt never adopts another's slot, so no reply is told by cached_tokens.
 PREFIX_SLOT_KEY = ":prefix:"
 
 
@@ -150,13 +151,14 @@ class Serving:
         params: SamplingParams,
         timer: RequestTimer | None = None,
         cache_prefix: bool = False,
+        tenant: str | None = None,
         **kwargs: Any,
     ) -> RequestOutputs:
         """Start a request and wait for its first output, so that bad input (the engine raises
         ValueError) is answered with 400 before a response, streaming or not, has begun. `timer`:
         when the request arrived, if before now. `cache_prefix`: a request of no conversation,
         which starts from the prefix cache's longest match and leaves its prompt's state there
-        (with prefix caching on). `kwargs` go to the engine (a state to restore, whether to capture
+        (with prefix caching on), `tenant`'s own GPU slots first. `kwargs` go to the engine (a state to restore, whether to capture
         the final state, the compiled grammar)."""
         timer = timer or self.metrics.timer()
         if params.structured_outputs is not None and "grammar" not in kwargs:
@@ -171,21 +173,23 @@ class Serving:
             state = await asyncio.to_thread(cache.lookup, prompt_ids, staging)
             kwargs = {**kwargs, "initial_state": state, "capture_prompt_state": True, "staged": staging if state is not None else None}
             # the GPU tier: the final state stays in its slot (until the engine needs the room), for a prompt that extends it
-            kwargs |= {"retain_key": PREFIX_SLOT_KEY + request_id, "resume_prefix": PREFIX_SLOT_KEY}
+            kwargs["prefix_slots"] = f"{PREFIX_SLOT_KEY}{tenant or ''}:"
         outputs = self.engine.generate(request_id, prompt_ids, params, **kwargs)
         with _bad_input_is_400():
             first = await anext(outputs)
         timed = _timed(outputs, first, timer)
         return _admitting(timed, cache) if cache is not None else timed
 
-    async def generate_choices(self, request_id: str, prompt_ids: list[int], params: SamplingParams, n: int) -> list[RequestOutputs]:
+    async def generate_choices(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, n: int, tenant: str | None = None
+    ) -> list[RequestOutputs]:
         """`generate` for OpenAI's n choices of one prompt, each its own engine request, started
         together (after their shared prefill, for long prompts). Returns once the first has its first
         output (bad input fails them all alike), so a stream begins while choices beyond the free
         engine slots still wait for one. With a seed, choice i draws from seed + i (the same choices
         for the same seed)."""
         if n == 1:
-            return [await self.generate(request_id, prompt_ids, params, cache_prefix=True)]
+            return [await self.generate(request_id, prompt_ids, params, cache_prefix=True, tenant=tenant)]
         timers = [self.metrics.timer() for _ in range(n)]
         grammar = await self.compile_grammar(params.structured_outputs) if params.structured_outputs is not None else None
         state = None
