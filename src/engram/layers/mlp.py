@@ -167,14 +167,15 @@ class GroupedRouting:
     routed_scaling: float = 1.0
 
     @classmethod
-    def from_config(cls, cfg: dict) -> GroupedRouting:
-        """From DeepSeek-V3's field names, which both configs use."""
+    def from_config(cls, cfg: dict, routed_scaling: float = 1.0) -> GroupedRouting:
+        """From DeepSeek-V3's field names, which both configs use; `routed_scaling`: the
+        architecture's default where the config has no routed_scaling_factor (transformers')."""
         return cls(
             cfg["num_experts_per_tok"],
             cfg.get("n_group") or 1,
             cfg.get("topk_group") or 1,
             bool(cfg.get("norm_topk_prob", True)),
-            float(cfg.get("routed_scaling_factor", 1.0)),
+            float(cfg.get("routed_scaling_factor", routed_scaling)),
         )
 
 

@@ -22,8 +22,9 @@ def feed_forward(cfg: dict, hidden_size: int, dense: bool) -> nn.Module:
     if dense:
         return GatedMLP(hidden_size, cfg["intermediate_size"])
     width = cfg["moe_intermediate_size"]
-    shared = GatedMLP(hidden_size, width * int(cfg.get("n_shared_experts") or 1))
-    return SigmoidGroupedMoE(hidden_size, cfg["num_local_experts"], width, GroupedRouting.from_config(cfg), F.silu, shared, gated=True)
+    shared = GatedMLP(hidden_size, width * int(cfg.get("n_shared_experts", 1)))  # a positive count: checked by the spec parser
+    routing = GroupedRouting.from_config(cfg, routed_scaling=2.446)  # KimiLinearConfig's default
+    return SigmoidGroupedMoE(hidden_size, cfg["num_local_experts"], width, routing, F.silu, shared, gated=True)
 
 
 class KimiLinearBlock(nn.Module):

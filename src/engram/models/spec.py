@@ -666,6 +666,8 @@ def _parse_kimi_linear(cfg: dict, arch: str) -> tuple[Layers, KimiDeltaSpec | No
         experts, groups = _positive_int(cfg, "num_local_experts", arch), _positive_int(cfg, "n_group", arch)
         top_k, topk_group = _positive_int(cfg, "num_experts_per_tok", arch), _positive_int(cfg, "topk_group", arch)
         _positive_int(cfg, "moe_intermediate_size", arch)
+        if "n_shared_experts" in cfg:  # transformers' default: 1
+            _positive_int(cfg, "n_shared_experts", arch)
         if experts % groups or topk_group > groups or top_k > topk_group * (experts // groups):
             raise ConfigError(f"{arch}: num_experts {experts} in n_group {groups} with topk_group {topk_group} cannot give top {top_k}")
     if "dense" in mlp_types:
