@@ -34,7 +34,7 @@ class ContinuationDrafter:
     def propose(self, token_ids: list[int], k: int) -> list[int]:
         full = next(o for o in self.outputs if o[: len(token_ids)] == token_ids)
         draft = full[len(token_ids) : len(token_ids) + min(k, len(token_ids) % 5)]
-        return [t + 1 for t in draft] if self.wrong else draft
+        return [t - 1 if t else 1 for t in draft] if self.wrong else draft  # another token, still in the vocabulary
 
 
 class ReferenceDrafter:
