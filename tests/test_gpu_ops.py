@@ -326,29 +326,21 @@ def test_ssd_varlen_fla_matches_reference(dtype, shape):
     assert _rel(pool, pool_ref) < limit, _rel(pool, pool_ref)
 
 
+_FLA = {"gdn": "_chunk_gdr", "kda": "_chunk_kda"}  # fla-core's chunked kernel of each rule
+
+
 @needs_cuda
-@pytest.mark.skipif(cuda_kernels is None or cuda_kernels._chunk_gdr is None, reason="fla-core is not installed (the `cuda` extra)")
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("lens", [[1, 37, 5], [1, 37, 300, 64, 5]])  # the token-by-token kernel, fla's chunked one
-@pytest.mark.parametrize("shape", [(2, 4, 32, 48), (16, 32, 128, 128)])  # Hk, Hv, K, V (Qwen3-Next: the second)
-def test_gated_delta_varlen_fla_matches_reference(dtype, lens, shape):
-    q, k, v, decay, beta, pool = _gdn_inputs(lens, shape, dtype, 7)
-    slots = torch.tensor([2, 5, 0, 3, 1][: len(lens)], device=DEV)
-    pool_ref = pool.clone()
-    o = cuda_kernels.gated_delta_varlen(q, k, v, decay, beta, lens, pool, slots, 64, True)
-    o_ref = gated_delta.gated_delta_varlen(q, k, v, decay, beta, lens, pool_ref, slots, 64, True)
-    limit = 5e-3 if dtype == torch.float32 else 3e-2
-    assert _rel(o, o_ref) < limit, _rel(o, o_ref)
-    assert _rel(pool, pool_ref) < limit, _rel(pool, pool_ref)
-
-
-@needs_cuda
-@pytest.mark.skipif(cuda_kernels is None or cuda_kernels._chunk_kda is None, reason="fla-core (with chunk_kda) is not installed")
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("lens", [[1, 37, 5], [1, 37, 300, 64, 5]])  # the token-by-token kernel, fla's chunk_kda
-@pytest.mark.parametrize("shape", [(3, 3, 16, 16), (32, 32, 128, 128)])  # H, H, K, V (Kimi-Linear-48B-A3B: the second)
-def test_kimi_delta_varlen_fla_matches_reference(dtype, lens, shape):
-    q, k, v, decay, beta, pool = _gdn_inputs(lens, shape, dtype, 8, per_channel=True)
+@pytest.mark.parametrize(
+    "rule, shape",  # Hk, Hv, K, V: the second shape of each is Qwen3-Next's and Kimi-Linear-48B-A3B's
+    [("gdn", (2, 4, 32, 48)), ("gdn", (16, 32, 128, 128)), ("kda", (3, 3, 16, 16)), ("kda", (32, 32, 128, 128))],
+)
+def test_gated_delta_varlen_fla_matches_reference(rule, shape, dtype, lens):
+    """fla-core's chunk_gated_delta_rule (a decay per head) and chunk_kda (per key channel)."""
+    if cuda_kernels is None or getattr(cuda_kernels, _FLA[rule]) is None:
+        pytest.skip(f"fla-core (with its {rule} kernel) is not installed (the `cuda` extra)")
+    q, k, v, decay, beta, pool = _gdn_inputs(lens, shape, dtype, 7 if rule == "gdn" else 8, per_channel=rule == "kda")
     slots = torch.tensor([2, 5, 0, 3, 1][: len(lens)], device=DEV)
     pool_ref = pool.clone()
     o = cuda_kernels.gated_delta_varlen(q, k, v, decay, beta, lens, pool, slots, 64, True)
