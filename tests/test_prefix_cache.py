@@ -118,7 +118,14 @@ def test_a_client_that_resends_its_history_restores_its_previous_prompt(checkpoi
     path = checkpoint_dir("nemotron")
     with running_server(path, MODEL, snapshot_dir=str(tmp_path / "on"), enable_prefix_caching=True, prefix_cache_min_tokens=1) as srv:
         replies, cached, prompts, logprobs = _resend_history_dialogue(srv)
-        slot_hits = metric_value(httpx.get(srv.url + "/metrics").text, "engram:prefix_cache_slot_hits_total", model_name=MODEL)
+        page = httpx.get(srv.url + "/metrics").text
+        slot_hits = metric_value(page, "engram:prefix_cache_slot_hits_total", model_name=MODEL)
+        # the last turn's slot is kept, and counts as free: nothing runs
+        assert (
+            metric_value(page, "engram:prefix_cache_slots", model_name=MODEL) == 1
+            and metric_value(page, "engram:kv_blocks_retained", model_name=MODEL) > 0
+        )
+        assert metric_value(page, "engram:kv_pool_usage", model_name=MODEL) == metric_value(page, "engram:state_pool_usage", model_name=MODEL) == 0
         assert len(srv.app.state.serving.conversations.manager.prefix_cache) > 0
         assert httpx.post(srv.url + "/flush_cache").json()["success"]  # SGLang's flush empties the cache
         assert len(srv.app.state.serving.conversations.manager.prefix_cache) == 0

@@ -68,12 +68,14 @@ class EngineStats:
     prefill_tokens_computed_total: int
     cached_tokens_total: int
     num_preemptions: int
-    retained_slots: int
+    retained_slots: int  # finished requests' slots kept (conversations' ACTIVE tier and the prefix cache's GPU tier), reclaimable
     graph_captures: int
     kernel_compilations: int  # Triton compilations in this process (0 without Triton)
     compilations_after_ready: int  # graph captures and compilations since `mark_ready` (should stay 0)
     captures_total: int = 0  # states captured at a request's end (final or prompt state)
     capture_bytes_total: int = 0  # bytes those captures copied device to host (only what the host lacked)
+    prefix_slots: int = 0  # of retained_slots, the prefix cache's
+    kv_blocks_retained: int = 0  # of kv_blocks_used, those the retained slots hold
     prefix_slot_hits_total: int = 0  # requests that adopted a prefix-cache slot found by their prompt (`prefix_slots`)
     spec_drafts_total: int = 0  # verify rows with a draft
     spec_draft_tokens_total: int = 0  # speculative tokens proposed and verified
@@ -805,6 +807,8 @@ class LLMEngine:
             cached_tokens_total=c["cached"],
             num_preemptions=self.scheduler.num_preemptions,
             retained_slots=len(self.scheduler.retained),
+            prefix_slots=sum(kept.cache_key is not None for kept in self.scheduler.retained.values()),
+            kv_blocks_retained=sum(len(kept.blocks) for kept in self.scheduler.retained.values()),
             captures_total=c["captures"],
             capture_bytes_total=c["capture_bytes"],
             prefix_slot_hits_total=c["prefix_slot_hits"],

@@ -168,7 +168,7 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None  # for new_token_ids, when requested
     num_cached_tokens: int = 0  # prompt tokens restored from state rather than computed
     restore_seconds: float = 0.0  # time spent loading a restored state into the engine's pools
-    queue_seconds: float | None = None  # from its arrival at the engine to its admission (None: not yet admitted)
+    queue_seconds: float | None = None  # from add_request (the engine thread) to its admission (None: not yet admitted)
     state: SequenceState | None = None  # captured at finish when the request asked for it
     prompt_state: SequenceState | None = None  # the state after the prompt, when the request asked for it
     # vLLM's prompt logprobs, once the prompt is computed: None for the first token, then each token's

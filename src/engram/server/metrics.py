@@ -78,12 +78,23 @@ class _EngineCollector(Collector):
         )
         yield gauge("prefill_throughput", "prefill tokens/s since the previous scrape", (s.prefill_tokens_computed_total - prefill_then) / elapsed)
         yield gauge("gen_throughput", "generated tokens/s since the previous scrape", (s.generation_tokens_total - gen_then) / elapsed)
-        yield gauge("state_slots_used", "recurrent-state slots in use", s.state_slots_used)
+        yield gauge("state_slots_used", "recurrent-state slots in use, retained ones included", s.state_slots_used)
         yield gauge("state_slots_total", "recurrent-state slots", s.state_slots_total)
-        yield gauge("state_pool_usage", "fraction of state slots in use", s.state_slots_used / max(s.state_slots_total, 1))
-        yield gauge("kv_blocks_used", "KV pages in use", s.kv_blocks_used)
+        yield gauge("retained_slots", "finished requests' slots kept, reclaimable (conversations' and the prefix cache's)", s.retained_slots)
+        yield gauge("prefix_cache_slots", "of those, the prefix cache's (its GPU tier)", s.prefix_slots)
+        yield gauge(
+            "state_pool_usage",
+            "fraction of state slots held by requests (retained ones, reclaimable, count as free)",
+            (s.state_slots_used - s.retained_slots) / max(s.state_slots_total, 1),
+        )
+        yield gauge("kv_blocks_used", "KV pages in use, retained slots' included", s.kv_blocks_used)
+        yield gauge("kv_blocks_retained", "KV pages that retained slots hold, reclaimable", s.kv_blocks_retained)
         yield gauge("kv_blocks_total", "KV pages", s.kv_blocks_total)
-        yield gauge("kv_pool_usage", "fraction of KV pages in use", s.kv_blocks_used / max(s.kv_blocks_total, 1))
+        yield gauge(
+            "kv_pool_usage",
+            "fraction of KV pages held by requests (retained slots' pages, reclaimable, count as free; vLLM's kv_cache_usage_perc)",
+            (s.kv_blocks_used - s.kv_blocks_retained) / max(s.kv_blocks_total, 1),
+        )
         if s.spec_accepted_per_position:  # speculative decoding on (vLLM's spec_decode_* series)
             yield counter("spec_decode_num_drafts", "verify rows with a draft", s.spec_drafts_total)
             yield counter("spec_decode_num_draft_tokens", "speculative tokens proposed and verified", s.spec_draft_tokens_total)
@@ -191,7 +202,7 @@ class Metrics:
         self.ttft = histogram("engram:time_to_first_token_seconds", "time from arrival to the first token")
         self.itl = histogram("engram:inter_token_latency_seconds", "time between consecutive output tokens")
         self.e2e = histogram("engram:e2e_request_latency_seconds", "time from arrival to the last token")
-        self.queue = histogram("engram:request_queue_time_seconds", "time from reaching the engine to being admitted to a step")
+        self.queue = histogram("engram:request_queue_time_seconds", "time from reaching the engine thread to being admitted to a step")
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -245,7 +245,7 @@ async def state_stats(raw_request: Request) -> dict[str, Any]:
         quarantined = stats["quarantined"]
         stats["quarantined"] = await asyncio.to_thread(lambda: [q for q in quarantined if _visible(manager, q["conversation_id"], tenant)])
     engine = s.engine.stats()
-    stats["tiers"]["active"]["engine_slots"] = engine.retained_slots
+    stats["tiers"]["active"]["engine_slots"] = engine.retained_slots - engine.prefix_slots  # conversations' only
     stats["engine"] = {
         "state_slots_used": engine.state_slots_used,
         "state_slots_total": engine.state_slots_total,
