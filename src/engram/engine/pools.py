@@ -10,7 +10,9 @@ from engram.state.sequence_state import KVSegment, SequenceState, StateDtypes, i
 
 
 class PendingCopies:
-    """Which pool entries (slots or pages) a device-to-host copy may still be reading.
+    """Which state slots a device-to-host copy may still be reading (a capture copies the recurrent
+    state from the slot's views; the KV it gathers on the compute stream into fresh tensors first,
+    so whatever writes the pages later is ordered after that read already).
 
     An entry is handed out again only after the compute stream waits for that copy (a wait on
     the GPU, not on the host)."""
@@ -110,7 +112,6 @@ class KVPool:
                 self.k[i] = torch.zeros(shape, dtype=dtype, device=device)
                 self.v[i] = torch.zeros(shape, dtype=dtype, device=device)
         self._free = list(range(num_blocks - 1, -1, -1))
-        self.pending = PendingCopies()
 
     @property
     def needs_pages(self) -> bool:
@@ -130,9 +131,7 @@ class KVPool:
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
             raise MemoryError(f"KV pool exhausted: {n} pages asked, {len(self._free)} free")
-        blocks = [self._free.pop() for _ in range(n)]
-        self.pending.settle(blocks)
-        return blocks
+        return [self._free.pop() for _ in range(n)]
 
     def free(self, blocks: list[int]) -> None:
         self._free.extend(reversed(blocks))
@@ -185,10 +184,8 @@ def capture_state(
     shared = base.kv_pieces(0, min(base.state_len, state_len)) if base is not None and kv_pool.needs_pages else []
     start = shared[-1].end if shared else 0
     copied, ready = copier.copy({**(state_pool.views(slot) if recurrent is None else {}), **kv_pool.gather(blocks, state_len, start)})
-    if ready is not None:
-        if recurrent is None:
-            state_pool.pending.mark([slot], ready)
-        kv_pool.pending.mark(blocks, ready)
+    if ready is not None and recurrent is None:
+        state_pool.pending.mark([slot], ready)
     copied = {**(recurrent or {}), **copied}
     if not shared:
         return SequenceState(list(tokens), state_len, copied, ready)

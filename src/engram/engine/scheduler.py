@@ -292,7 +292,6 @@ class Scheduler:
             if adopted is not None:  # the state is already in this slot and these pages
                 seq.slot, seq.blocks, seq.adopted = adopted.slot, adopted.blocks, None
                 self.state_pool.pending.settle([seq.slot])  # its capture may still be copying
-                self.kv_pool.pending.settle(seq.blocks)
             else:
                 seq.slot = self.state_pool.allocate()
                 admitted.append(seq)  # its state, if it has one, must be restored into the slot
