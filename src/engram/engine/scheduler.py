@@ -5,9 +5,10 @@ while a state slot, KV pages for their first chunk and token budget remain. When
 out mid-decode, the most recently admitted sequence is preempted: its slot and pages are freed
 and it is recomputed later (from its restored snapshot, if it came with one), exactly.
 
-A finished sequence may keep its slot and pages (the ACTIVE tier) so that the next turn of its
-conversation adopts them without copying any state. Retained slots only use what running work
-does not need: they are reclaimed, least recently used first, before anything is preempted.
+A finished sequence may keep its slot and pages (the ACTIVE tier, and the prefix cache's GPU
+tier) so that the next turn of its conversation, or a prompt that extends it, adopts them without
+copying any state. Retained slots only use what running work does not need: they are reclaimed,
+prefix-cache slots first, each kind least recently used first, before anything is preempted.
 """
 
 from __future__ import annotations
