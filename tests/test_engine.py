@@ -192,6 +192,26 @@ def test_prefix_cache_slots_are_reclaimed_before_a_conversations(checkpoint_dir)
     assert list(engine.scheduler.retained) == ["conv@1", "ns:another"]
 
 
+def test_a_prompt_adopting_a_prefix_slot_captures_only_the_kv_past_its_host_entry(checkpoint_dir):
+    """The host entry the prefix cache found (`initial_state`) serves as the capture's base when a
+    longer prefix-cache slot is adopted instead: its KV is not copied from the device again."""
+    engine = make_engine(checkpoint_dir("nemotron"))
+    prompt = random_prompt(300, seed=11)
+    engine.add_request("a", prompt, greedy(4), capture_prompt_state=True, prefix_slots="ns:")
+    first = run_to_end(engine)["a"]
+    host = first.prompt_state
+    assert host is not None
+    longer = prompt + first.token_ids + random_prompt(40, seed=12)
+    before = engine.stats().capture_bytes_total
+    engine.add_request("b", longer, greedy(4), initial_state=host, capture_prompt_state=True, prefix_slots="ns:")
+    second = run_to_end(engine)["b"]
+    copied = engine.stats().capture_bytes_total - before
+    recurrent = sum(t.numel() * t.element_size() for t in host.recurrent.values())
+    kv_per_token = (host.nbytes - recurrent) / host.state_len
+    assert second.num_cached_tokens == len(prompt) + 3  # the slot, not the host entry
+    assert copied <= recurrent + kv_per_token * (len(longer) - len(prompt)), (copied, host.nbytes)
+
+
 def test_stop_conditions(checkpoint_dir):
     engine = make_engine(checkpoint_dir("nemotron"))
     prompt = random_prompt(12, seed=7)
