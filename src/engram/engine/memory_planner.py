@@ -175,10 +175,7 @@ def _widest_activation(spec: ModelSpec) -> int:
     if spec.mamba is not None:
         m = spec.mamba
         widths.append(2 * m.intermediate_size + 2 * m.n_groups * m.state_size + m.num_heads)  # in_proj
-    if spec.gated_deltanet is not None:
-        widths.append(spec.gated_deltanet.in_proj_size)
-    if spec.kda is not None:
-        widths.append(spec.kda.in_proj_size)
+    widths += [delta.in_proj_size for delta in (spec.gated_deltanet, spec.kda) if delta is not None]
     if spec.short_conv is not None:
         widths.append(3 * spec.short_conv.hidden_size)  # in_proj: B, C, x
     if spec.attention is not None:
@@ -201,12 +198,9 @@ def scratch_bytes(spec: ModelSpec, max_num_batched_tokens: int, max_running_requ
     if spec.mamba is not None:
         chunks = math.ceil(max_num_batched_tokens / spec.mamba.chunk_size)
         scan = chunks * _nbytes(spec.mamba.ssm_state_shape, torch.float32)
-    if spec.gated_deltanet is not None:
-        g = spec.gated_deltanet
-        scan = max(scan, math.ceil(max_num_batched_tokens / g.chunk_size) * _nbytes(g.recurrent_state_shape, torch.float32))
-    if spec.kda is not None:
-        d = spec.kda
-        scan = max(scan, math.ceil(max_num_batched_tokens / d.chunk_size) * _nbytes(d.recurrent_state_shape, torch.float32))
+    for delta in (spec.gated_deltanet, spec.kda):  # the gated delta rule, per head or per key channel
+        if delta is not None:
+            scan = max(scan, math.ceil(max_num_batched_tokens / delta.chunk_size) * _nbytes(delta.recurrent_state_shape, torch.float32))
     logits = LOGIT_COPIES * max_running_requests * spec.vocab_size * torch.float32.itemsize
     return projections + scan + logits
 

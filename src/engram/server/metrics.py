@@ -82,19 +82,14 @@ class _EngineCollector(Collector):
         yield gauge("state_slots_total", "recurrent-state slots", s.state_slots_total)
         yield gauge("retained_slots", "finished requests' slots kept, reclaimable (conversations' and the prefix cache's)", s.retained_slots)
         yield gauge("prefix_cache_slots", "of those, the prefix cache's (its GPU tier)", s.prefix_slots)
+        # usage as vLLM's kv_cache_usage_perc: what requests hold, retained (reclaimable) entries counted as free
         yield gauge(
-            "state_pool_usage",
-            "fraction of state slots held by requests (retained ones, reclaimable, count as free)",
-            (s.state_slots_used - s.retained_slots) / max(s.state_slots_total, 1),
+            "state_pool_usage", "fraction of state slots held by requests", (s.state_slots_used - s.retained_slots) / max(s.state_slots_total, 1)
         )
         yield gauge("kv_blocks_used", "KV pages in use, retained slots' included", s.kv_blocks_used)
         yield gauge("kv_blocks_retained", "KV pages that retained slots hold, reclaimable", s.kv_blocks_retained)
         yield gauge("kv_blocks_total", "KV pages", s.kv_blocks_total)
-        yield gauge(
-            "kv_pool_usage",
-            "fraction of KV pages held by requests (retained slots' pages, reclaimable, count as free; vLLM's kv_cache_usage_perc)",
-            (s.kv_blocks_used - s.kv_blocks_retained) / max(s.kv_blocks_total, 1),
-        )
+        yield gauge("kv_pool_usage", "fraction of KV pages held by requests", (s.kv_blocks_used - s.kv_blocks_retained) / max(s.kv_blocks_total, 1))
         if s.spec_accepted_per_position:  # speculative decoding on (vLLM's spec_decode_* series)
             yield counter("spec_decode_num_drafts", "verify rows with a draft", s.spec_drafts_total)
             yield counter("spec_decode_num_draft_tokens", "speculative tokens proposed and verified", s.spec_draft_tokens_total)
