@@ -109,11 +109,18 @@ def build_checkpoint(config: dict, device: str, cache: Path) -> Path:
 READY_TIMEOUT_S = 1800  # compiling and capturing on a GPU take minutes
 
 
-def metric(server: ServerProcess, name: str) -> float:
+def metric(server: ServerProcess, name: str, label: str = "") -> float:
+    """The sum of a metric's series (those whose labels include `label`)."""
     text = httpx.get(server.url + "/metrics").text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{") and label in line)
 
 
+RESEND_TIERS = {  # where a resent history's reuse came from: (metric, label)
+    "gpu_slot_hits": ("engram:prefix_cache_slot_hits_total", ""),
+    "host_or_disk_hits": ("engram:prefix_cache_queries_total", 'result="hit"'),
+    "disk_hits": ("engram:prefix_cache_disk_hits_total", ""),
+    "cached_tokens": ("engram:cached_tokens_total", ""),
+}
 SERVER_MEANS = {"server_ttft_mean": "engram:time_to_first_token_seconds", "server_queue_mean": "engram:request_queue_time_seconds"}
 
 
@@ -356,10 +363,13 @@ async def http_chat_workloads(a, server: ServerProcess, client, out: dict):
     n = writes["count"] - writes_before["count"]
     out["snapshot_write_s_per_turn"] = (writes["sum"] - writes_before["sum"]) / n if n else None
     out["snapshot_bytes_per_resumed_turn"] = sum(later_bytes) / len(later_bytes) if later_bytes else None
+    tiers_before = {k: metric(server, *m) for k, m in RESEND_TIERS.items()}
     _, resent, _ = await http_chats(client, a, "r", resend=True, server=server)
     out["chat_resend_history"] = chat_row(resent)
+    out["resend_tiers"] = {k: metric(server, *m) - tiers_before[k] for k, m in RESEND_TIERS.items()}  # where the reuse came from
     log(
         f"http chats: resumed TTFT p50 {out['chat_resumed']['ttft_p50'] * 1e3:.1f} ms, resend-history {out['chat_resend_history']['ttft_p50'] * 1e3:.1f} ms"
+        f" (reuse from: {out['resend_tiers']})"
     )
     out["compilations_after_ready"] = metric(server, "engram:compilations_after_ready_total")
     out["preemptions"] = metric(server, "engram:num_preemptions_total")

@@ -45,12 +45,17 @@ def _state(tokens: list[int], nbytes: int = 16) -> SequenceState:
     return SequenceState(tokens, len(tokens), {"x": torch.zeros(nbytes, dtype=torch.uint8)})
 
 
-def test_lookup_finds_the_longest_stored_prefix_that_leaves_a_token_to_compute():
+def _cache_of(*states: SequenceState) -> PrefixCache:
     cache = PrefixCache(PrefixHasher(b"id", 4), max_bytes=1 << 20)
+    for s in states:
+        cache.admit(s)
+    return cache
+
+
+def test_lookup_finds_the_longest_stored_prefix_that_leaves_a_token_to_compute():
     base = list(range(10))
     short, long = _state(base[:3]), _state(base[:9])
-    for s in (short, long):
-        cache.admit(s)
+    cache = _cache_of(short, long)
     assert cache.lookup(base + [99]) is long
     assert cache.lookup(base[:9]) is short  # all nine would leave nothing to compute
     assert cache.lookup(base[:5] + [7, 7, 7, 7, 7]) is short
@@ -58,6 +63,16 @@ def test_lookup_finds_the_longest_stored_prefix_that_leaves_a_token_to_compute()
     assert cache.stats.hits == 3 and cache.stats.tokens_reused == 9 + 3 + 3
     assert cache.lookup([-(1 << 60), *base]) is None  # not token ids: the engine refuses them
     assert cache.lookup([*base[:5], 1 << 40, 0]) is short  # the engine refuses what follows the restored prefix
+
+
+def test_a_state_no_longer_than_the_engines_slot_gives_way_to_a_shorter_one():
+    base = list(range(10))
+    short, long = _state(base[:3]), _state(base[:6])
+    cache = _cache_of(short, long)
+    assert cache.lookup(base, on_device=5) is long  # longer than the slot: worth its copy
+    assert cache.lookup(base, on_device=6) is short  # the slot wins; a shorter state is the captures' base
+    assert cache.lookup(base, on_device=9) is long  # shorter than the slot: the base
+    assert cache.lookup(base, on_device=3) is long and cache.lookup(base[:4] + [0], on_device=3) is None
 
 
 def test_prompts_shorter_than_the_minimum_are_not_kept():

@@ -219,3 +219,30 @@ def test_a_disk_load_reads_only_the_pieces_memory_does_not_hold(engine, tmp_path
     assert read.count("ckpt") == 1
     engine.add_request("r", longer, greedy(6), initial_state=state)
     assert run_to_end(engine)["r"].token_ids == full_generation(engine, longer, 6)
+
+
+def test_a_resent_history_adopts_its_slot_without_reading_the_disk(checkpoint_dir, tmp_path):
+    """Host memory too small for any state, so the previous turn's prompt state is on disk alone:
+    the turn's own slot (the GPU tier) covers more, so the lookup reads nothing (a read of the whole
+    history's KV that the engine would then drop for the slot: 227 ms of a turn at 98K on an H200)."""
+    from server_utils import metric_value, running_server
+
+    path = checkpoint_dir("nemotron")
+    fields = {"prefix_cache_min_tokens": 1, "state_chunk_tokens": CHUNK, "prefix_cache_memory_gb": 1e-6}
+    with running_server(path, "m", snapshot_dir=str(tmp_path / "on"), enable_prefix_caching=True, **fields) as srv:
+        manager = srv.app.state.serving.conversations.manager
+        messages: list[dict] = []
+        turns = [_resend_history_dialogue(srv, 1, messages)]
+        for _ in range(2):
+            manager.prefix_disk.flush()  # the previous prompt's state is on disk before the next turn
+            turns.append(_resend_history_dialogue(srv, 1, messages))
+        page = httpx.get(srv.url + "/metrics").text
+        stats = httpx.get(srv.url + "/v1/state/stats").json()["prefix_cache"]
+    assert len(manager.prefix_cache) == 0 and stats["disk"]["entries"] >= 2, stats
+    assert metric_value(page, "engram:prefix_cache_slot_hits_total", model_name="m") == 2
+    assert stats["disk_hits"] == 0, stats
+    replies, cached, prompts = ([t[k][0] for t in turns] for k in range(3))
+    assert cached[0] == 0 and all(cached[i] == prompts[i - 1] + 7 for i in (1, 2)), (cached, prompts)
+    with running_server(path, "m", snapshot_dir=str(tmp_path / "off"), enable_prefix_caching=False) as srv:
+        without = _resend_history_dialogue(srv, 3)
+    assert replies == without[0] and prompts == without[2]

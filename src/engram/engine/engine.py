@@ -314,7 +314,8 @@ class LLMEngine:
         if prefix_slots is not None:
             retain_key = retain_key or prefix_slots + request_id
             if resume_key is None:
-                resume_key = self.scheduler.longest_retained(prompt, prefix_slots, initial_state.state_len if initial_state is not None else 0)
+                found = self.scheduler.longest_retained(prompt, prefix_slots, initial_state.state_len if initial_state is not None else 0)
+                resume_key = found[0] if found is not None else None
         retained = self.scheduler.retained.get(resume_key) if resume_key is not None else None
         kept = retained if retained is not None and _prefix_mismatch(retained.tokens, retained.state_len, prompt) is None else None
         if resume_key is not None and retained is not None and kept is None:  # not this prompt's state
@@ -357,6 +358,13 @@ class LLMEngine:
             self._counters["prompt"] += len(prompt)
             self._counters["cached"] += seq.num_cached_tokens
             self._counters["prefix_slot_hits"] += seq.adopted is not None and prefix_slots is not None
+
+    def prefix_slot_covers(self, prompt_token_ids: list[int], prefix_slots: str) -> int:
+        """How many leading tokens of the prompt a prefix-cache slot of the namespace `prefix_slots`
+        holds (0: none): what `add_request(prefix_slots=)` would adopt now. Safe from any thread, and
+        a hint: the slot may be reclaimed before the request comes."""
+        found = self.scheduler.longest_retained(prompt_token_ids, prefix_slots)
+        return found[1] if found is not None else 0
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams, restored_prefix: int = 0) -> None:
         """What `add_request` refuses of a prompt and its parameters (ValueError); reads no engine

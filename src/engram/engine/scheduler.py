@@ -104,6 +104,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.retained: OrderedDict[str, RetainedSlot] = OrderedDict()
+        # The prefix-cache slots of `retained`, republished whole on each change, so that other
+        # threads may read them (`longest_retained`) while this one schedules.
+        self._cache_slots: tuple[tuple[str, RetainedSlot], ...] = ()
         self.num_preemptions = 0
         self.num_reclaimed = 0
 
@@ -136,6 +139,8 @@ class Scheduler:
         cache_key = token_bytes(tokens[: seq.num_computed]) if cache else None
         kept = self.retained[key] = RetainedSlot(seq.slot, seq.blocks, tokens, seq.num_computed, cache_key=cache_key)
         seq.slot, seq.blocks = None, []
+        if cache:
+            self._publish_cache_slots()
         return kept
 
     def adopt(self, key: str) -> RetainedSlot | None:
@@ -143,26 +148,35 @@ class Scheduler:
         kept = self.retained.pop(key, None)
         if kept is not None:
             kept.held = False
+            if kept.cache_key is not None:
+                self._publish_cache_slots()
         return kept
 
-    def longest_retained(self, prompt: list[int], namespace: str, longer_than: int = 0) -> str | None:
-        """The key, among the prefix-cache slots' starting with `namespace`, of the one whose state
-        covers the longest prefix of `prompt` (more than `longer_than` tokens, and not the whole
-        prompt). Each candidate costs one memcmp of its tokens' bytes."""
+    def longest_retained(self, prompt: list[int], namespace: str, longer_than: int = 0) -> tuple[str, int] | None:
+        """The key and length of the prefix-cache slot, among those whose keys start with
+        `namespace`, whose state covers the longest prefix of `prompt` (more than `longer_than`
+        tokens, and not the whole prompt). Each candidate costs one memcmp of its tokens' bytes.
+        Safe from any thread; from another than the scheduler's, a hint: the slot may be gone by
+        the time a request for it is added."""
         best, best_len, prompt_key = None, longer_than, b""
-        for key, kept in self.retained.items():
+        for key, kept in self._cache_slots:
             n = kept.state_len
-            if kept.cache_key is None or not best_len < n < len(prompt) or not key.startswith(namespace) or kept.tokens[n - 1] != prompt[n - 1]:
+            if not best_len < n < len(prompt) or not key.startswith(namespace) or kept.tokens[n - 1] != prompt[n - 1]:
                 continue
             prompt_key = prompt_key or token_bytes(prompt)
-            if prompt_key.startswith(kept.cache_key):
+            if prompt_key.startswith(kept.cache_key or b""):
                 best, best_len = key, n
-        return best
+        return (best, best_len) if best is not None else None
+
+    def _publish_cache_slots(self) -> None:
+        self._cache_slots = tuple((key, kept) for key, kept in self.retained.items() if kept.cache_key is not None)
 
     def drop_retained(self, key: str) -> bool:
         kept = self.retained.pop(key, None)
         if kept is not None:
             self.free_retained(kept)
+            if kept.cache_key is not None:
+                self._publish_cache_slots()
         return kept is not None
 
     def free_retained(self, kept: RetainedSlot) -> None:

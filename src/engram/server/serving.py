@@ -169,11 +169,13 @@ class Serving:
         if cache is not None and not cache.wants(len(prompt_ids)):
             cache = None
         if cache is not None:
-            staging = self.conversations.manager.new_staging()  # a hit read from disk is copied to the device as it is read
-            state = await asyncio.to_thread(cache.lookup, prompt_ids, staging)
-            kwargs = {**kwargs, "initial_state": state, "capture_prompt_state": True, "staged": staging if state is not None else None}
             # the GPU tier: the final state stays in its slot (until the engine needs the room), for a prompt that extends it
-            kwargs["prefix_slots"] = f"{PREFIX_SLOT_KEY}{tenant or ''}:"
+            slots = f"{PREFIX_SLOT_KEY}{tenant or ''}:"
+            on_gpu = self.engine.engine.prefix_slot_covers(prompt_ids, slots)  # a longer state is worth reading from the host tiers
+            staging = self.conversations.manager.new_staging()  # a hit read from disk is copied to the device as it is read
+            state = await asyncio.to_thread(cache.lookup, prompt_ids, staging, on_gpu)
+            kwargs = {**kwargs, "initial_state": state, "capture_prompt_state": True, "staged": staging if state is not None else None}
+            kwargs["prefix_slots"] = slots
         outputs = self.engine.generate(request_id, prompt_ids, params, **kwargs)
         with _bad_input_is_400():
             first = await anext(outputs)

@@ -106,11 +106,15 @@ class PrefixCache:
         """Whether a prompt this long is worth its state's capture (and a lookup: no entry is shorter)."""
         return num_tokens >= self.min_tokens
 
-    def lookup(self, tokens: Sequence[int], staging: DeviceStaging | None = None) -> SequenceState | None:
+    def lookup(self, tokens: Sequence[int], staging: DeviceStaging | None = None, on_device: int = 0) -> SequenceState | None:
         """The entry covering the longest prefix of `tokens` that leaves at least one token to
         compute (the last prompt token's logits are what a request samples from), from memory or,
         if the disk tier holds a longer one, loaded from disk (verified; `staging`: copied to the
-        device as it is read, for the engine's `staged`) and kept in memory."""
+        device as it is read, for the engine's `staged`) and kept in memory.
+
+        `on_device`: the prefix the engine holds in a slot already (the GPU tier), which it adopts
+        over any state no longer than that. Then nothing is read from disk, and only a shorter
+        entry in memory is returned (the slot's captures copy only the KV past it)."""
         usable = len(tokens) - 1
         if usable <= 0 or not (self._entries or self.disk is not None):
             return None
@@ -120,6 +124,11 @@ class PrefixCache:
                 self.stats.lookups += 1
                 found = self._index.longest(tokens, chain, usable)
             on_disk = self.disk.longest(tokens, chain, usable) if self.disk is not None else None
+            if on_device and max(found[0] if found else 0, on_disk[0] if on_disk else 0) <= on_device:
+                on_disk = None
+                if found is not None and found[0] >= on_device:
+                    with self._lock:
+                        found = self._index.longest(tokens, chain, on_device - 1)
         except (OverflowError, TypeError):  # not token ids at all: the engine refuses the request with its reason
             return None
         if on_disk is not None and (found is None or on_disk[0] > found[0]):
