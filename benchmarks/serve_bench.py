@@ -629,6 +629,9 @@ def main() -> int:
     ap.add_argument("--reply-len", type=int, default=64)
     ap.add_argument("--max-running-requests", type=int, default=None, help="default: the largest concurrency")
     ap.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, help="the server's and the in-process engine's step budget (default: the engine's)"
+    )
+    ap.add_argument(
         "--cpu-threads",
         type=int,
         default=1,
@@ -655,7 +658,8 @@ def main() -> int:
     log(f"checkpoint {model}")
     running = a.max_running_requests or max(a.concurrency + [a.users])
     context = max(a.history + a.turns * (a.turn_len + a.reply_len + 16) * 2, 2 * a.prompt_len + 2 * a.output_len) + 256
-    engine_args = EngineArgs(model_path=str(model), device=device, max_running_requests=running, context_length=context)
+    budget = {"max_num_batched_tokens": a.max_num_batched_tokens} if a.max_num_batched_tokens else {}
+    engine_args = EngineArgs(model_path=str(model), device=device, max_running_requests=running, context_length=context, **budget)
     snapshots = Path(tempfile.mkdtemp(dir=work, prefix="snapshots-"))
     server_args = [
         "--model-path",
@@ -668,6 +672,7 @@ def main() -> int:
         str(context),
         "--snapshot-dir",
         str(snapshots),
+        *(["--max-num-batched-tokens", str(a.max_num_batched_tokens)] if a.max_num_batched_tokens else []),
         *a.server_args.split(),
     ]
     res = {
