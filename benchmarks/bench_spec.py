@@ -103,9 +103,10 @@ def tokens(n: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(1, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def mean_step_seconds(eng, batch: int, steps: int, prompt_len: int, params: SamplingParams | None = None) -> float:
+def mean_step_seconds(eng, batch: int, steps: int, prompt_len: int, params: SamplingParams | None = None, probe=None) -> float:
     """B sequences past their prefill, then `steps` steps timed together (none finishes meanwhile,
-    whatever it accepts: they are aborted afterwards; the run fails if one did)."""
+    whatever it accepts: they are aborted afterwards; the run fails if one did). `probe()` runs
+    before they are aborted (a graph replayed alone on the last step's inputs)."""
     params = params or SamplingParams(max_tokens=8 * steps + 16, temperature=0.0, ignore_eos=True)
     ids = [f"s{batch}-{i}-{time.monotonic_ns()}" for i in range(batch)]
     for i, rid in enumerate(ids):
@@ -122,11 +123,27 @@ def mean_step_seconds(eng, batch: int, steps: int, prompt_len: int, params: Samp
     elapsed = (time.perf_counter() - started) / steps
     if len(eng.scheduler.running) != batch:
         raise RuntimeError(f"{batch - len(eng.scheduler.running)} of {batch} sequences ended inside the timed steps")
+    if probe is not None:
+        probe()
     for rid in ids:
         eng.abort_request(rid)
     while eng.has_unfinished_requests():
         eng.step()
     return elapsed
+
+
+def step_graph(eng, batch: int):
+    """The CUDA graph a step of `batch` sequences replays: a verify graph with speculation, else a decode graph."""
+    runner = eng.runner
+    if runner.verify_graphs is not None:
+        return runner.verify_graphs._graphs.get(runner.verify_graphs.bucket(batch), (None,))[0]
+    return runner._graphs.get(runner.decode_bucket(batch), (None,))[0] if hasattr(runner, "decode_bucket") else None
+
+
+def gpu_only_ms(eng, name: str, batch: int) -> dict:
+    """The GPU time of a step alone: its graph replayed on the last step's inputs (none on a CPU)."""
+    graph = step_graph(eng, batch) if eng.device.type == "cuda" else None
+    return {f"{name}_gpu_only_ms": bs.replay_seconds(graph, 20) * 1e3} if graph is not None else {}
 
 
 FORWARD = "bench_spec.forward"  # the profiler's mark of `runner.run`
@@ -238,13 +255,19 @@ def main() -> None:
 
     steps: dict = {}
     for b in args.batches:
-        base = mean_step_seconds(plain, b, args.steps, args.prompt_len)
-        row = {"decode_ms": base * 1e3}
+        row: dict = {}
+        base = mean_step_seconds(plain, b, args.steps, args.prompt_len, probe=lambda: row.update(gpu_only_ms(plain, "decode", b)))
+        row["decode_ms"] = base * 1e3
         for k in args.ks:
             spec.speculator.drafter = FixedDrafter(k)
-            t = mean_step_seconds(spec, b, args.steps, args.prompt_len)
+            t = mean_step_seconds(spec, b, args.steps, args.prompt_len, probe=lambda: row.update(gpu_only_ms(spec, f"verify_k{k}", b)))
             row[f"verify_k{k}_ms"], row[f"verify_k{k}_vs_decode"] = t * 1e3, t / base
         steps[f"batch_{b}"] = row
+    if plain.device.type == "cuda":  # each kernel's share of the GPU time, batch 1
+        for eng, name in ((plain, "decode"), (spec, f"verify k={args.ks[-1]}")):
+            graph = step_graph(eng, 1)
+            if graph is not None:
+                mean_step_seconds(eng, 1, 2, args.prompt_len, probe=lambda: bs.log(f"{name} graph, batch 1:\n{bs.replay_critical_path(graph)}"))
         bs.log(f"step cost, batch {b}: {json.dumps({key: round(v, 3) for key, v in row.items()})}")
     results["step_cost"] = steps
 
