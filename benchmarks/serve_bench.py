@@ -98,6 +98,9 @@ def build_checkpoint(config: dict, device: str, cache: Path) -> Path:
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp), dtype=getattr(torch, dtype))
     model.save_pretrained(tmp)
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()  # the server and the in-process engine plan their memory from what is free
     tokenizer.save_pretrained(str(tmp))
     tmp.rename(path)
     return path
