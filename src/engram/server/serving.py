@@ -171,9 +171,10 @@ class Serving:
         if cache is not None:
             # the GPU tier: the final state stays in its slot (until the engine needs the room), for a prompt that extends it
             slots = f"{PREFIX_SLOT_KEY}{tenant or ''}:"
-            on_gpu = self.engine.engine.prefix_slot_covers(prompt_ids, slots)  # a longer state is worth reading from the host tiers
+            engine = self.engine.engine
             staging = self.conversations.manager.new_staging()  # a hit read from disk is copied to the device as it is read
-            state = await asyncio.to_thread(cache.lookup, prompt_ids, staging, on_gpu)
+            # only a state longer than the GPU tier's is worth reading from the host tiers (both compare the whole prompt: off the event loop)
+            state = await asyncio.to_thread(lambda: cache.lookup(prompt_ids, staging, engine.prefix_slot_covers(prompt_ids, slots)))
             kwargs = {**kwargs, "initial_state": state, "capture_prompt_state": True, "staged": staging if state is not None else None}
             kwargs["prefix_slots"] = slots
         outputs = self.engine.generate(request_id, prompt_ids, params, **kwargs)
