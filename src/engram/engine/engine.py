@@ -311,13 +311,14 @@ class LLMEngine:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt = list(prompt_token_ids)  # the request's own copy (lists compare with the states' token lists)
+        matched = False  # the slot under resume_key was found by its tokens: it holds a prefix of this prompt
         if prefix_slots is not None:
             retain_key = retain_key or prefix_slots + request_id
             if resume_key is None:
                 found = self.scheduler.longest_retained(prompt, prefix_slots, initial_state.state_len if initial_state is not None else 0)
-                resume_key = found[0] if found is not None else None
+                resume_key, matched = (found[0], True) if found is not None else (None, False)
         retained = self.scheduler.retained.get(resume_key) if resume_key is not None else None
-        kept = retained if retained is not None and _prefix_mismatch(retained.tokens, retained.state_len, prompt) is None else None
+        kept = retained if retained is not None and (matched or _prefix_mismatch(retained.tokens, retained.state_len, prompt) is None) else None
         if resume_key is not None and retained is not None and kept is None:  # not this prompt's state
             self.scheduler.drop_retained(resume_key)
         if require_adoption and kept is None:
@@ -815,7 +816,7 @@ class LLMEngine:
             cached_tokens_total=c["cached"],
             num_preemptions=self.scheduler.num_preemptions,
             retained_slots=len(self.scheduler.retained),
-            prefix_slots=sum(kept.cache_key is not None for kept in self.scheduler.retained.values()),
+            prefix_slots=self.scheduler.num_cache_slots,
             kv_blocks_retained=sum(len(kept.blocks) for kept in self.scheduler.retained.values()),
             captures_total=c["captures"],
             capture_bytes_total=c["capture_bytes"],

@@ -168,6 +168,11 @@ class Scheduler:
                 best, best_len = key, n
         return (best, best_len) if best is not None else None
 
+    @property
+    def num_cache_slots(self) -> int:
+        """Of the retained slots, the prefix cache's."""
+        return len(self._cache_slots)
+
     def _publish_cache_slots(self) -> None:
         self._cache_slots = tuple((key, kept) for key, kept in self.retained.items() if kept.cache_key is not None)
 
